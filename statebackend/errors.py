@@ -1,0 +1,44 @@
+"""The exceptions statebackend raises: one hierarchy, each message says what to do."""
+
+from __future__ import annotations
+
+
+class StateBackendError(Exception):
+    """Base of every error statebackend raises on purpose."""
+
+
+class ConfigurationError(StateBackendError):
+    """A setting, argument or parallelism is invalid (bad key, P > M, M out of range)."""
+
+
+class StateAccessError(StateBackendError):
+    """State was used wrongly: no current key, a key outside the owned key-group range,
+    a state name registered as two kinds, a reserved name, a disposed backend."""
+
+
+class SerializationError(StateBackendError):
+    """A value could not be encoded or decoded by its serializer."""
+
+
+class IncompatibleStateError(StateBackendError):
+    """Stored state cannot be read with the serializer, kind or max parallelism asked for."""
+
+
+class CheckpointError(StateBackendError):
+    """A checkpoint could not be taken, completed or found."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """A path is not a completed checkpoint or savepoint."""
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A checkpoint file is missing, truncated or fails its checksum."""
+
+
+class CheckpointCancelledError(CheckpointError):
+    """A snapshot's asynchronous part was cancelled before it finished."""
+
+
+class SourceError(StateBackendError):
+    """Input could not be read (e.g. a malformed line in a source partition)."""
