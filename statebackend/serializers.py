@@ -88,6 +88,11 @@ class Serializer(ABC, Generic[T]):
             return Compatibility.COMPATIBLE_AFTER_MIGRATION
         return Compatibility.INCOMPATIBLE
 
+    @classmethod
+    def from_config(cls, config: SerializerConfig) -> Serializer[Any]:
+        """Rebuild this kind of serializer from its ``config()``."""
+        return cls()
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Serializer) and self.config() == other.config()
 
@@ -226,7 +231,7 @@ class TupleSerializer(Serializer[tuple[Any, ...]]):
         if not isinstance(value, tuple) or len(value) != len(self.fields):
             raise TypeError(f"not a tuple of {len(self.fields)} fields")
         parts = []
-        for field, item in zip(self.fields, value):
+        for field, item in zip(self.fields, value, strict=True):
             encoded = field.serialize(item)
             parts.append(_LENGTH.pack(len(encoded)))
             parts.append(encoded)
@@ -252,11 +257,15 @@ class TupleSerializer(Serializer[tuple[Any, ...]]):
             return super().compatibility_with(stored)
         if len(stored_fields) != len(self.fields):
             return Compatibility.INCOMPATIBLE
-        results = {f.compatibility_with(s) for f, s in zip(self.fields, stored_fields)}
+        results = {f.compatibility_with(s) for f, s in zip(self.fields, stored_fields, strict=True)}
         for worst in (Compatibility.INCOMPATIBLE, Compatibility.COMPATIBLE_AFTER_MIGRATION):
             if worst in results:
                 return worst
         return Compatibility.COMPATIBLE_AS_IS
+
+    @classmethod
+    def from_config(cls, config: SerializerConfig) -> TupleSerializer:
+        return cls(*(serializer_from_config(field) for field in config.get("fields", [])))
 
     def __repr__(self) -> str:
         return f"TupleSerializer({', '.join(map(repr, self.fields))})"
@@ -286,9 +295,12 @@ def serializer_from_config(config: SerializerConfig) -> Serializer[Any]:
             f"unknown serializer {identity!r} in stored state: "
             f"install the statebackend version that wrote it"
         )
-    if cls is TupleSerializer:
-        return TupleSerializer(*(serializer_from_config(f) for f in config.get("fields", [])))
-    return cls()
+    return cls.from_config(config)
+
+
+def register_serializer(cls: type[Serializer[Any]]) -> None:
+    """Make a serializer class known to ``serializer_from_config`` by its identity."""
+    _REGISTRY[cls.identity] = cls
 
 
 def resolve_serializer(

@@ -1,0 +1,137 @@
+"""The heap keyed backend: state in Python dicts per key group (Flink's HashMap backend).
+
+For tests and small jobs. Values are kept serialized, so reads return fresh objects, a
+snapshot is a cheap copy of dicts of immutable bytes, and its snapshots restore into the
+RocksDB backend and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
+
+_Groups = dict[int, dict[bytes, Any]]
+
+
+class HeapStateStore(StateStore):
+    """One state's bytes: key group -> key -> value bytes (map: -> user key -> bytes)."""
+
+    def __init__(self, is_map: bool) -> None:
+        self.is_map = is_map
+        self.groups: _Groups = {}
+
+    def get(self, current: CurrentKey) -> bytes | None:
+        group = self.groups.get(current.key_group)
+        return None if group is None else group.get(current.key)
+
+    def put(self, current: CurrentKey, value: bytes) -> None:
+        self.groups.setdefault(current.key_group, {})[current.key] = value
+
+    def delete(self, current: CurrentKey) -> None:
+        group = self.groups.get(current.key_group)
+        if group is not None:
+            group.pop(current.key, None)
+
+    def _map(self, current: CurrentKey, create: bool) -> dict[bytes, bytes] | None:
+        group = self.groups.get(current.key_group)
+        if group is None:
+            if not create:
+                return None
+            group = self.groups[current.key_group] = {}
+        entries = group.get(current.key)
+        if entries is None and create:
+            entries = group[current.key] = {}
+        return entries
+
+    def map_get(self, current: CurrentKey, user_key: bytes) -> bytes | None:
+        entries = self._map(current, create=False)
+        return None if entries is None else entries.get(user_key)
+
+    def map_put(self, current: CurrentKey, user_key: bytes, value: bytes) -> None:
+        entries = self._map(current, create=True)
+        assert entries is not None
+        entries[user_key] = value
+
+    def map_remove(self, current: CurrentKey, user_key: bytes) -> None:
+        entries = self._map(current, create=False)
+        if entries is not None:
+            entries.pop(user_key, None)
+            if not entries:
+                self.delete(current)
+
+    def map_items(self, current: CurrentKey) -> Iterator[tuple[bytes, bytes]]:
+        entries = self._map(current, create=False)
+        return iter(list(entries.items()) if entries else [])
+
+    def keys(self) -> Iterator[bytes]:
+        for group in list(self.groups.values()):
+            yield from list(group)
+
+    def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
+        for key_group, (key, user_key, value) in entries:
+            group = self.groups.setdefault(key_group, {})
+            if self.is_map:
+                group.setdefault(key, {})[user_key] = value
+            else:
+                group[key] = value
+
+    def transform_values(self, function: Callable[[bytes], bytes]) -> None:
+        for group in self.groups.values():
+            for key, value in group.items():
+                if self.is_map:
+                    group[key] = {uk: function(v) for uk, v in value.items()}
+                else:
+                    group[key] = function(value)
+
+    def freeze(self) -> HeapStoreView:
+        """A copy of the dict structure (the bytes themselves are immutable, so shared)."""
+        if self.is_map:
+            copy = {g: {k: dict(m) for k, m in d.items()} for g, d in self.groups.items()}
+        else:
+            copy = {g: dict(d) for g, d in self.groups.items()}
+        return HeapStoreView(copy, self.is_map)
+
+
+def _composite_order(key: bytes) -> tuple[int, bytes]:
+    # The order of the RocksDB composite key (length-prefixed), so both backends write
+    # identical snapshots.
+    return len(key), key
+
+
+class HeapStoreView(StateStoreView):
+    """A frozen copy of a heap store."""
+
+    def __init__(self, groups: _Groups, is_map: bool) -> None:
+        self._groups = groups
+        self._is_map = is_map
+
+    def entries(self, key_group: int) -> Iterator[Entry]:
+        group = self._groups.get(key_group, {})
+        for key in sorted(group, key=_composite_order):
+            if self._is_map:
+                for user_key in sorted(group[key]):
+                    yield key, user_key, group[key][user_key]
+            else:
+                yield key, b"", group[key]
+
+
+class HeapKeyedStateBackend(KeyedStateBackend):
+    """Keyed state in memory; same interface and snapshot format as the RocksDB backend."""
+
+    def _create_store(self, name: str, is_map: bool) -> StateStore:
+        return HeapStateStore(is_map)
+
+    def _freeze(self, names: list[str]) -> tuple[dict[str, StateStoreView], Any]:
+        stores = self._stores
+        views: dict[str, StateStoreView] = {}
+        for name in names:
+            store = stores[name]
+            assert isinstance(store, HeapStateStore)
+            views[name] = store.freeze()
+        return views, None
+
+    def _close(self) -> None:
+        pass

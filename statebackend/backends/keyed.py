@@ -1,0 +1,328 @@
+"""The keyed state backend interface, shared by the heap and RocksDB backends.
+
+A backend owns one key-group range of one operator's subtask. ``set_current_key`` picks
+the key that state calls act on; ``get_state`` registers a state (or takes over a
+restored one, checking and migrating its serializer); ``sync_cut`` freezes the state for
+a snapshot; ``restore`` loads entries read from a snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
+from typing import Any, Protocol
+
+from statebackend.backends.keyed_states import (
+    STATE_IMPLEMENTATIONS,
+    KeyedStateImpl,
+    decode_list,
+    encode_list,
+    stored_value_serializer,
+)
+from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
+from statebackend.errors import IncompatibleStateError, StateAccessError
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group, check_max_parallelism
+from statebackend.serializers import (
+    Compatibility,
+    Serializer,
+    SerializerConfig,
+    StrSerializer,
+    resolve_serializer,
+)
+from statebackend.state.descriptors import MapStateDescriptor, StateDescriptor, StateKind
+from statebackend.state.interfaces import State
+from statebackend.state.ttl import Clock
+
+
+@dataclass(frozen=True)
+class StateMetaInfo:
+    """What a snapshot records of one state: its name, kind and stored serializers."""
+
+    name: str
+    kind: StateKind
+    serializers: dict[str, SerializerConfig]
+
+    @classmethod
+    def of(cls, descriptor: StateDescriptor) -> StateMetaInfo:
+        """The meta info of a registered descriptor (value serializer TTL-wrapped)."""
+        serializers = descriptor.serializer_configs()
+        serializers["value"] = stored_value_serializer(descriptor).config()
+        return cls(descriptor.name, descriptor.kind, serializers)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict for metadata files."""
+        return {"name": self.name, "kind": self.kind.value, "serializers": self.serializers}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StateMetaInfo:
+        """The inverse of ``to_json``."""
+        return cls(data["name"], StateKind(data["kind"]), dict(data["serializers"]))
+
+
+@dataclass
+class KeyedStateCut:
+    """A backend's keyed state frozen at one instant, for the async part of a snapshot.
+
+    Later changes to the backend do not show in it. ``release()`` frees what it holds
+    (copies, RocksDB hard links) and must be called once the snapshot is written or
+    abandoned.
+    """
+
+    key_serializer: SerializerConfig
+    max_parallelism: int
+    key_group_range: KeyGroupRange
+    states: list[StateMetaInfo]
+    views: dict[str, StateStoreView]
+    _release: Any = field(default=None, repr=False)
+
+    def entries(self, key_group: int) -> Iterator[tuple[str, Entry]]:
+        """(state name, entry) pairs of one key group, state by state in ``states`` order."""
+        for meta in self.states:
+            for entry in self.views[meta.name].entries(key_group):
+                yield meta.name, entry
+
+    def release(self) -> None:
+        """Free the cut's resources; safe to call more than once."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class SnapshotTarget(Protocol):
+    """Where a snapshot goes: the checkpoint layer supplies one per (operator, subtask)."""
+
+    def write_keyed_snapshot(self, checkpoint_id: int, cut: KeyedStateCut) -> Any:
+        """Start writing ``cut`` in the background; return its future."""
+
+
+class KeyedStateBackend(ABC):
+    """Keyed state of one subtask: state per key, organised in key groups."""
+
+    def __init__(
+        self,
+        *,
+        max_parallelism: int,
+        key_group_range: KeyGroupRange,
+        key_serializer: Serializer[Any] | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        check_max_parallelism(max_parallelism)
+        if key_group_range and key_group_range.end >= max_parallelism:
+            raise StateAccessError(
+                f"key-group range {key_group_range} lies outside 0..{max_parallelism - 1}"
+            )
+        self.max_parallelism = max_parallelism
+        self.key_group_range = key_group_range
+        self.key_serializer: Serializer[Any] = key_serializer or StrSerializer()
+        self.clock = clock
+        self._current: CurrentKey | None = None
+        self._current_object: Any = None
+        self._stores: dict[str, StateStore] = {}
+        self._states: dict[str, KeyedStateImpl] = {}
+        self._restored: dict[str, StateMetaInfo] = {}
+        self._disposed = False
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def set_current_key(self, key: Any) -> None:
+        """Make ``key`` the key that state calls act on.
+
+        Raises StateAccessError for None or a key outside the owned key-group range,
+        SerializationError for a key the key serializer cannot encode.
+        """
+        if key is None:
+            raise StateAccessError("None cannot be a key: give every record a key")
+        encoded = self.key_serializer.serialize(key)
+        key_group = assign_to_key_group(encoded, self.max_parallelism)
+        if key_group not in self.key_group_range:
+            raise StateAccessError(
+                f"key {key!r} is in key group {key_group}, outside this backend's "
+                f"key-group range {self.key_group_range.start}..{self.key_group_range.end}: "
+                f"route records to the subtask that owns their key group"
+            )
+        self._current = CurrentKey.of(key_group, encoded)
+        self._current_object = key
+
+    @property
+    def current_key(self) -> Any:
+        """The key set by ``set_current_key`` (None before the first)."""
+        return self._current_object
+
+    def _require_current(self) -> CurrentKey:
+        current = self._current
+        if current is None:
+            raise StateAccessError("no current key: call set_current_key(key) before using state")
+        return current
+
+    def keys(self, state_name: str) -> Iterator[Any]:
+        """The keys that have a value in state ``state_name``, each once."""
+        store = self._stores.get(state_name)
+        if store is None:
+            raise StateAccessError(f"state {state_name!r} is not registered in this backend")
+        return (self.key_serializer.deserialize(k) for k in store.keys())
+
+    # -- states -------------------------------------------------------------------------
+
+    def get_state(self, descriptor: StateDescriptor) -> State:
+        """The state described by ``descriptor``, registering it on first use.
+
+        A restored state of the same name must be of the same kind and have a compatible
+        serializer (migrated here if needed), else IncompatibleStateError.
+        """
+        self._check_open()
+        existing = self._states.get(descriptor.name)
+        if existing is not None:
+            if existing.descriptor.kind is not descriptor.kind:
+                raise StateAccessError(
+                    f"state {descriptor.name!r} is registered as {existing.descriptor.kind.value} "
+                    f"state and cannot also be {descriptor.kind.value} state: use another name"
+                )
+            return existing
+        store = self._stores.get(descriptor.name)
+        if store is None:
+            store = self._stores[descriptor.name] = self._create_store(
+                descriptor.name, descriptor.kind is StateKind.MAP
+            )
+        restored = self._restored.pop(descriptor.name, None)
+        if restored is not None:
+            self._take_over(restored, descriptor, store)
+        impl = STATE_IMPLEMENTATIONS[descriptor.kind](
+            descriptor, store, self._require_current, self.clock
+        )
+        self._states[descriptor.name] = impl
+        return impl
+
+    def _take_over(
+        self, restored: StateMetaInfo, descriptor: StateDescriptor, store: StateStore
+    ) -> None:
+        if restored.kind is not descriptor.kind:
+            raise IncompatibleStateError(
+                f"state {descriptor.name!r} was stored as {restored.kind.value} state and "
+                f"cannot be read as {descriptor.kind.value} state"
+            )
+        if isinstance(descriptor, MapStateDescriptor):
+            stored_key = restored.serializers.get("user_key", {})
+            if descriptor.key_serializer.compatibility_with(stored_key) is not (
+                Compatibility.COMPATIBLE_AS_IS
+            ):
+                raise IncompatibleStateError(
+                    f"map state {descriptor.name!r} was stored with user-key serializer "
+                    f"{stored_key}: map keys cannot be migrated, restore with that serializer"
+                )
+        new_value = stored_value_serializer(descriptor)
+        old_value = resolve_serializer(descriptor.name, new_value, restored.serializers["value"])
+        if old_value is None:
+            return
+        if descriptor.kind is StateKind.LIST:
+            store.transform_values(
+                lambda data: encode_list(
+                    new_value.serialize(old_value.deserialize(e)) for e in decode_list(data)
+                )
+            )
+        else:
+            store.transform_values(lambda data: new_value.serialize(old_value.deserialize(data)))
+
+    def state_meta(self) -> list[StateMetaInfo]:
+        """Meta info of every state this backend holds (registered or restored), by name."""
+        metas = {name: StateMetaInfo.of(s.descriptor) for name, s in self._states.items()}
+        metas.update(self._restored)
+        return [metas[name] for name in sorted(metas)]
+
+    # -- snapshot and restore -------------------------------------------------------------
+
+    def sync_cut(self) -> KeyedStateCut:
+        """Freeze the current state (the synchronous part of a snapshot)."""
+        self._check_open()
+        metas = self.state_meta()
+        views, release = self._freeze([meta.name for meta in metas])
+        return KeyedStateCut(
+            self.key_serializer.config(),
+            self.max_parallelism,
+            self.key_group_range,
+            metas,
+            views,
+            release,
+        )
+
+    def snapshot(self, checkpoint_id: int, target: SnapshotTarget) -> Any:
+        """Take the synchronous cut now and hand it to ``target`` to write in the background.
+
+        Returns the target's future (a ``SnapshotFuture`` for the checkpoint storage).
+        """
+        cut = self.sync_cut()
+        try:
+            return target.write_keyed_snapshot(checkpoint_id, cut)
+        except BaseException:
+            cut.release()
+            raise
+
+    def restore(
+        self,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        entries: Iterable[tuple[str, int, Entry]],
+    ) -> None:
+        """Load snapshot entries (state name, key group, entry) of this backend's range.
+
+        Must precede ``get_state`` for the restored names; entries of key groups outside
+        the range are skipped. The key serializer must match the stored one exactly
+        (keys decide key groups), else IncompatibleStateError.
+        """
+        self._check_open()
+        if self.key_serializer.compatibility_with(key_serializer) is not (
+            Compatibility.COMPATIBLE_AS_IS
+        ):
+            raise IncompatibleStateError(
+                f"the state was keyed with key serializer {key_serializer}, not "
+                f"{self.key_serializer.config()}: restore with the same key serializer"
+            )
+        for meta in states:
+            if meta.name in self._states:
+                raise StateAccessError(
+                    f"state {meta.name!r} is already in use: restore before get_state"
+                )
+            self._restored[meta.name] = meta
+            if meta.name not in self._stores:
+                self._stores[meta.name] = self._create_store(meta.name, meta.kind is StateKind.MAP)
+        in_range = (
+            (name, (key_group, entry))
+            for name, key_group, entry in entries
+            if key_group in self.key_group_range
+        )
+        for name, run in groupby(in_range, key=itemgetter(0)):
+            store = self._stores.get(name)
+            if store is None:
+                raise IncompatibleStateError(
+                    f"snapshot has entries of state {name!r} but no meta info for it"
+                )
+            store.write_entries(item for _, item in run)
+
+    def dispose(self) -> None:
+        """Release everything the backend holds; it cannot be used afterwards."""
+        if not self._disposed:
+            self._disposed = True
+            self._states.clear()
+            self._stores.clear()
+            self._close()
+
+    def _check_open(self) -> None:
+        if self._disposed:
+            raise StateAccessError("this keyed state backend was disposed")
+
+    # -- what each backend provides -------------------------------------------------------
+
+    @abstractmethod
+    def _create_store(self, name: str, is_map: bool) -> StateStore:
+        """A new, empty store for state ``name``."""
+
+    @abstractmethod
+    def _freeze(self, names: list[str]) -> tuple[dict[str, StateStoreView], Any]:
+        """Frozen views of the named stores and a release callable (or None)."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Free the backend's resources."""

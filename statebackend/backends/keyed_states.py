@@ -1,0 +1,269 @@
+"""The five keyed state kinds, written once over a byte-level ``StateStore``.
+
+Values are encoded here: a list is its elements, each as ``[4-byte length][bytes]``,
+concatenated (so ``add`` appends bytes without decoding the list); a map entry's user key
+and value are encoded separately. With a TTL, each value, list element or map value is a
+``TtlValue`` encoded by ``TtlSerializer``; expired ones are never returned, and are
+removed when met.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from struct import Struct
+from typing import Any
+
+from statebackend.backends.stores import CurrentKey, StateStore
+from statebackend.errors import StateAccessError
+from statebackend.serializers import Serializer
+from statebackend.state.descriptors import (
+    AggregatingStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    StateDescriptor,
+    StateKind,
+)
+from statebackend.state.interfaces import (
+    AggregatingState,
+    ListState,
+    MapState,
+    ReducingState,
+    State,
+    ValueState,
+)
+from statebackend.state.ttl import Clock, TtlSerializer, TtlUpdateType, TtlValue
+
+_ELEMENT_LENGTH = Struct(">I")
+
+
+def encode_list(elements: Iterable[bytes]) -> bytes:
+    """Concatenate length-prefixed element bytes."""
+    return b"".join(_ELEMENT_LENGTH.pack(len(e)) + e for e in elements)
+
+
+def decode_list(data: bytes) -> list[bytes]:
+    """The element bytes of an encoded list."""
+    view, position, elements = memoryview(data), 0, []
+    while position < len(view):
+        (length,) = _ELEMENT_LENGTH.unpack_from(view, position)
+        position += _ELEMENT_LENGTH.size
+        elements.append(bytes(view[position : position + length]))
+        position += length
+    return elements
+
+
+def stored_value_serializer(descriptor: StateDescriptor) -> Serializer[Any]:
+    """The serializer of what is stored per value, element or map value (TTL-wrapped)."""
+    if descriptor.ttl is None:
+        return descriptor.serializer
+    return TtlSerializer(descriptor.serializer)
+
+
+class KeyedStateImpl(State):
+    """What all kinds share: the store, the current key, and TTL wrapping."""
+
+    def __init__(
+        self,
+        descriptor: StateDescriptor,
+        store: StateStore,
+        current_key: Callable[[], CurrentKey],
+        clock: Clock,
+    ) -> None:
+        self.descriptor = descriptor
+        self._store = store
+        self._current_key = current_key
+        self._clock = clock
+        self._ttl = descriptor.ttl
+        self._serializer = stored_value_serializer(descriptor)
+        self._refresh_on_read = (
+            self._ttl is not None and self._ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE
+        )
+
+    def _encode(self, value: Any) -> bytes:
+        if self._ttl is not None:
+            value = TtlValue(value, self._ttl.expiry_ms(self._clock()))
+        return self._serializer.serialize(value)
+
+    def _decode(self, data: bytes) -> tuple[bool, Any]:
+        """``(alive, value)`` of stored bytes: alive is False for an expired value."""
+        value = self._serializer.deserialize(data)
+        if self._ttl is None:
+            return True, value
+        return value.expires_at_ms > self._clock() * 1000, value.value
+
+    def _read_value(self) -> tuple[CurrentKey, Any]:
+        """The current key and its live value (None if absent or expired)."""
+        current = self._current_key()
+        data = self._store.get(current)
+        if data is None:
+            return current, None
+        alive, value = self._decode(data)
+        if not alive:
+            self._store.delete(current)
+            return current, None
+        if self._refresh_on_read:
+            self._store.put(current, self._encode(value))
+        return current, value
+
+    def clear(self) -> None:
+        self._store.delete(self._current_key())
+
+
+class ValueStateImpl(KeyedStateImpl, ValueState):
+    """ValueState over a StateStore."""
+
+    def value(self) -> Any:
+        value = self._read_value()[1]
+        return self.descriptor.default if value is None else value
+
+    def update(self, value: Any) -> None:
+        current = self._current_key()
+        if value is None:
+            self._store.delete(current)
+        else:
+            self._store.put(current, self._encode(value))
+
+
+class ListStateImpl(KeyedStateImpl, ListState):
+    """ListState over a StateStore; ``add`` appends without decoding the list."""
+
+    def get(self) -> list[Any]:
+        current = self._current_key()
+        data = self._store.get(current)
+        if data is None:
+            return []
+        decoded = [self._decode(e) for e in decode_list(data)]
+        live = [value for alive, value in decoded if alive]
+        if len(live) != len(decoded) or (self._refresh_on_read and live):
+            self._write(current, live)
+        return live
+
+    def add(self, value: Any) -> None:
+        self.add_all([value])
+
+    def add_all(self, values: Iterable[Any]) -> None:
+        encoded = self._encode_elements(values)
+        if encoded:
+            current = self._current_key()
+            self._store.put(current, (self._store.get(current) or b"") + encoded)
+
+    def update(self, values: Iterable[Any]) -> None:
+        self._write(self._current_key(), values)
+
+    def _write(self, current: CurrentKey, values: Iterable[Any]) -> None:
+        encoded = self._encode_elements(values)
+        if encoded:
+            self._store.put(current, encoded)
+        else:
+            self._store.delete(current)
+
+    def _encode_elements(self, values: Iterable[Any]) -> bytes:
+        elements = list(values)
+        if any(v is None for v in elements):
+            raise StateAccessError(
+                f"list state {self.descriptor.name!r} cannot hold None: add real elements"
+            )
+        return encode_list(self._encode(v) for v in elements)
+
+
+class ReducingStateImpl(KeyedStateImpl, ReducingState):
+    """ReducingState over a StateStore."""
+
+    def add(self, value: Any) -> None:
+        assert isinstance(self.descriptor, ReducingStateDescriptor)
+        current, accumulated = self._read_value()
+        if accumulated is not None:
+            value = self.descriptor.reduce_function(accumulated, value)
+        self._store.put(current, self._encode(value))
+
+    def get(self) -> Any:
+        return self._read_value()[1]
+
+
+class AggregatingStateImpl(KeyedStateImpl, AggregatingState):
+    """AggregatingState over a StateStore."""
+
+    def add(self, value: Any) -> None:
+        assert isinstance(self.descriptor, AggregatingStateDescriptor)
+        function = self.descriptor.aggregate_function
+        current, accumulator = self._read_value()
+        if accumulator is None:
+            accumulator = function.create_accumulator()
+        self._store.put(current, self._encode(function.add(value, accumulator)))
+
+    def get(self) -> Any:
+        assert isinstance(self.descriptor, AggregatingStateDescriptor)
+        accumulator = self._read_value()[1]
+        if accumulator is None:
+            return None
+        return self.descriptor.aggregate_function.get_result(accumulator)
+
+
+class MapStateImpl(KeyedStateImpl, MapState):
+    """MapState over a StateStore: one stored entry per map entry."""
+
+    def __init__(
+        self,
+        descriptor: StateDescriptor,
+        store: StateStore,
+        current_key: Callable[[], CurrentKey],
+        clock: Clock,
+    ) -> None:
+        super().__init__(descriptor, store, current_key, clock)
+        assert isinstance(descriptor, MapStateDescriptor)
+        self._user_keys = descriptor.key_serializer
+
+    def _user_key(self, user_key: Any) -> bytes:
+        if user_key is None:
+            raise StateAccessError(
+                f"map state {self.descriptor.name!r} cannot take None as a key"
+            )
+        return self._user_keys.serialize(user_key)
+
+    def get(self, user_key: Any) -> Any:
+        current, encoded_key = self._current_key(), self._user_key(user_key)
+        data = self._store.map_get(current, encoded_key)
+        if data is None:
+            return None
+        alive, value = self._decode(data)
+        if not alive:
+            self._store.map_remove(current, encoded_key)
+            return None
+        if self._refresh_on_read:
+            self._store.map_put(current, encoded_key, self._encode(value))
+        return value
+
+    def put(self, user_key: Any, value: Any) -> None:
+        self.put_all({user_key: value})
+
+    def put_all(self, entries: Mapping[Any, Any]) -> None:
+        encoded = [(self._user_key(k), self._encode(v)) for k, v in entries.items()]
+        current = self._current_key()
+        for key, value in encoded:
+            self._store.map_put(current, key, value)
+
+    def remove(self, user_key: Any) -> None:
+        self._store.map_remove(self._current_key(), self._user_key(user_key))
+
+    def contains(self, user_key: Any) -> bool:
+        return self.get(user_key) is not None
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        current = self._current_key()
+        for encoded_key, data in self._store.map_items(current):
+            alive, value = self._decode(data)
+            if not alive:
+                self._store.map_remove(current, encoded_key)
+                continue
+            if self._refresh_on_read:
+                self._store.map_put(current, encoded_key, self._encode(value))
+            yield self._user_keys.deserialize(encoded_key), value
+
+
+STATE_IMPLEMENTATIONS: dict[StateKind, type[KeyedStateImpl]] = {
+    StateKind.VALUE: ValueStateImpl,
+    StateKind.LIST: ListStateImpl,
+    StateKind.MAP: MapStateImpl,
+    StateKind.REDUCING: ReducingStateImpl,
+    StateKind.AGGREGATING: AggregatingStateImpl,
+}

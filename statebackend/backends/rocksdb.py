@@ -1,0 +1,185 @@
+"""The RocksDB keyed backend: state on local disk through rocksdict in raw (bytes) mode.
+
+One RocksDB instance per backend, one column family per state. Keys are composite
+(``stores.CurrentKey``): ``[key group][key length][key][user key]``, so a key group is
+one contiguous range and a key's map entries are one contiguous range. The synchronous
+part of a snapshot is a native RocksDB checkpoint (flush + hard links: its cost does not
+grow with the state), read back in the background from a read-only instance.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+from rocksdict import AccessType, Checkpoint, Options, Rdict, WriteBatch
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.stores import (
+    KEY_GROUP_PREFIX,
+    CurrentKey,
+    Entry,
+    StateStore,
+    StateStoreView,
+    split_composite_key,
+)
+from statebackend.errors import StateBackendError
+
+_WRITE_BATCH_ENTRIES = 10_000
+
+
+def _options() -> Options:
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    return options
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The smallest byte string greater than every string that starts with ``prefix``."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        raise ValueError("a prefix of only 0xff bytes has no end")
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+def _raw_items(column: Any, from_key: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    # rocksdict's stubs type keys as any key type; in raw mode they are bytes.
+    return cast(Iterator[tuple[bytes, bytes]], column.items(from_key=from_key))
+
+
+def _scan(column: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    for key, value in _raw_items(column, prefix):
+        if not key.startswith(prefix):
+            return
+        yield key, value
+
+
+class RocksDBStateStore(StateStore):
+    """One state's column family."""
+
+    def __init__(self, db: Rdict, column: Rdict, name: str, is_map: bool) -> None:
+        self._db = db
+        self._column = column
+        self._name = name
+        self.is_map = is_map
+
+    def get(self, current: CurrentKey) -> bytes | None:
+        return self._column.get(current.prefix)
+
+    def put(self, current: CurrentKey, value: bytes) -> None:
+        self._column[current.prefix] = value
+
+    def delete(self, current: CurrentKey) -> None:
+        if self.is_map:
+            self._column.delete_range(current.prefix, prefix_end(current.prefix))
+        else:
+            del self._column[current.prefix]
+
+    def map_get(self, current: CurrentKey, user_key: bytes) -> bytes | None:
+        return self._column.get(current.prefix + user_key)
+
+    def map_put(self, current: CurrentKey, user_key: bytes, value: bytes) -> None:
+        self._column[current.prefix + user_key] = value
+
+    def map_remove(self, current: CurrentKey, user_key: bytes) -> None:
+        del self._column[current.prefix + user_key]
+
+    def map_items(self, current: CurrentKey) -> Iterator[tuple[bytes, bytes]]:
+        start = len(current.prefix)
+        for key, value in _scan(self._column, current.prefix):
+            yield key[start:], value
+
+    def keys(self) -> Iterator[bytes]:
+        previous = None
+        for composite in cast(Iterator[bytes], self._column.keys()):
+            key = split_composite_key(composite)[1]
+            if key != previous:
+                yield key
+                previous = key
+
+    def _write_batches(self, pairs: Iterator[tuple[bytes, bytes]]) -> None:
+        handle = self._db.get_column_family_handle(self._name)
+        batch, count = WriteBatch(raw_mode=True), 0
+        for key, value in pairs:
+            batch.put(key, value, handle)
+            count += 1
+            if count == _WRITE_BATCH_ENTRIES:
+                self._db.write(batch)
+                batch, count = WriteBatch(raw_mode=True), 0
+        if count:
+            self._db.write(batch)
+
+    def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
+        self._write_batches(
+            (CurrentKey.of(key_group, key).prefix + user_key, value)
+            for key_group, (key, user_key, value) in entries
+        )
+
+    def transform_values(self, function: Callable[[bytes], bytes]) -> None:
+        self._write_batches((key, function(value)) for key, value in _raw_items(self._column))
+
+
+class RocksDBCheckpointView(StateStoreView):
+    """One column family of a native checkpoint, opened read-only."""
+
+    def __init__(self, column: Any) -> None:
+        self._column = column
+
+    def entries(self, key_group: int) -> Iterator[Entry]:
+        for composite, value in _scan(self._column, KEY_GROUP_PREFIX.pack(key_group)):
+            _, key, user_key = split_composite_key(composite)
+            yield key, user_key, value
+
+
+class RocksDBKeyedStateBackend(KeyedStateBackend):
+    """Keyed state in a local RocksDB under ``local_dir`` (created empty, owned by this
+    backend; removed by ``dispose``)."""
+
+    def __init__(self, local_dir: str | Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.local_dir = Path(local_dir)
+        if self.local_dir.exists() and any(self.local_dir.iterdir()):
+            raise StateBackendError(
+                f"local RocksDB directory {self.local_dir} is not empty: give each "
+                f"backend its own directory, or remove the leftovers of a crashed run"
+            )
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self._db = Rdict(str(self.local_dir / "db"), _options())
+        self._columns: dict[str, Rdict] = {}
+        self._checkpoints = 0
+
+    def _create_store(self, name: str, is_map: bool) -> StateStore:
+        column = self._db.create_column_family(name, _options())
+        self._columns[name] = column
+        return RocksDBStateStore(self._db, column, name, is_map)
+
+    def _freeze(self, names: list[str]) -> tuple[dict[str, StateStoreView], Any]:
+        self._checkpoints += 1
+        parent = tempfile.mkdtemp(prefix=f"cut-{self._checkpoints}-", dir=self.local_dir)
+        path = str(Path(parent) / "checkpoint")
+        Checkpoint(self._db).create_checkpoint(path)
+        reader = Rdict(
+            path,
+            _options(),
+            column_families={name: _options() for name in names},
+            access_type=AccessType.read_only(),
+        )
+        views: dict[str, StateStoreView] = {
+            name: RocksDBCheckpointView(reader.get_column_family(name)) for name in names
+        }
+
+        def release() -> None:
+            views.clear()
+            reader.close()
+            shutil.rmtree(parent, ignore_errors=True)
+
+        return views, release
+
+    def _close(self) -> None:
+        for column in self._columns.values():
+            column.close()
+        self._db.close()
+        shutil.rmtree(self.local_dir, ignore_errors=True)

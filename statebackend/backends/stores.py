@@ -1,0 +1,99 @@
+"""The byte-level storage a keyed backend offers each registered state.
+
+Both keyed backends store serialized bytes, so that the state implementations
+(``backends/keyed_states.py``) are written once, a snapshot is a cheap immutable view,
+and the snapshot format is the same whichever backend wrote it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from struct import Struct
+
+KEY_GROUP_PREFIX = Struct(">H")
+KEY_LENGTH = Struct(">I")
+
+
+@dataclass(frozen=True)
+class CurrentKey:
+    """A serialized key with its key group and composite-key prefix.
+
+    The prefix is ``[key group: 2 bytes big-endian][key length: 4 bytes][key]``, so
+    that byte order equals key-group order and one key's map entries are contiguous.
+    """
+
+    key_group: int
+    key: bytes
+    prefix: bytes
+
+    @classmethod
+    def of(cls, key_group: int, key: bytes) -> CurrentKey:
+        """The current-key record of serialized ``key`` in ``key_group``."""
+        prefix = KEY_GROUP_PREFIX.pack(key_group) + KEY_LENGTH.pack(len(key)) + key
+        return cls(key_group, key, prefix)
+
+
+def split_composite_key(composite: bytes) -> tuple[int, bytes, bytes]:
+    """``(key group, key, user key)`` of a composite key (user key empty if none)."""
+    (key_group,) = KEY_GROUP_PREFIX.unpack_from(composite)
+    (length,) = KEY_LENGTH.unpack_from(composite, KEY_GROUP_PREFIX.size)
+    start = KEY_GROUP_PREFIX.size + KEY_LENGTH.size
+    return key_group, composite[start : start + length], composite[start + length :]
+
+
+Entry = tuple[bytes, bytes, bytes]
+"""One stored entry of a state: (serialized key, serialized user key or b"", value bytes)."""
+
+
+class StateStore(ABC):
+    """The bytes of one state: a value per key, or (map state) a value per user key."""
+
+    @abstractmethod
+    def get(self, current: CurrentKey) -> bytes | None:
+        """The current key's value bytes."""
+
+    @abstractmethod
+    def put(self, current: CurrentKey, value: bytes) -> None:
+        """Set the current key's value bytes."""
+
+    @abstractmethod
+    def delete(self, current: CurrentKey) -> None:
+        """Remove the current key's value (map state: every entry of the key)."""
+
+    @abstractmethod
+    def map_get(self, current: CurrentKey, user_key: bytes) -> bytes | None:
+        """The value bytes under ``user_key`` of the current key's map."""
+
+    @abstractmethod
+    def map_put(self, current: CurrentKey, user_key: bytes, value: bytes) -> None:
+        """Set ``user_key`` of the current key's map."""
+
+    @abstractmethod
+    def map_remove(self, current: CurrentKey, user_key: bytes) -> None:
+        """Remove ``user_key`` from the current key's map."""
+
+    @abstractmethod
+    def map_items(self, current: CurrentKey) -> Iterator[tuple[bytes, bytes]]:
+        """The current key's map entries as bytes, safe against changes while iterating."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Every serialized key that has a value, once each."""
+
+    @abstractmethod
+    def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
+        """Store (key group, entry) pairs as they are: used by restore."""
+
+    @abstractmethod
+    def transform_values(self, function: Callable[[bytes], bytes]) -> None:
+        """Replace every value by ``function(value)``: used by serializer migration."""
+
+
+class StateStoreView(ABC):
+    """A frozen view of a state's bytes, taken at a snapshot's synchronous cut."""
+
+    @abstractmethod
+    def entries(self, key_group: int) -> Iterator[Entry]:
+        """The entries of one key group, as they were at the cut."""

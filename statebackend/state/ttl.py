@@ -1,0 +1,99 @@
+"""Time to live for keyed state: values stored with their expiration time.
+
+A state with a TTL stores every value (list element, map entry) wrapped as
+``TtlValue(value, expires_at_ms)``, encoded by ``TtlSerializer`` around the user's
+serializer, so the TTL travels through snapshots with the bytes and a restore with or
+without TTL is a serializer incompatibility like any other.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+from statebackend.errors import ConfigurationError
+from statebackend.serializers import (
+    Compatibility,
+    Serializer,
+    SerializerConfig,
+    register_serializer,
+    serializer_from_config,
+)
+
+Clock = Callable[[], float]
+"""Seconds since the epoch; ``time.time`` unless a test injects another."""
+
+SYSTEM_CLOCK: Clock = time.time
+
+
+class TtlUpdateType(Enum):
+    """When a value's expiration is pushed forward."""
+
+    ON_CREATE_AND_WRITE = "on-create-and-write"
+    ON_READ_AND_WRITE = "on-read-and-write"
+
+
+@dataclass(frozen=True)
+class StateTtlConfig:
+    """A time to live in seconds and when it is refreshed; expired values are never returned."""
+
+    ttl_seconds: float
+    update_type: TtlUpdateType = TtlUpdateType.ON_CREATE_AND_WRITE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ttl_seconds, (int, float)) or self.ttl_seconds <= 0:
+            raise ConfigurationError(
+                f"TTL {self.ttl_seconds!r} is invalid: give a positive number of seconds"
+            )
+
+    def expiry_ms(self, now: float) -> int:
+        """The expiration timestamp (ms) of a value written or refreshed at ``now``."""
+        return int((now + self.ttl_seconds) * 1000)
+
+
+class TtlValue(NamedTuple):
+    """A stored value and the time (ms since the epoch) after which it is expired."""
+
+    value: Any
+    expires_at_ms: int
+
+
+_EXPIRY = struct.Struct(">q")
+
+
+class TtlSerializer(Serializer[TtlValue]):
+    """Encodes ``TtlValue`` as an 8-byte expiration then the inner serializer's bytes."""
+
+    identity = "ttl"
+
+    def __init__(self, inner: Serializer[Any]) -> None:
+        self.inner = inner
+
+    def _encode(self, value: TtlValue) -> bytes:
+        return _EXPIRY.pack(value.expires_at_ms) + self.inner.serialize(value.value)
+
+    def _decode(self, data: bytes) -> TtlValue:
+        (expires,) = _EXPIRY.unpack_from(data)
+        return TtlValue(self.inner.deserialize(bytes(data[_EXPIRY.size :])), expires)
+
+    def config(self) -> SerializerConfig:
+        return {**super().config(), "inner": self.inner.config()}
+
+    def compatibility_with(self, stored: SerializerConfig) -> Compatibility:
+        if stored.get("identity") != self.identity or "inner" not in stored:
+            return super().compatibility_with(stored)
+        return self.inner.compatibility_with(stored["inner"])
+
+    @classmethod
+    def from_config(cls, config: SerializerConfig) -> TtlSerializer:
+        return cls(serializer_from_config(config["inner"]))
+
+    def __repr__(self) -> str:
+        return f"TtlSerializer({self.inner!r})"
+
+
+register_serializer(TtlSerializer)
