@@ -1,0 +1,361 @@
+"""All checkpoint I/O, over fsspec: the rest of statebackend never touches fsspec itself.
+
+Paths given to a ``CheckpointFileSystem`` are URLs of its protocol (``s3://bucket/x``,
+``file:///tmp/x``) or paths inside it (``/tmp/x``, ``bucket/x``). Errors from the file
+system come out as statebackend errors naming the path: a missing file is a
+``CheckpointCorruptedError``, any other failure a ``CheckpointError`` with the cause chained.
+
+Checksums are CRC-32 (``zlib.crc32``), written as ``"crc32:<8 hex digits>"``. A whole-file
+checksum can only be checked against the whole file (``verify``, or ``checksum`` over
+``read_file``); a ranged read is checked against the checksum of that range, which the
+writer stores in the state handle next to the offsets (``checksum`` + ``verify_checksum``).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractBufferedFile
+from fsspec.utils import get_protocol
+
+from statebackend.checksums import checksum, format_crc
+from statebackend.errors import (
+    CheckpointCancelledError,
+    CheckpointCorruptedError,
+    CheckpointError,
+    ConfigurationError,
+    StateBackendError,
+)
+
+_READ_CHUNK = 1 << 20
+
+# Protocols whose rename is atomic, so write_atomic may write a temp file and rename it.
+# On object stores a rename is a copy + delete, and a single PUT is the atomic write.
+_ATOMIC_RENAME_PROTOCOLS = frozenset({"file", "local", "hdfs", "viewfs"})
+
+# Options statebackend needs unless the user says otherwise, per protocol.
+_DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    # Checkpoint files go into directories nobody created beforehand.
+    "file": {"auto_mkdir": True},
+    "local": {"auto_mkdir": True},
+}
+
+_INSTALL_HINTS = {
+    "s3": "pip install statebackend[s3]",
+    "s3a": "pip install statebackend[s3]",
+}
+
+
+def verify_checksum(data: bytes, expected_checksum: str, where: str) -> None:
+    """Raise CheckpointCorruptedError naming ``where`` unless ``data`` has that checksum.
+
+    For callers that read a range of a file whose own checksum is in the state handle.
+    """
+    _compare_checksums(checksum(data), expected_checksum, where)
+
+
+def _compare_checksums(actual: str, expected: str, where: str) -> None:
+    if actual != expected:
+        raise CheckpointCorruptedError(
+            f"{where}: checksum mismatch ({actual} != expected {expected}); the file is corrupted"
+        )
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A file ``write_file`` completed: its path, size in bytes and checksum."""
+
+    path: str
+    size: int
+    checksum: str
+
+
+def open_filesystem(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> CheckpointFileSystem:
+    """Open the file system of ``url`` (any fsspec protocol; a plain path is local).
+
+    ``storage_options`` go to the fsspec implementation, e.g. for s3 ``endpoint_url``,
+    ``key``, ``secret``, ``client_kwargs`` or ``default_block_size`` (the multipart part
+    size); without credentials s3fs uses the usual AWS chain. Raises ConfigurationError
+    naming the URL if the protocol is unknown or its implementation is not installed.
+    """
+    protocol = get_protocol(url)
+    options = {**_DEFAULT_OPTIONS.get(protocol, {}), **(storage_options or {})}
+    try:
+        fs_class = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        hint = _INSTALL_HINTS.get(protocol, f"install the fsspec implementation for {protocol!r}")
+        raise ConfigurationError(
+            f"checkpoint storage {url!r} needs a package that is not installed: {hint}"
+        ) from exc
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"checkpoint storage {url!r} has an unknown protocol {protocol!r}: {exc}"
+        ) from exc
+    return CheckpointFileSystem(fs_class(**options))
+
+
+@contextmanager
+def _io_errors(action: str, path: str) -> Iterator[None]:
+    """Turn file system errors into statebackend errors naming ``path``."""
+    try:
+        yield
+    except StateBackendError:
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptedError(f"{path} is missing (could not {action} it)") from exc
+    except Exception as exc:
+        raise CheckpointError(f"could not {action} {path}: {exc}") from exc
+
+
+class CheckpointFileSystem:
+    """The file operations checkpoints need, on one fsspec file system.
+
+    Thread-safe as far as the fsspec implementation is (local, s3fs and memory are).
+    ``bytes_read`` and ``bytes_written`` count the bytes this object moved between this
+    process and storage; server-side copies (``copy`` on object stores) count nothing.
+    Pickling gives a new object on the same storage with its counters at zero.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self._fs = fs
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        self._atomic_rename = bool(protocols & _ATOMIC_RENAME_PROTOCOLS)
+        self._lock = threading.Lock()
+        self._bytes_read = 0
+        self._bytes_written = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CheckpointFileSystem, (self._fs,))
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from storage through this object so far."""
+        return self._bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written to storage through this object so far."""
+        return self._bytes_written
+
+    def _count_read(self, n: int) -> None:
+        with self._lock:
+            self._bytes_read += n
+
+    def _count_written(self, n: int) -> None:
+        with self._lock:
+            self._bytes_written += n
+
+    def write_file(
+        self,
+        path: str,
+        chunks: Iterable[bytes],
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> WrittenFile:
+        """Stream ``chunks`` into a new file at ``path`` and return its size and checksum.
+
+        Holds at most one chunk plus the store's write buffer in memory (object stores
+        upload parts of ``default_block_size`` as a multipart upload). ``should_stop`` is
+        asked before each chunk and before the file is committed; if it returns True the
+        write is abandoned and CheckpointCancelledError raised. Whenever the write does not
+        complete, nothing is left at ``path`` (an object store's multipart upload is
+        aborted) and the error is raised: CheckpointErrors as they are, anything else
+        wrapped in a CheckpointError naming the path.
+        """
+
+        def check_stop() -> None:
+            if should_stop is not None and should_stop():
+                raise CheckpointCancelledError(f"writing {path} was cancelled")
+
+        size = 0
+        crc = 0
+        with _io_errors("open for writing", path):
+            f = self._fs.open(path, "wb")
+        try:
+            for chunk in chunks:
+                check_stop()
+                f.write(chunk)
+                self._count_written(len(chunk))
+                size += len(chunk)
+                crc = zlib.crc32(chunk, crc)
+            check_stop()
+            f.close()
+        except BaseException as exc:
+            self._abandon(f, path)
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            raise CheckpointError(f"could not write {path}: {exc}") from exc
+        return WrittenFile(path=path, size=size, checksum=format_crc(crc))
+
+    def _abandon(self, f: Any, path: str) -> None:
+        """Drop an unfinished write so that nothing remains at ``path``."""
+        with suppress(Exception):
+            if isinstance(f, AbstractBufferedFile):
+                # Object stores upload on close(): abort the multipart upload instead, and
+                # mark the file closed so that garbage collection does not upload it either.
+                f.discard()
+                f.closed = True
+            else:
+                f.close()
+        with suppress(Exception):
+            self.delete(path)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` so that readers see either nothing or all of it.
+
+        Where renames are atomic (local, HDFS) this writes a temp file next to ``path`` and
+        renames it over ``path``; on object stores (s3, memory) it is a single PUT.
+        """
+        target = f"{path}.{uuid.uuid4().hex}.tmp" if self._atomic_rename else path
+        with _io_errors("write", path):
+            try:
+                self._fs.pipe_file(target, data)
+                self._count_written(len(data))
+                if target != path:
+                    self._fs.mv(target, path)
+            except BaseException:
+                if target != path:
+                    with suppress(Exception):
+                        self._fs.rm_file(target)
+                raise
+
+    def read_file(self, path: str) -> bytes:
+        """The whole content of the file at ``path``."""
+        with _io_errors("read", path):
+            data = bytes(self._fs.cat_file(path))
+        self._count_read(len(data))
+        return data
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``path`` from offset ``start`` (an HTTP range request on s3).
+
+        Raises CheckpointCorruptedError if the file ends before ``start + length``.
+        """
+        if start < 0 or length < 0:
+            raise ValueError(f"invalid range start={start} length={length} of {path}")
+        if length == 0:
+            return b""  # fsspec implementations read an empty range as the whole file
+        with _io_errors("read", path):
+            data = bytes(self._fs.cat_file(path, start=start, end=start + length))
+        self._count_read(len(data))
+        if len(data) != length:
+            raise CheckpointCorruptedError(
+                f"{path} is truncated: read {len(data)} of {length} bytes at offset {start}"
+            )
+        return data
+
+    def open_read(self, path: str) -> io.RawIOBase:
+        """A seekable binary stream of ``path`` that reads as it goes; close it after use."""
+        with _io_errors("open", path):
+            return _CountingReader(self._fs.open(path, "rb"), path, self._count_read)
+
+    def size(self, path: str) -> int:
+        """The size in bytes of the file at ``path``."""
+        self._fs.invalidate_cache(path)
+        with _io_errors("get the size of", path):
+            return int(self._fs.size(path))
+
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory (on object stores: any key under it) is at ``path``."""
+        self._fs.invalidate_cache(path)
+        with _io_errors("check", path):
+            return bool(self._fs.exists(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        """The sorted names (not paths) of the entries in directory ``path``; [] if none.
+
+        Always asks the storage, never a listing cache, since other processes write
+        checkpoints.
+        """
+        self._fs.invalidate_cache(path)
+        try:
+            with _io_errors("list", path):
+                entries = self._fs.ls(path, detail=False)
+        except CheckpointCorruptedError:
+            return []
+        return sorted({str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries})
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        """Delete the file at ``path`` (a directory and all below it if ``recursive``).
+
+        Deleting something that does not exist is not an error.
+        """
+        with suppress(CheckpointCorruptedError), _io_errors("delete", path):
+            self._fs.rm(path, recursive=recursive)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy the file ``src`` to ``dst`` on this file system.
+
+        Object stores copy server-side; a local copy streams. Parent directories of ``dst``
+        are created as needed.
+        """
+        with _io_errors(f"copy to {dst}", src):
+            self._fs.cp_file(src, dst)
+
+    def verify(self, path: str, expected_size: int, expected_checksum: str) -> None:
+        """Raise CheckpointCorruptedError naming ``path`` unless the file exists with that
+        size and checksum. Reads the whole file, streaming."""
+        actual_size = self.size(path)
+        if actual_size != expected_size:
+            raise CheckpointCorruptedError(
+                f"{path}: size {actual_size} != expected {expected_size}; "
+                "the file is truncated or corrupted"
+            )
+        crc = 0
+        with self.open_read(path) as f:
+            while chunk := f.read(_READ_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        _compare_checksums(format_crc(crc), expected_checksum, path)
+
+
+class _CountingReader(io.RawIOBase):
+    """A binary stream over an fsspec file that counts the bytes it returns."""
+
+    def __init__(self, f: Any, path: str, count: Callable[[int], None]) -> None:
+        super().__init__()
+        self._f = f
+        self._path = path
+        self._count = count
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1, /) -> bytes:
+        with _io_errors("read", self._path):
+            data = bytes(self._f.read(size))
+        self._count(len(data))
+        return data
+
+    def readall(self) -> bytes:
+        return self.read()
+
+    def readinto(self, buffer: Any, /) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        with _io_errors("seek in", self._path):
+            return int(self._f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._f.tell())
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()

@@ -1,0 +1,162 @@
+"""Where a job's checkpoints live: pure path logic, no I/O.
+
+```
+<dir>/<job_id>/chk-<N>/_metadata                  written last: N is complete
+<dir>/<job_id>/chk-<N>/<file>                     files only checkpoint N uses
+<dir>/<job_id>/chk-<N>/acks/<operator>-<i>.json   subtask i's acknowledgement
+<dir>/<job_id>/shared/<file>                      files several checkpoints use
+<dir>/<job_id>/savepoints/savepoint-<N>-<suffix>/_metadata   (or a user-given dir)
+```
+``<dir>`` is any URL or path the checkpoint file system accepts; the layout only appends
+``/``-separated names to it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from statebackend.errors import ConfigurationError
+
+METADATA_FILE = "_metadata"
+SHARED_DIR = "shared"
+SAVEPOINTS_DIR = "savepoints"
+ACKS_DIR = "acks"
+
+_CHECKPOINT_PREFIX = "chk-"
+_SAVEPOINT_PREFIX = "savepoint-"
+_ACK_SUFFIX = ".json"
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
+_CHECKPOINT_NAME = re.compile(r"chk-(0|[1-9][0-9]*)")
+_SAVEPOINT_NAME = re.compile(r"savepoint-(0|[1-9][0-9]*)-[A-Za-z0-9._-]+")
+_ACK_NAME = re.compile(r"([A-Za-z0-9._-]+)-(0|[1-9][0-9]*)\.json")
+
+
+def validate_id(value: str, what: str) -> str:
+    """Return ``value`` if it is a valid ``what`` (a job id, operator id or file name).
+
+    Valid: non-empty, only ``[A-Za-z0-9._-]``, not made of dots only. Otherwise raises
+    ConfigurationError naming the value.
+    """
+    if not isinstance(value, str) or not _ID_PATTERN.fullmatch(value) or not value.strip("."):
+        raise ConfigurationError(
+            f"{what} {value!r} is invalid: use a non-empty name of letters, digits, "
+            "'.', '_' and '-' (and not only dots)"
+        )
+    return value
+
+
+def _check_number(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{what} {value!r} is invalid: it must be an integer >= 0")
+    return value
+
+
+def join(directory: str, *names: str) -> str:
+    """``directory`` followed by ``names``, separated by single ``/``."""
+    path = directory
+    for name in names:
+        path = f"{path}{name}" if path.endswith("/") else f"{path}/{name}"
+    return path
+
+
+def _last_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def metadata_path(directory: str) -> str:
+    """The ``_metadata`` file of a checkpoint or savepoint directory."""
+    return join(directory, METADATA_FILE)
+
+
+def checkpoint_id_of(path: str) -> int | None:
+    """N if the last name of ``path`` is ``chk-<N>``, else None."""
+    match = _CHECKPOINT_NAME.fullmatch(_last_name(path))
+    return int(match.group(1)) if match else None
+
+
+def savepoint_id_of(path: str) -> int | None:
+    """N if the last name of ``path`` is ``savepoint-<N>-<suffix>``, else None."""
+    match = _SAVEPOINT_NAME.fullmatch(_last_name(path))
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_ids(names: Iterable[str]) -> list[int]:
+    """The ids of the ``chk-<N>`` names among ``names`` (e.g. a job dir listing), ascending."""
+    return sorted(n for n in map(checkpoint_id_of, names) if n is not None)
+
+
+def parse_ack_name(name: str) -> tuple[str, int] | None:
+    """(operator id, subtask index) of an acknowledgement file name, else None."""
+    match = _ACK_NAME.fullmatch(_last_name(name))
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """The paths of one job's checkpoints under a checkpoint directory.
+
+    Raises ConfigurationError on an empty directory or an invalid job id, and on an invalid
+    id, number or file name given to any method.
+    """
+
+    checkpoint_dir: str
+    job_id: str
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_dir:
+            raise ConfigurationError("the checkpoint directory is empty: give a URL or a path")
+        validate_id(self.job_id, "job id")
+
+    @property
+    def job_dir(self) -> str:
+        """``<dir>/<job_id>``: everything of this job."""
+        return join(self.checkpoint_dir, self.job_id)
+
+    @property
+    def shared_dir(self) -> str:
+        """``<dir>/<job_id>/shared``: files referenced by several checkpoints."""
+        return join(self.job_dir, SHARED_DIR)
+
+    @property
+    def savepoints_dir(self) -> str:
+        """``<dir>/<job_id>/savepoints``: the default parent of savepoints."""
+        return join(self.job_dir, SAVEPOINTS_DIR)
+
+    def checkpoint_path(self, checkpoint_id: int) -> str:
+        """``<dir>/<job_id>/chk-<N>``."""
+        return join(
+            self.job_dir, f"{_CHECKPOINT_PREFIX}{_check_number(checkpoint_id, 'checkpoint id')}"
+        )
+
+    def metadata_path(self, checkpoint_id: int) -> str:
+        """``<dir>/<job_id>/chk-<N>/_metadata``."""
+        return metadata_path(self.checkpoint_path(checkpoint_id))
+
+    def exclusive_path(self, checkpoint_id: int, name: str) -> str:
+        """``<dir>/<job_id>/chk-<N>/<name>``: a file only checkpoint N uses."""
+        if name in (METADATA_FILE, ACKS_DIR):
+            raise ConfigurationError(f"file name {name!r} is reserved in a checkpoint directory")
+        return join(self.checkpoint_path(checkpoint_id), validate_id(name, "file name"))
+
+    def shared_path(self, name: str) -> str:
+        """``<dir>/<job_id>/shared/<name>``."""
+        return join(self.shared_dir, validate_id(name, "file name"))
+
+    def acks_dir(self, checkpoint_id: int) -> str:
+        """``<dir>/<job_id>/chk-<N>/acks``."""
+        return join(self.checkpoint_path(checkpoint_id), ACKS_DIR)
+
+    def ack_path(self, checkpoint_id: int, operator_id: str, subtask: int) -> str:
+        """``<dir>/<job_id>/chk-<N>/acks/<operator>-<subtask>.json``."""
+        operator = validate_id(operator_id, "operator id")
+        index = _check_number(subtask, "subtask index")
+        return join(self.acks_dir(checkpoint_id), f"{operator}-{index}{_ACK_SUFFIX}")
+
+    def savepoint_path(self, checkpoint_id: int, suffix: str | None = None) -> str:
+        """``<dir>/<job_id>/savepoints/savepoint-<N>-<suffix>``; a random suffix if None."""
+        number = _check_number(checkpoint_id, "checkpoint id")
+        tag = uuid.uuid4().hex[:12] if suffix is None else validate_id(suffix, "savepoint suffix")
+        return join(self.savepoints_dir, f"{_SAVEPOINT_PREFIX}{number}-{tag}")
