@@ -1,0 +1,175 @@
+"""``_metadata``: the versioned JSON that makes a checkpoint or savepoint complete.
+
+It names the job, the checkpoint, the max parallelism and, per operator, its parallelism
+and each subtask's state handles. Every file it references has a size and a checksum;
+paths are relative to the directory that holds ``_metadata``, so a savepoint can move.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
+from statebackend.snapshot.keyed_format import KeyedStateHandle
+from statebackend.snapshot.operator_format import OperatorStateHandle
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SubtaskAck:
+    """One subtask's acknowledgement of a checkpoint: its handles (None = no such state)."""
+
+    operator_id: str
+    subtask: int
+    parallelism: int
+    keyed: KeyedStateHandle | None
+    operator_state: OperatorStateHandle | None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (an ack file's content and part of ``_metadata``)."""
+        return {
+            "operator": self.operator_id,
+            "subtask": self.subtask,
+            "parallelism": self.parallelism,
+            "keyed": None if self.keyed is None else self.keyed.to_json(),
+            "operator_state": (
+                None if self.operator_state is None else self.operator_state.to_json()
+            ),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SubtaskAck:
+        """The inverse of ``to_json``."""
+        keyed, operator_state = data.get("keyed"), data.get("operator_state")
+        return cls(
+            operator_id=data["operator"],
+            subtask=int(data["subtask"]),
+            parallelism=int(data["parallelism"]),
+            keyed=None if keyed is None else KeyedStateHandle.from_json(keyed),
+            operator_state=(
+                None if operator_state is None else OperatorStateHandle.from_json(operator_state)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class OperatorSnapshot:
+    """All subtasks' state of one operator in a checkpoint, indexed by subtask."""
+
+    operator_id: str
+    parallelism: int
+    subtasks: tuple[SubtaskAck, ...]
+
+    def keyed_handles(self) -> list[KeyedStateHandle]:
+        """The keyed handles of all subtasks that have keyed state."""
+        return [ack.keyed for ack in self.subtasks if ack.keyed is not None]
+
+    def operator_handles(self) -> list[OperatorStateHandle | None]:
+        """Each subtask's operator-state handle, by subtask index."""
+        return [ack.operator_state for ack in self.subtasks]
+
+    def state_bytes(self) -> int:
+        """Bytes of all files of this operator."""
+        return sum(ack.keyed.size for ack in self.subtasks if ack.keyed is not None) + sum(
+            ack.operator_state.stored_size()
+            for ack in self.subtasks
+            if ack.operator_state is not None
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """The content of ``_metadata``."""
+
+    job_id: str
+    checkpoint_id: int
+    max_parallelism: int
+    operators: dict[str, OperatorSnapshot]
+    triggered_at: float
+    completed_at: float
+    is_savepoint: bool = False
+    properties: dict[str, Any] = field(default_factory=dict)
+
+    def files(self) -> list[tuple[str, int, str]]:
+        """(relative path, size, checksum) of every file the checkpoint references."""
+        found: list[tuple[str, int, str]] = []
+        for operator in self.operators.values():
+            for ack in operator.subtasks:
+                if ack.keyed is not None:
+                    found.append((ack.keyed.path, ack.keyed.size, ack.keyed.checksum))
+                if ack.operator_state is not None and ack.operator_state.path is not None:
+                    found.append(
+                        (
+                            ack.operator_state.path,
+                            ack.operator_state.size,
+                            ack.operator_state.checksum,
+                        )
+                    )
+        return found
+
+    def state_bytes(self) -> int:
+        """Bytes of state over all operators."""
+        return sum(op.state_bytes() for op in self.operators.values())
+
+    def to_bytes(self) -> bytes:
+        """The ``_metadata`` file's bytes."""
+        document = {
+            "format_version": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "checkpoint_id": self.checkpoint_id,
+            "kind": "savepoint" if self.is_savepoint else "checkpoint",
+            "triggered_at": self.triggered_at,
+            "completed_at": self.completed_at,
+            "max_parallelism": self.max_parallelism,
+            "properties": self.properties,
+            "operators": {
+                operator_id: {
+                    "parallelism": op.parallelism,
+                    "subtasks": [ack.to_json() for ack in op.subtasks],
+                }
+                for operator_id, op in sorted(self.operators.items())
+            },
+        }
+        return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> CheckpointMetadata:
+        """Parse ``_metadata`` read from ``where``.
+
+        Raises IncompatibleStateError for a format version this release cannot read and
+        CheckpointCorruptedError naming ``where`` for anything malformed.
+        """
+        try:
+            document = json.loads(data)
+            version = document["format_version"]
+        except Exception as exc:
+            raise CheckpointCorruptedError(f"{where}: not a checkpoint metadata file") from exc
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise IncompatibleStateError(
+                f"{where} has metadata format version {version!r}; this statebackend reads "
+                f"up to version {FORMAT_VERSION}: upgrade statebackend to restore it"
+            )
+        try:
+            operators = {}
+            for operator_id, op in document["operators"].items():
+                subtasks = tuple(SubtaskAck.from_json(ack) for ack in op["subtasks"])
+                operators[operator_id] = OperatorSnapshot(
+                    operator_id, int(op["parallelism"]), subtasks
+                )
+            return cls(
+                job_id=document["job_id"],
+                checkpoint_id=int(document["checkpoint_id"]),
+                max_parallelism=int(document["max_parallelism"]),
+                operators=operators,
+                triggered_at=float(document["triggered_at"]),
+                completed_at=float(document["completed_at"]),
+                is_savepoint=document.get("kind") == "savepoint",
+                properties=dict(document.get("properties", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptedError(
+                f"{where}: malformed checkpoint metadata: {exc}"
+            ) from exc

@@ -1,0 +1,185 @@
+"""Restore at any parallelism: plan who gets what, then read only that.
+
+For a new parallelism P', new subtask i owns the key-group range of (M, P', i); it reads
+the key groups of that range from every old keyed handle that intersects it (ranged
+reads by the handle's index), and its share of the operator state by the old handles'
+element spans, per distribution mode. ``plan_restore`` computes the same without reading
+any state file, for ``statebackend plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.operator import OperatorStateBackend
+from statebackend.backends.stores import Entry
+from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot
+from statebackend.errors import CheckpointNotFoundError, IncompatibleStateError
+from statebackend.keygroups import KeyGroupRange, check_parallelism
+from statebackend.redistribution import (
+    StateLayout,
+    assign_key_group_ranges,
+    plan_operator_state,
+)
+from statebackend.snapshot.keyed_format import KeyedStateHandle, read_keyed_entries
+from statebackend.snapshot.operator_format import OperatorStateReader
+
+
+def check_max_parallelism(metadata: CheckpointMetadata, requested: int | None) -> int:
+    """The max parallelism to run with: the checkpoint's, unless another was set explicitly
+    (then IncompatibleStateError: key groups cannot be re-cut)."""
+    if requested is not None and requested != metadata.max_parallelism:
+        raise IncompatibleStateError(
+            f"the checkpoint has max parallelism {metadata.max_parallelism} but "
+            f"{requested} was set: key groups are fixed at a job's first checkpoint, so "
+            f"restore with max parallelism {metadata.max_parallelism} (or leave it unset)"
+        )
+    return metadata.max_parallelism
+
+
+def check_operators(
+    metadata: CheckpointMetadata, operator_ids: set[str], allow_non_restored_state: bool
+) -> None:
+    """IncompatibleStateError if the checkpoint has state of operators the job lacks,
+    unless the caller allows non-restored state."""
+    unknown = sorted(set(metadata.operators) - operator_ids)
+    if unknown and not allow_non_restored_state:
+        raise IncompatibleStateError(
+            f"the checkpoint has state of operators {unknown} which this job does not have: "
+            f"restore with allow_non_restored_state to drop it"
+        )
+
+
+def operator_snapshot(metadata: CheckpointMetadata, operator_id: str) -> OperatorSnapshot | None:
+    """The operator's snapshot in the checkpoint (None: the operator starts empty)."""
+    return metadata.operators.get(operator_id)
+
+
+@dataclass(frozen=True)
+class KeyedSource:
+    """Key groups a new subtask reads from one old subtask's keyed handle."""
+
+    old_subtask: int
+    key_groups: KeyGroupRange
+    bytes: int
+
+
+@dataclass(frozen=True)
+class SubtaskPlan:
+    """What new subtask ``subtask`` would restore."""
+
+    subtask: int
+    key_group_range: KeyGroupRange
+    keyed_sources: tuple[KeyedSource, ...]
+    operator_elements: dict[str, list[tuple[int, int, int]]]
+    """Per operator state: (old subtask, first element, end element) slices."""
+
+    @property
+    def keyed_bytes(self) -> int:
+        """Bytes of keyed state this subtask reads."""
+        return sum(source.bytes for source in self.keyed_sources)
+
+
+def plan_restore(
+    metadata: CheckpointMetadata, operator_id: str, new_parallelism: int
+) -> list[SubtaskPlan]:
+    """Who gets what when ``operator_id`` restores at ``new_parallelism``; reads nothing."""
+    check_parallelism(new_parallelism, metadata.max_parallelism)
+    snapshot = operator_snapshot(metadata, operator_id)
+    if snapshot is None:
+        raise CheckpointNotFoundError(
+            f"the checkpoint has no operator {operator_id!r}; it has {sorted(metadata.operators)}"
+        )
+    handles = [ack.keyed for ack in snapshot.subtasks]
+    old_ranges = [h.key_group_range if h is not None else KeyGroupRange.empty() for h in handles]
+    keyed = assign_key_group_ranges(metadata.max_parallelism, old_ranges, new_parallelism)
+    layouts = [
+        {}
+        if h is None
+        else {name: StateLayout(info.mode, len(info.elements)) for name, info in h.states.items()}
+        for h in snapshot.operator_handles()
+    ]
+    operator_plan = plan_operator_state(layouts, new_parallelism)
+    plans = []
+    for assignment, shares in zip(keyed, operator_plan, strict=True):
+        sources = []
+        for source in assignment.old_subtasks:
+            handle = handles[source.old_subtask]
+            if handle is not None:
+                sources.append(
+                    KeyedSource(
+                        source.old_subtask, source.key_groups, handle.bytes_for(source.key_groups)
+                    )
+                )
+        plans.append(
+            SubtaskPlan(
+                assignment.subtask,
+                assignment.key_group_range,
+                tuple(sources),
+                {
+                    name: [(s.old_subtask, s.begin, s.end) for s in share.slices]
+                    for name, share in shares.items()
+                },
+            )
+        )
+    return plans
+
+
+def restore_keyed_state(
+    backend: KeyedStateBackend,
+    fs: CheckpointFileSystem,
+    checkpoint_dir: str,
+    metadata: CheckpointMetadata,
+    operator_id: str,
+) -> int:
+    """Load into ``backend`` the key groups of its range from the checkpoint.
+
+    Reads only the intersecting key groups, by ranged reads, verifying every frame.
+    Returns the number of entries restored.
+    """
+    check_max_parallelism(metadata, backend.max_parallelism)
+    snapshot = operator_snapshot(metadata, operator_id)
+    if snapshot is None:
+        return 0
+    restored = 0
+
+    def counted(
+        handle: KeyedStateHandle, key_groups: KeyGroupRange
+    ) -> Iterator[tuple[str, int, Entry]]:
+        nonlocal restored
+        for item in read_keyed_entries(
+            fs.read_range, join(checkpoint_dir, handle.path), handle, key_groups
+        ):
+            restored += 1
+            yield item
+
+    for handle in snapshot.keyed_handles():
+        key_groups = handle.key_group_range.intersection(backend.key_group_range)
+        if key_groups:
+            backend.restore(handle.key_serializer, handle.states, counted(handle, key_groups))
+    return restored
+
+
+def restore_operator_state(
+    fs: CheckpointFileSystem,
+    checkpoint_dir: str,
+    metadata: CheckpointMetadata,
+    operator_id: str,
+    subtask: int,
+    new_parallelism: int,
+) -> OperatorStateBackend:
+    """The operator state backend of new subtask ``subtask`` of ``new_parallelism``.
+
+    Split state is divided among the new subtasks, union state goes to all, broadcast
+    state is copied (``redistribution``). An operator absent from the checkpoint starts
+    empty (and not restored).
+    """
+    snapshot = operator_snapshot(metadata, operator_id)
+    if snapshot is None:
+        return OperatorStateBackend()
+    reader = OperatorStateReader(snapshot.operator_handles(), checkpoint_dir, fs.read_range)
+    return OperatorStateBackend(reader.restore_cut(subtask, new_parallelism))

@@ -1,0 +1,86 @@
+"""Frames: checksummed, optionally compressed blocks that snapshot files are made of.
+
+A frame is ``[codec: 1 byte][raw length: 4][payload length: 4][crc32 of payload: 4]``
+followed by the payload. Each frame can be read and checked on its own, so a restore
+that reads a byte range of a file (some key groups, some list elements) verifies exactly
+what it read.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from struct import Struct
+
+from statebackend.errors import CheckpointCorruptedError, ConfigurationError
+
+FRAME_HEADER = Struct(">BIII")
+
+CODECS = ("none", "lz4", "zstd")
+"""Compression codecs a snapshot may use, by name (their frame codes are their indices)."""
+
+
+def check_codec(name: str) -> int:
+    """The frame code of codec ``name``; ConfigurationError naming it if unknown."""
+    if name not in CODECS:
+        raise ConfigurationError(
+            f"unknown snapshot compression {name!r}: choose one of {', '.join(CODECS)}"
+        )
+    return CODECS.index(name)
+
+
+def _compress(code: int, data: bytes) -> bytes:
+    if code == 1:
+        import lz4.block
+
+        return bytes(lz4.block.compress(data, store_size=False))
+    if code == 2:
+        import zstandard
+
+        return bytes(zstandard.ZstdCompressor(level=3).compress(data))
+    return data
+
+
+def _decompress(code: int, payload: bytes, raw_length: int) -> bytes:
+    if code == 1:
+        import lz4.block
+
+        return bytes(lz4.block.decompress(payload, uncompressed_size=raw_length))
+    if code == 2:
+        import zstandard
+
+        return bytes(zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_length))
+    return payload
+
+
+def encode_frame(data: bytes, codec: int) -> bytes:
+    """One frame holding ``data``; falls back to no compression when it does not help."""
+    payload = _compress(codec, data) if codec else data
+    if len(payload) >= len(data):
+        codec, payload = 0, data
+    header = FRAME_HEADER.pack(codec, len(data), len(payload), zlib.crc32(payload))
+    return header + payload
+
+
+def decode_frames(data: bytes, where: str) -> Iterator[bytes]:
+    """The payloads of the consecutive frames in ``data``, each checked against its crc32.
+
+    Raises CheckpointCorruptedError naming ``where`` for a truncated or damaged frame.
+    """
+    view, position = memoryview(data), 0
+    while position < len(view):
+        if position + FRAME_HEADER.size > len(view):
+            raise CheckpointCorruptedError(f"{where}: truncated frame header at byte {position}")
+        codec, raw_length, length, crc = FRAME_HEADER.unpack_from(view, position)
+        position += FRAME_HEADER.size
+        payload = bytes(view[position : position + length])
+        if len(payload) != length:
+            raise CheckpointCorruptedError(f"{where}: truncated frame at byte {position}")
+        if zlib.crc32(payload) != crc:
+            raise CheckpointCorruptedError(
+                f"{where}: checksum mismatch in the frame at byte {position - FRAME_HEADER.size}"
+            )
+        if codec >= len(CODECS):
+            raise CheckpointCorruptedError(f"{where}: unknown frame codec {codec}")
+        position += length
+        yield _decompress(codec, payload, raw_length)

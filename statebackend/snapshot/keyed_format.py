@@ -1,0 +1,162 @@
+"""The full keyed snapshot format: one file per subtask, key groups in order.
+
+The file is a sequence of frames (``frames.py``); each key group's entries fill whole
+frames of their own, and the handle keeps an index ``[key group, offset, length]`` of
+the non-empty key groups. A restore of a sub-range therefore reads one contiguous byte
+range and verifies every frame it read. An entry is
+``[state index: 2][key length: 4][key][user key length: 4][user key][value length: 4][value]``,
+the state index pointing into the handle's state list. The format does not depend on
+the backend that wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from struct import Struct
+from typing import Any
+
+from statebackend.backends.keyed import KeyedStateCut, StateMetaInfo
+from statebackend.backends.stores import Entry
+from statebackend.errors import CheckpointCorruptedError
+from statebackend.keygroups import KeyGroupRange
+from statebackend.serializers import SerializerConfig
+from statebackend.snapshot.frames import decode_frames, encode_frame
+
+ENTRY_HEAD = Struct(">HI")
+LENGTH = Struct(">I")
+FRAME_BYTES = 1 << 20
+"""Raw bytes gathered before a frame is cut (a key group may span several frames)."""
+
+READ_BYTES = 16 << 20
+"""How much a restore reads at once: consecutive key groups are fetched together."""
+
+
+@dataclass(frozen=True)
+class KeyedStateHandle:
+    """Where one subtask's keyed snapshot lives and what is in it.
+
+    ``path`` is relative to the checkpoint directory, so a copied directory restores.
+    """
+
+    path: str
+    size: int
+    checksum: str
+    key_group_range: KeyGroupRange
+    key_groups: tuple[tuple[int, int, int], ...]
+    states: tuple[StateMetaInfo, ...]
+    key_serializer: SerializerConfig
+    compression: str
+
+    def bytes_for(self, key_groups: KeyGroupRange) -> int:
+        """How many bytes of the file hold the given key groups."""
+        return sum(length for group, _, length in self.key_groups if group in key_groups)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict for ``_metadata``."""
+        return {
+            "type": "keyed-full",
+            "path": self.path,
+            "size": self.size,
+            "checksum": self.checksum,
+            "key_group_range": self.key_group_range.to_json(),
+            "key_groups": [list(item) for item in self.key_groups],
+            "states": [meta.to_json() for meta in self.states],
+            "key_serializer": self.key_serializer,
+            "compression": self.compression,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KeyedStateHandle:
+        """The inverse of ``to_json``."""
+        return cls(
+            path=data["path"],
+            size=int(data["size"]),
+            checksum=data["checksum"],
+            key_group_range=KeyGroupRange.from_json(data["key_group_range"]),
+            key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
+            states=tuple(StateMetaInfo.from_json(m) for m in data["states"]),
+            key_serializer=data["key_serializer"],
+            compression=data.get("compression", "none"),
+        )
+
+
+def encode_keyed_cut(
+    cut: KeyedStateCut, codec: int, index: list[tuple[int, int, int]]
+) -> Iterator[bytes]:
+    """The file's frames, key group by key group; fills ``index`` as it goes."""
+    state_index = {meta.name: i for i, meta in enumerate(cut.states)}
+    offset = 0
+    for key_group in cut.key_group_range:
+        start, buffer = offset, bytearray()
+        for name, (key, user_key, value) in cut.entries(key_group):
+            buffer += ENTRY_HEAD.pack(state_index[name], len(key))
+            buffer += key
+            buffer += LENGTH.pack(len(user_key))
+            buffer += user_key
+            buffer += LENGTH.pack(len(value))
+            buffer += value
+            if len(buffer) >= FRAME_BYTES:
+                frame = encode_frame(bytes(buffer), codec)
+                offset += len(frame)
+                buffer.clear()
+                yield frame
+        if buffer:
+            frame = encode_frame(bytes(buffer), codec)
+            offset += len(frame)
+            yield frame
+        if offset > start:
+            index.append((key_group, start, offset - start))
+
+
+def _decode_entries(payload: bytes, where: str) -> Iterator[tuple[int, Entry]]:
+    view, position = memoryview(payload), 0
+    try:
+        while position < len(view):
+            state, key_length = ENTRY_HEAD.unpack_from(view, position)
+            position += ENTRY_HEAD.size
+            key = bytes(view[position : position + key_length])
+            position += key_length
+            parts = []
+            for _ in range(2):
+                (length,) = LENGTH.unpack_from(view, position)
+                position += LENGTH.size
+                parts.append(bytes(view[position : position + length]))
+                position += length
+            yield state, (key, parts[0], parts[1])
+    except Exception as exc:
+        raise CheckpointCorruptedError(f"{where}: malformed entry at byte {position}") from exc
+
+
+def read_keyed_entries(
+    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+) -> Iterator[tuple[str, int, Entry]]:
+    """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``.
+
+    ``read_range(path, start, length)`` fetches bytes; consecutive key groups are read
+    together, up to ``READ_BYTES`` at a time. Only the needed bytes are read.
+    """
+    names = [meta.name for meta in handle.states]
+    wanted = [item for item in handle.key_groups if item[0] in key_groups]
+    position = 0
+    while position < len(wanted):
+        batch = [wanted[position]]
+        while (
+            position + len(batch) < len(wanted)
+            and wanted[position + len(batch)][1] + wanted[position + len(batch)][2] - batch[0][1]
+            <= READ_BYTES
+        ):
+            batch.append(wanted[position + len(batch)])
+        position += len(batch)
+        start = batch[0][1]
+        data = read_range(path, start, batch[-1][1] + batch[-1][2] - start)
+        for key_group, offset, length in batch:
+            where = f"{path} (key group {key_group})"
+            block = data[offset - start : offset - start + length]
+            if len(block) != length:
+                raise CheckpointCorruptedError(f"{where}: file is truncated")
+            for payload in decode_frames(block, where):
+                for state, entry in _decode_entries(payload, where):
+                    if state >= len(names):
+                        raise CheckpointCorruptedError(f"{where}: unknown state index {state}")
+                    yield names[state], key_group, entry

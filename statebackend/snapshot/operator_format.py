@@ -1,0 +1,233 @@
+"""The operator-state snapshot format: elements back to back, with per-element offsets.
+
+A subtask's operator state is one blob: every element of every named state (broadcast
+entries encoded as ``[key length: 4][key][value]``), then the raw partitions. The handle
+lists, per state, each element's ``[offset, length, crc32]``, so a restore reads only
+the slices its new subtask gets (``redistribution.plan_operator_state``) and checks
+each element it read. A blob smaller than ``INLINE_LIMIT`` is kept inside ``_metadata``.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from struct import Struct
+from typing import Any
+
+from statebackend.backends.operator import NamedStateCut, OperatorStateCut
+from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
+from statebackend.redistribution import (
+    DistributionMode,
+    StateLayout,
+    StateSlice,
+    plan_operator_state,
+)
+from statebackend.serializers import SerializerConfig
+
+INLINE_LIMIT = 20 * 1024
+"""Operator state smaller than this (bytes) is stored inside ``_metadata``."""
+
+_KEY_LENGTH = Struct(">I")
+_RAW = "raw"
+
+Span = tuple[int, int, int]
+"""(offset, length, crc32) of one element in the blob."""
+
+
+@dataclass(frozen=True)
+class OperatorStateInfo:
+    """One named state in a handle: its mode, serializers and element spans."""
+
+    mode: DistributionMode
+    serializers: dict[str, SerializerConfig]
+    elements: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class OperatorStateHandle:
+    """Where one subtask's operator state lives: a file (``path``, relative to the
+    checkpoint directory) or ``inline`` bytes, and the spans of every element."""
+
+    path: str | None
+    size: int
+    checksum: str
+    states: dict[str, OperatorStateInfo]
+    raw: tuple[Span, ...] = ()
+    inline: bytes | None = field(default=None, repr=False)
+
+    def stored_size(self) -> int:
+        """Bytes stored in a file for this handle (0 when inlined)."""
+        return 0 if self.path is None else self.size
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict for ``_metadata``."""
+        return {
+            "type": "operator",
+            "path": self.path,
+            "size": self.size,
+            "checksum": self.checksum,
+            "inline": None if self.inline is None else base64.b64encode(self.inline).decode(),
+            "states": {
+                name: {
+                    "mode": info.mode.value,
+                    "serializers": info.serializers,
+                    "elements": [list(span) for span in info.elements],
+                }
+                for name, info in sorted(self.states.items())
+            },
+            "raw": [list(span) for span in self.raw],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OperatorStateHandle:
+        """The inverse of ``to_json``."""
+        inline = data.get("inline")
+        return cls(
+            path=data.get("path"),
+            size=int(data["size"]),
+            checksum=data["checksum"],
+            states={
+                name: OperatorStateInfo(
+                    DistributionMode(info["mode"]),
+                    dict(info["serializers"]),
+                    tuple((int(o), int(n), int(c)) for o, n, c in info["elements"]),
+                )
+                for name, info in data["states"].items()
+            },
+            raw=tuple((int(o), int(n), int(c)) for o, n, c in data.get("raw", [])),
+            inline=None if inline is None else base64.b64decode(inline),
+        )
+
+
+def _encode_element(element: bytes | tuple[bytes, bytes]) -> bytes:
+    if isinstance(element, tuple):
+        key, value = element
+        return _KEY_LENGTH.pack(len(key)) + key + value
+    return element
+
+
+def _decode_element(data: bytes, mode: DistributionMode) -> bytes | tuple[bytes, bytes]:
+    if mode is not DistributionMode.BROADCAST:
+        return data
+    (length,) = _KEY_LENGTH.unpack_from(data)
+    start = _KEY_LENGTH.size
+    return data[start : start + length], data[start + length :]
+
+
+def encode_operator_cut(
+    cut: OperatorStateCut,
+) -> tuple[bytes, dict[str, OperatorStateInfo], tuple[Span, ...]]:
+    """The blob of ``cut`` and the spans of its states and raw partitions."""
+    blob, offset = bytearray(), 0
+
+    def place(element: bytes) -> Span:
+        nonlocal offset
+        blob.extend(element)
+        span = (offset, len(element), zlib.crc32(element))
+        offset += len(element)
+        return span
+
+    states = {
+        name: OperatorStateInfo(
+            state.mode,
+            dict(state.serializers),
+            tuple(place(_encode_element(e)) for e in state.entries),
+        )
+        for name, state in sorted(cut.states.items())
+    }
+    raw = tuple(place(partition) for partition in cut.raw)
+    return bytes(blob), states, raw
+
+
+ReadRange = Callable[[str, int, int], bytes]
+
+
+class OperatorStateReader:
+    """Reads elements of old subtasks' operator-state handles by span."""
+
+    def __init__(
+        self, handles: Sequence[OperatorStateHandle | None], directory: str, read_range: ReadRange
+    ) -> None:
+        self.handles = handles
+        self.directory = directory.rstrip("/")
+        self.read_range = read_range
+
+    def _elements(self, subtask: int, spans: Sequence[Span], what: str) -> Iterator[bytes]:
+        handle = self.handles[subtask]
+        if not spans or handle is None:
+            return
+        start = spans[0][0]
+        end = spans[-1][0] + spans[-1][1]
+        if handle.inline is not None:
+            data, where = handle.inline[start:end], f"inline operator state of subtask {subtask}"
+        else:
+            where = f"{self.directory}/{handle.path}"
+            data = self.read_range(where, start, end - start)
+        for offset, length, crc in spans:
+            element = data[offset - start : offset - start + length]
+            if len(element) != length:
+                raise CheckpointCorruptedError(f"{where}: truncated ({what})")
+            if zlib.crc32(element) != crc:
+                raise CheckpointCorruptedError(f"{where}: checksum mismatch ({what})")
+            yield element
+
+    def _read_slices(
+        self, slices: Sequence[StateSlice], spans_of: Callable[[int], tuple[Span, ...]], what: str
+    ) -> list[bytes]:
+        out: list[bytes] = []
+        for old, begin, end in slices:
+            out.extend(self._elements(old, spans_of(old)[begin:end], what))
+        return out
+
+    def _raw_spans(self, old: int) -> tuple[Span, ...]:
+        handle = self.handles[old]
+        return () if handle is None else handle.raw
+
+    def restore_cut(self, subtask: int, new_parallelism: int) -> OperatorStateCut:
+        """The operator state new subtask ``subtask`` of ``new_parallelism`` gets."""
+        layouts = [
+            {}
+            if h is None
+            else {n: StateLayout(i.mode, len(i.elements)) for n, i in h.states.items()}
+            for h in self.handles
+        ]
+        serializers: dict[str, dict[str, SerializerConfig]] = {}
+        for handle in self.handles:
+            for name, info in (handle.states if handle else {}).items():
+                known = serializers.setdefault(name, info.serializers)
+                if known != info.serializers:
+                    raise IncompatibleStateError(
+                        f"operator state {name!r} was written with different serializers "
+                        f"in different subtasks: its elements cannot be merged"
+                    )
+        plan = plan_operator_state(layouts, new_parallelism)[subtask]
+
+        def spans_of(name: str) -> Callable[[int], tuple[Span, ...]]:
+            def spans(old: int) -> tuple[Span, ...]:
+                handle = self.handles[old]
+                if handle is None or name not in handle.states:
+                    return ()
+                return handle.states[name].elements
+
+            return spans
+
+        states = {
+            name: NamedStateCut(
+                share.mode,
+                serializers[name],
+                tuple(
+                    _decode_element(e, share.mode)
+                    for e in self._read_slices(share.slices, spans_of(name), f"state {name!r}")
+                ),
+            )
+            for name, share in plan.items()
+        }
+        raw_layouts = [
+            {_RAW: StateLayout(DistributionMode.SPLIT, len(h.raw) if h else 0)}
+            for h in self.handles
+        ]
+        raw_plan = plan_operator_state(raw_layouts, new_parallelism)[subtask][_RAW]
+        raw = self._read_slices(raw_plan.slices, self._raw_spans, "raw state")
+        return OperatorStateCut(states, tuple(raw))
