@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up .venv (reused when present) and runs the main job's demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python scripts/rescale_demo.py "$@"

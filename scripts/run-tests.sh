@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up .venv (reused when present) and runs the whole test suite: unit tests (no JVM),
+# S3 tests (a moto S3 server on 127.0.0.1) and Spark tests (local[2] and local-cluster).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+.venv/bin/ruff check statebackend tests scripts
+.venv/bin/mypy statebackend
+exec .venv/bin/python -m pytest -q "$@"
