@@ -1,0 +1,5 @@
+"""``python -m statebackend``: the ``statebackend`` command."""
+
+from statebackend.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""Savepoint requests: how ``statebackend savepoint trigger`` asks a running job for one.
+
+The command line writes a request file into the job's directory; the job's driver polls
+for requests between micro-batches, takes the savepoint (a checkpoint triggered with a
+``savepoint_dir``) and answers with a done file that the command line waits for:
+
+```
+<job_dir>/requests/savepoint-<id>.json        the request (target directory or null)
+<job_dir>/requests/savepoint-<id>.done.json   the answer: the savepoint's path or an error
+```
+Both are written atomically. Request ids sort in the order the requests were made.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.layout import SAVEPOINTS_DIR, join
+from statebackend.errors import CheckpointError, ConfigurationError
+
+REQUESTS_DIR = "requests"
+
+_PREFIX = "savepoint-"
+_DONE_SUFFIX = ".done.json"
+_REQUEST_NAME = re.compile(r"savepoint-([0-9]+-[0-9a-f]+)\.json")
+
+
+@dataclass(frozen=True)
+class SavepointRequest:
+    """A request for a savepoint: its id, when it was made, and where to (None: default)."""
+
+    request_id: str
+    requested_at: float
+    target_dir: str | None
+
+    def savepoint_dir(self, job_dir: str) -> str:
+        """Where the savepoint goes: the requested directory, else one under the job's
+        ``savepoints/`` directory named after the request."""
+        if self.target_dir is not None:
+            return self.target_dir
+        return join(job_dir, SAVEPOINTS_DIR, f"{_PREFIX}request-{self.request_id}")
+
+
+def _request_path(job_dir: str, request_id: str) -> str:
+    return join(job_dir, REQUESTS_DIR, f"{_PREFIX}{request_id}.json")
+
+
+def _done_path(job_dir: str, request_id: str) -> str:
+    return join(job_dir, REQUESTS_DIR, f"{_PREFIX}{request_id}{_DONE_SUFFIX}")
+
+
+def request_savepoint(fs: CheckpointFileSystem, job_dir: str, target_dir: str | None = None) -> str:
+    """Ask the job in ``job_dir`` for a savepoint (into ``target_dir`` if given).
+
+    Returns the request id, for ``wait_for_savepoint``.
+    """
+    now_ns = time.time_ns()
+    request_id = f"{now_ns:020d}-{uuid.uuid4().hex[:8]}"
+    document = {"request_id": request_id, "requested_at": now_ns / 1e9, "target_dir": target_dir}
+    fs.write_atomic(_request_path(job_dir, request_id), json.dumps(document).encode("utf-8"))
+    return request_id
+
+
+def pending_savepoint_requests(fs: CheckpointFileSystem, job_dir: str) -> list[SavepointRequest]:
+    """The unanswered savepoint requests of the job, oldest first (for the driver).
+
+    A malformed request file is answered with an error and skipped.
+    """
+    directory = join(job_dir, REQUESTS_DIR)
+    names = fs.list_dir(directory)
+    requests = []
+    for name in names:
+        match = _REQUEST_NAME.fullmatch(name)
+        if match is None or f"{_PREFIX}{match.group(1)}{_DONE_SUFFIX}" in names:
+            continue
+        request_id = match.group(1)
+        try:
+            document = json.loads(fs.read_file(join(directory, name)))
+            target = document["target_dir"]
+            requests.append(
+                SavepointRequest(
+                    request_id,
+                    float(document["requested_at"]),
+                    None if target is None else str(target),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            _write_answer(fs, job_dir, request_id, None, f"malformed savepoint request: {exc}")
+    return requests
+
+
+def _write_answer(
+    fs: CheckpointFileSystem,
+    job_dir: str,
+    request_id: str,
+    savepoint_path: str | None,
+    error: str | None,
+) -> None:
+    document = {"request_id": request_id, "savepoint": savepoint_path, "error": error}
+    fs.write_atomic(_done_path(job_dir, request_id), json.dumps(document).encode("utf-8"))
+
+
+def answer_savepoint_request(
+    fs: CheckpointFileSystem,
+    job_dir: str,
+    request: SavepointRequest,
+    savepoint_path: str | None = None,
+    error: str | None = None,
+) -> None:
+    """Answer ``request`` (for the driver): give exactly one of the completed savepoint's
+    path or an error message saying why none was taken."""
+    if (savepoint_path is None) == (error is None):
+        raise ConfigurationError("answer a savepoint request with a savepoint path or an error")
+    _write_answer(fs, job_dir, request.request_id, savepoint_path, error)
+
+
+def wait_for_savepoint(
+    fs: CheckpointFileSystem,
+    job_dir: str,
+    request_id: str,
+    timeout: float,
+    *,
+    poll_interval: float = 0.2,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """Wait up to ``timeout`` seconds for the answer to request ``request_id``.
+
+    Returns the savepoint's path; raises CheckpointError with the job's error message if
+    the job could not take it, or when no answer came in time.
+    """
+    path = _done_path(job_dir, request_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        if fs.exists(path):
+            document = json.loads(fs.read_file(path))
+            if document.get("error") is not None:
+                raise CheckpointError(
+                    f"the job could not take savepoint {request_id}: {document['error']}"
+                )
+            return str(document["savepoint"])
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CheckpointError(
+                f"no answer to savepoint request {request_id} within {timeout:g} s: is the job "
+                f"running and polling {join(job_dir, REQUESTS_DIR)}? The request stays there "
+                f"and will be served when it does"
+            )
+        sleep(min(poll_interval, remaining))

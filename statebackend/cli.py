@@ -1,0 +1,535 @@
+"""The ``statebackend`` command: look into, check, read, copy and clean checkpoints.
+
+A thin layer over ``statebackend.tools``: it parses arguments, opens storage, prints
+results, and turns statebackend errors into one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from datetime import datetime
+from typing import Any, TextIO
+
+from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
+from statebackend.checkpoint.savepoints import copy_checkpoint
+from statebackend.errors import CheckpointCorruptedError, ConfigurationError, StateBackendError
+from statebackend.tools.gc import delete_garbage, find_garbage
+from statebackend.tools.listing import (
+    COMPLETED,
+    CheckpointSummary,
+    find_job_dirs,
+    inspect_checkpoint,
+    list_jobs,
+)
+from statebackend.tools.location import (
+    checkpoint_directory,
+    open_checkpoint,
+    open_location,
+)
+from statebackend.tools.plan import plan_checkpoint
+from statebackend.tools.reader import (
+    NO_KEY,
+    Record,
+    parse_selection_key,
+    read_bytes,
+    read_state,
+    select_state,
+    to_jsonable,
+)
+from statebackend.tools.verify import referenced_bytes, verify_checkpoint
+
+PROG = "statebackend"
+
+# -- output helpers -----------------------------------------------------------------------
+
+
+def _out(line: str = "") -> None:
+    print(line, file=sys.stdout)
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _time(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "") -> None:
+    rows = [list(map(str, row)) for row in rows]
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
+    for row in [list(headers), *rows]:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        _out((indent + "  ".join(cells)).rstrip())
+
+
+def _json(document: Any) -> None:
+    _out(json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False, default=repr))
+
+
+def _cell(value: Any) -> str:
+    """A value in a CSV or table cell: strings as they are, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(to_jsonable(value), ensure_ascii=False, sort_keys=True)
+
+
+@contextmanager
+def _progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A byte-counting progress bar on stderr, shown only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(args.storage_option)
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def _summary_row(summary: CheckpointSummary, label: str) -> list[str]:
+    md = summary.metadata
+    if md is None:
+        return [label, summary.status, "-", "-", "-", "-"]
+    operators = ", ".join(f"{op} (P={s.parallelism})" for op, s in sorted(md.operators.items()))
+    return [
+        label,
+        COMPLETED,
+        _time(md.completed_at),
+        _size(md.state_bytes()),
+        str(md.max_parallelism),
+        operators,
+    ]
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """``statebackend list``."""
+    fs = open_location(args.directory, _options(args))
+    jobs = list_jobs(fs, args.directory)
+    if args.json:
+        _json([job.to_json() for job in jobs])
+        return 0
+    headers = ["CHECKPOINT", "STATUS", "COMPLETED", "SIZE", "MAX-P", "OPERATORS"]
+    for job in jobs:
+        _out(f"job {job.job_dir}")
+        rows = [_summary_row(c, f"chk-{c.checkpoint_id}") for c in job.checkpoints]
+        rows += [_summary_row(s, s.path.rsplit("/", 1)[-1]) for s in job.savepoints]
+        if rows:
+            _table(headers, rows, "  ")
+        else:
+            _out("  no checkpoints")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``statebackend inspect``."""
+    info = inspect_checkpoint(open_checkpoint(args.checkpoint, _options(args)))
+    if args.json:
+        _json(info)
+        return 0
+    _out(f"{info['kind']} {info['checkpoint_id']} of job {info['job_id']}: {info['path']}")
+    _out(
+        f"  completed {_time(info['completed_at'])}, max parallelism {info['max_parallelism']}, "
+        f"{_size(info['state_bytes'])} in {info['files']} files"
+    )
+    for operator_id, op in info["operators"].items():
+        _out(f"operator {operator_id}: parallelism {op['parallelism']}, {_size(op['state_bytes'])}")
+        if op["keyed_states"]:
+            _out("  keyed state:")
+            _table(
+                ["NAME", "KIND", "KEY", "SERIALIZERS"],
+                (
+                    [name, s["kind"], s["key_serializer"], s["serializer"]]
+                    for name, s in op["keyed_states"].items()
+                ),
+                "    ",
+            )
+        if op["operator_states"]:
+            _out("  operator state:")
+            _table(
+                ["NAME", "MODE", "ELEMENTS", "SERIALIZERS"],
+                (
+                    [name, s["mode"], s["elements"], s["serializer"]]
+                    for name, s in op["operator_states"].items()
+                ),
+                "    ",
+            )
+        _out("  subtasks:")
+        rows = []
+        for sub in op["subtasks"]:
+            groups = sub["key_group_range"]
+            elements = sub["operator_state_elements"]
+            rows.append(
+                [
+                    sub["subtask"],
+                    "-" if groups is None else f"{groups[0]}-{groups[1]}",
+                    _size(sub.get("keyed_bytes")),
+                    ", ".join(f"{n}: {c}" for n, c in sorted(elements.items())) or "-",
+                    _size(sub["operator_state_bytes"])
+                    + (" inline" if sub["operator_state_inline"] else ""),
+                ]
+            )
+        headers = ["SUBTASK", "KEY-GROUPS", "KEYED", "OPERATOR-STATE ELEMENTS", "OP-BYTES"]
+        _table(headers, rows, "    ")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``statebackend verify``."""
+    ref = open_checkpoint(args.checkpoint, _options(args))
+    total = referenced_bytes(ref)
+    with _progress("verifying", total) as advance:
+        problems = verify_checkpoint(ref, advance)
+    for problem in problems:
+        _out(f"FAILED {problem.path}: {problem.message}")
+    if problems:
+        files = sorted({p.path for p in problems})
+        raise CheckpointCorruptedError(
+            f"{ref.directory} failed verification: {len(problems)} problem(s) in {', '.join(files)}"
+        )
+    _out(f"OK {ref.directory}: {len(ref.metadata.files())} files, {_size(total)} verified")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``statebackend plan``."""
+    ref = open_checkpoint(args.checkpoint, _options(args))
+    plans = plan_checkpoint(ref, args.parallelism, args.operator)
+    if args.json:
+        _json(plans)
+        return 0
+    for operator_id, subtasks in plans.items():
+        _out(
+            f"operator {operator_id}: {ref.metadata.operators[operator_id].parallelism} -> "
+            f"{args.parallelism} subtasks (max parallelism {ref.metadata.max_parallelism})"
+        )
+        for sub in subtasks:
+            start, end = sub["key_group_range"]
+            sources = ", ".join(
+                f"{s['old_subtask']} ({s['key_groups'][0]}-{s['key_groups'][1]})"
+                for s in sub["keyed_sources"]
+            )
+            keyed = (
+                f"{_size(sub['keyed_bytes'])} keyed state from old subtasks {sources}"
+                if sources
+                else "no keyed state"
+            )
+            _out(f"  subtask {sub['subtask']}: key groups {start}-{end}, {keyed}")
+            for name, share in sub["operator_state"].items():
+                slices = ", ".join(f"old {o}[{b}:{e}]" for o, b, e in share["slices"]) or "none"
+                line = f"    {name}: {share['elements']} elements ({slices})"
+                if "values" in share:
+                    line += " = " + ", ".join(
+                        " -> ".join(map(repr, record.values())) for record in share["values"]
+                    )
+                _out(line)
+    return 0
+
+
+def _write_records(records: Iterator[Record], output_format: str, out: TextIO) -> int:
+    count = 0
+    if output_format == "jsonl":
+        for record in records:
+            jsonable = {k: to_jsonable(v) for k, v in record.items()}
+            out.write(json.dumps(jsonable, ensure_ascii=False, sort_keys=True) + "\n")
+            count += 1
+        return count
+    rows = []
+    headers: list[str] = []
+    writer = csv.writer(out) if output_format == "csv" else None
+    for record in records:
+        if not headers:
+            headers = list(record)
+            if writer is not None:
+                writer.writerow(headers)
+        row = [_cell(record[h]) for h in headers]
+        if writer is not None:
+            writer.writerow(row)
+        else:
+            rows.append(row)
+        count += 1
+    if writer is None and headers:
+        _table([h.upper() for h in headers], rows)
+    return count
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    """``statebackend read``."""
+    ref = open_checkpoint(args.checkpoint, _options(args))
+    selection = select_state(ref, args.operator, args.state)
+    key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
+    with _progress("reading", read_bytes(ref, selection, key)) as advance:
+        records = read_state(ref, selection, key, progress=advance)
+        _write_records(records, args.format, sys.stdout)
+    return 0
+
+
+def cmd_savepoint_create(args: argparse.Namespace) -> int:
+    """``statebackend savepoint create``."""
+    source = open_checkpoint(args.source, _options(args))
+    target_fs = open_location(args.target, _options(args))
+    target = checkpoint_directory(args.target)
+    with _progress("copying", referenced_bytes(source)) as advance:
+        copy_checkpoint(source.fs, source.directory, target_fs, target, advance)
+    _out(target)
+    return 0
+
+
+def cmd_savepoint_trigger(args: argparse.Namespace) -> int:
+    """``statebackend savepoint trigger``."""
+    job_dir = args.job_dir.rstrip("/")
+    fs = open_location(job_dir, _options(args))
+    jobs = find_job_dirs(fs, job_dir)
+    if jobs != [job_dir]:
+        raise ConfigurationError(
+            f"{job_dir} holds several jobs, not one job's checkpoints: give one of {jobs}"
+        )
+    request_id = request_savepoint(fs, job_dir, args.target)
+    if args.wait is None:
+        _out(f"requested savepoint {request_id} of {job_dir}")
+        return 0
+    _out(wait_for_savepoint(fs, job_dir, request_id, args.wait))
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``statebackend gc``."""
+    fs = open_location(args.directory, _options(args))
+    total_files = total_bytes = 0
+    for job_dir in find_job_dirs(fs, args.directory):
+        garbage = find_garbage(fs, job_dir)
+        for item in garbage:
+            _out(f"{item.size:>12}  {item.path}  ({item.reason})")
+        if args.apply:
+            delete_garbage(fs, garbage)
+        total_files += len(garbage)
+        total_bytes += sum(item.size for item in garbage)
+    if args.apply:
+        _out(f"deleted {total_files} files, {_size(total_bytes)}")
+    else:
+        _out(
+            f"{total_files} unreferenced files, {_size(total_bytes)}"
+            + ("; run with --apply to delete them" if total_files else "")
+        )
+    return 0
+
+
+# -- the parser ---------------------------------------------------------------------------
+
+_S3 = "--storage-option endpoint_url=http://127.0.0.1:9000"
+
+_EXAMPLES = {
+    "list": f"""examples:
+  {PROG} list /data/checkpoints
+  {PROG} list s3://bucket/checkpoints {_S3}
+  {PROG} list file:///data/checkpoints/my-job --json""",
+    "inspect": f"""examples:
+  {PROG} inspect /data/checkpoints/my-job/chk-42
+  {PROG} inspect s3://bucket/checkpoints/my-job/chk-42/_metadata --json {_S3}""",
+    "verify": f"""examples:
+  {PROG} verify /data/checkpoints/my-job/chk-42
+  {PROG} verify s3://bucket/savepoints/before-upgrade {_S3}
+exit status 1 and the failing files named when a file is missing, truncated or corrupted""",
+    "plan": f"""examples:
+  {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 8
+  {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 2 --operator source --json""",
+    "read": f"""examples:
+  {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total
+  {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total --key alice
+  {PROG} read /data/checkpoints/my-job/chk-42 --operator source --state offsets --format table
+  {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
+      --format csv {_S3} > items.csv
+--key takes the key as text for str keys, a number for int keys, JSON otherwise
+(e.g. '["alice", 3]' for a tuple key)""",
+    "savepoint": f"""examples:
+  {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
+  {PROG} savepoint trigger s3://bucket/checkpoints/my-job --wait 300 {_S3}""",
+    "savepoint create": f"""examples:
+  {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
+  {PROG} savepoint create --from s3://bucket/ckpt/my-job/chk-42 --to file:///backup/sp-42 \\
+      {_S3}
+the copy is checked file by file; _metadata is written last""",
+    "savepoint trigger": f"""examples:
+  {PROG} savepoint trigger /data/checkpoints/my-job
+  {PROG} savepoint trigger s3://bucket/ckpt/my-job --to s3://bucket/savepoints/v2 --wait 300 \\
+      {_S3}
+the running job's driver picks the request up between micro-batches; with --wait the
+savepoint's path is printed once it is complete""",
+    "gc": f"""examples:
+  {PROG} gc /data/checkpoints/my-job
+  {PROG} gc s3://bucket/checkpoints --apply {_S3}
+lists (or with --apply deletes) files no completed checkpoint or savepoint references:
+files of aborted checkpoints older than the newest completed one, stray files in completed
+checkpoints, unused files in shared/. Directories newer than the newest completed
+checkpoint may be pending and are never touched.""",
+}
+
+
+def _storage_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        help="an fsspec storage option for remote URLs, e.g. endpoint_url=http://host:9000 "
+        "for s3 (repeatable; VALUE is parsed as JSON if it can be). AWS credentials come "
+        "from the usual AWS environment variables and files",
+    )
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``statebackend`` command."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Look into, verify, read, copy and clean statebackend checkpoints and "
+        "savepoints on any fsspec storage (local paths, file://, s3://, ...).",
+        epilog="examples:\n  "
+        + "\n  ".join(
+            [
+                f"{PROG} list /data/checkpoints",
+                f"{PROG} inspect /data/checkpoints/my-job/chk-42",
+                f"{PROG} read /data/checkpoints/my-job/chk-42 --operator op --state total",
+                f"{PROG} <command> --help",
+            ]
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parent = _storage_parent()
+
+    def command(
+        name: str, help_text: str, run: Callable[[argparse.Namespace], int], sub: Any = commands
+    ) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(
+            name.rsplit(" ", 1)[-1],
+            help=help_text,
+            description=help_text,
+            epilog=_EXAMPLES[name],
+            parents=[parent],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(run=run)
+        return p
+
+    p = command("list", "the jobs in a directory and their checkpoints and savepoints", cmd_list)
+    p.add_argument("directory", metavar="DIR", help="the checkpoint directory, or a job's")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("inspect", "operators, states and subtasks of a checkpoint", cmd_inspect)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("verify", "check every file of a checkpoint by size and checksum", cmd_verify)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+
+    p = command("plan", "what each subtask would restore at another parallelism", cmd_plan)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P")
+    p.add_argument("--operator", metavar="OP", help="only this operator")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("read", "print a state's entries, without Spark", cmd_read)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("--operator", required=True, metavar="OP")
+    p.add_argument("--state", required=True, metavar="NAME")
+    p.add_argument("--key", metavar="K", help="only this key (reads only its key group)")
+    p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
+
+    savepoint = commands.add_parser(
+        "savepoint",
+        help="create a savepoint from a checkpoint, or ask a running job for one",
+        description="Create a savepoint from a checkpoint, or ask a running job for one.",
+        epilog=_EXAMPLES["savepoint"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = savepoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = command(
+        "savepoint create",
+        "copy a completed checkpoint into a self-contained savepoint",
+        cmd_savepoint_create,
+        actions,
+    )
+    p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
+    p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p = command(
+        "savepoint trigger",
+        "ask the running job in JOBDIR to take a savepoint",
+        cmd_savepoint_trigger,
+        actions,
+    )
+    p.add_argument("job_dir", metavar="JOBDIR", help="the job's checkpoint directory")
+    p.add_argument("--to", dest="target", metavar="DIR", help="where (default: JOBDIR/savepoints)")
+    p.add_argument(
+        "--wait", type=float, metavar="SECONDS", help="wait this long and print the path"
+    )
+
+    p = command("gc", "list or delete files no checkpoint or savepoint uses", cmd_gc)
+    p.add_argument("directory", metavar="DIR", help="a job's directory, or the directory of jobs")
+    p.add_argument("--apply", action="store_true", help="delete them (default: only list)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except StateBackendError as exc:
+        message = " ".join(str(exc).split())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. piped into head: stop quietly, as other tools do
+        with suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,73 @@
+"""``statebackend plan``: who would get what on a restore at another parallelism.
+
+Nothing is restored: the assignment comes from ``checkpoint.restore.plan_restore``;
+only the values of small operator states are read to show them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statebackend.checkpoint.restore import plan_restore
+from statebackend.tools.location import CheckpointRef
+from statebackend.tools.reader import (
+    decode_operator_state,
+    operator_of,
+    restored_operator_states,
+)
+
+MAX_SHOWN_VALUES = 64
+"""Operator states with at most this many elements in the checkpoint have their values
+shown."""
+
+
+def plan_operator(ref: CheckpointRef, operator_id: str, parallelism: int) -> list[dict[str, Any]]:
+    """Per new subtask of ``operator_id`` at ``parallelism``: its key-group range, the
+    bytes it reads from which old subtasks, and its operator-state elements as slices
+    ``[old subtask, first, end)`` (with their values where the state is small: records as
+    ``statebackend.tools.reader.decode_operator_state`` gives them)."""
+    snapshot = operator_of(ref, operator_id)
+    totals: dict[str, int] = {}
+    for handle in snapshot.operator_handles():
+        for name, info in (handle.states if handle else {}).items():
+            totals[name] = totals.get(name, 0) + len(info.elements)
+    small = {name for name, total in totals.items() if total <= MAX_SHOWN_VALUES}
+    plans = []
+    for plan in plan_restore(ref.metadata, operator_id, parallelism):
+        restored = (
+            restored_operator_states(ref, snapshot, plan.subtask, parallelism) if small else {}
+        )
+        operator_state = {}
+        for name, slices in sorted(plan.operator_elements.items()):
+            share: dict[str, Any] = {
+                "elements": sum(end - begin for _, begin, end in slices),
+                "slices": [list(s) for s in slices],
+            }
+            if name in small:
+                share["values"] = decode_operator_state(restored[name])
+            operator_state[name] = share
+        plans.append(
+            {
+                "subtask": plan.subtask,
+                "key_group_range": plan.key_group_range.to_json(),
+                "keyed_bytes": plan.keyed_bytes,
+                "keyed_sources": [
+                    {
+                        "old_subtask": s.old_subtask,
+                        "key_groups": s.key_groups.to_json(),
+                        "bytes": s.bytes,
+                    }
+                    for s in plan.keyed_sources
+                ],
+                "operator_state": operator_state,
+            }
+        )
+    return plans
+
+
+def plan_checkpoint(
+    ref: CheckpointRef, parallelism: int, operator_id: str | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """``plan_operator`` for one operator, or for every operator of the checkpoint."""
+    operators = sorted(ref.metadata.operators) if operator_id is None else [operator_id]
+    return {op: plan_operator(ref, op, parallelism) for op in operators}

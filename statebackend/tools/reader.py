@@ -1,0 +1,283 @@
+"""``statebackend read``: a state's entries straight from a checkpoint, without Spark.
+
+Keyed state is streamed key group by key group (ranged reads of the snapshot files) and
+decoded with the serializers the snapshot recorded; TTL-wrapped values are unwrapped and
+expired ones skipped. Operator state is read as a restore at parallelism 1 gets it: every
+element of split and union state, one copy of broadcast state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Any
+
+from statebackend.backends.keyed import StateMetaInfo
+from statebackend.backends.keyed_states import decode_list
+from statebackend.backends.operator import KEY_ROLE, VALUE_ROLE, NamedStateCut
+from statebackend.backends.stores import Entry
+from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.metadata import OperatorSnapshot
+from statebackend.checkpoint.savepoints import Progress
+from statebackend.errors import ConfigurationError
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group
+from statebackend.redistribution import DistributionMode
+from statebackend.serializers import Serializer, SerializerConfig, serializer_from_config
+from statebackend.snapshot.keyed_format import read_keyed_entries
+from statebackend.snapshot.operator_format import OperatorStateInfo, OperatorStateReader
+from statebackend.state.descriptors import StateKind
+from statebackend.state.ttl import TtlSerializer, TtlValue
+from statebackend.tools.location import CheckpointRef
+
+Record = dict[str, Any]
+"""One output line: ``{"key": ..., "value": ...}``, or ``{"value": ...}`` for list elements
+of operator state."""
+
+
+@dataclass(frozen=True)
+class StateSelection:
+    """One named state of one operator: keyed (``keyed`` set) or operator state."""
+
+    operator: OperatorSnapshot
+    name: str
+    keyed: StateMetaInfo | None = None
+    operator_state: OperatorStateInfo | None = None
+
+
+def operator_of(ref: CheckpointRef, operator_id: str) -> OperatorSnapshot:
+    """The operator's snapshot; ConfigurationError naming the known operators if absent."""
+    snapshot = ref.metadata.operators.get(operator_id)
+    if snapshot is None:
+        raise ConfigurationError(
+            f"{ref.directory} has no operator {operator_id!r}; "
+            f"it has {', '.join(sorted(ref.metadata.operators)) or 'none'}"
+        )
+    return snapshot
+
+
+def select_state(ref: CheckpointRef, operator_id: str, name: str) -> StateSelection:
+    """State ``name`` of ``operator_id`` (keyed state first, then operator state).
+
+    Raises ConfigurationError naming the operator's states if it has none of that name.
+    """
+    snapshot = operator_of(ref, operator_id)
+    names: set[str] = set()
+    for ack in snapshot.subtasks:
+        for meta in ack.keyed.states if ack.keyed is not None else ():
+            if meta.name == name:
+                return StateSelection(snapshot, name, keyed=meta)
+            names.add(meta.name)
+        for state_name, info in (ack.operator_state.states if ack.operator_state else {}).items():
+            if state_name == name:
+                return StateSelection(snapshot, name, operator_state=info)
+            names.add(state_name)
+    known = ", ".join(sorted(names)) or "none"
+    raise ConfigurationError(f"operator {operator_id!r} has no state {name!r}; it has {known}")
+
+
+def parse_key(text: str, config: SerializerConfig) -> Any:
+    """The key written as ``text`` on the command line, for the key serializer ``config``:
+    text for ``str``, a number for ``int``/``float``, JSON otherwise (a JSON array is a
+    tuple for ``tuple`` and ``pickle`` keys), falling back to the text itself."""
+    identity = config.get("identity")
+    try:
+        if identity == "str":
+            return text
+        if identity == "int":
+            return int(text)
+        if identity == "float":
+            return float(text)
+        if identity == "bytes":
+            return text.encode("utf-8")
+        if identity == "tuple":
+            fields = config.get("fields", [])
+            items = json.loads(text)
+            if not isinstance(items, list) or len(items) != len(fields):
+                raise ValueError(f"give a JSON array of {len(fields)} fields")
+            return tuple(
+                parse_key(item if isinstance(item, str) else json.dumps(item), field)
+                for item, field in zip(items, fields, strict=True)
+            )
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"key {text!r} does not fit the state's key serializer {identity}: {exc}"
+        ) from exc
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return tuple(value) if isinstance(value, list) and identity == "pickle" else value
+
+
+class _Decoder:
+    """Decodes stored bytes of one state; TTL-wrapped values become (alive, inner value)."""
+
+    def __init__(self, config: SerializerConfig, now_ms: float) -> None:
+        self.serializer: Serializer[Any] = serializer_from_config(config)
+        self.ttl = config.get("identity") == TtlSerializer.identity
+        self.now_ms = now_ms
+
+    def __call__(self, data: bytes) -> tuple[bool, Any]:
+        value = self.serializer.deserialize(data)
+        if self.ttl and isinstance(value, TtlValue):
+            return value.expires_at_ms > self.now_ms, value.value
+        return True, value
+
+
+NO_KEY: Any = object()
+"""The ``key`` argument meaning: all keys."""
+
+_EXPIRED = object()
+
+
+def _keyed_value(
+    kind: StateKind, entries: list[Entry], values: _Decoder, user_keys: Serializer[Any] | None
+) -> Any:
+    """The live value of one key from its entries (``_EXPIRED`` if all expired)."""
+    if kind is StateKind.MAP:
+        assert user_keys is not None
+        mapping = {}
+        for _, user_key, data in entries:
+            alive, value = values(data)
+            if alive:
+                mapping[user_keys.deserialize(user_key)] = value
+        return mapping or _EXPIRED
+    if kind is StateKind.LIST:
+        decoded = [values(element) for element in decode_list(entries[0][2])]
+        elements = [value for alive, value in decoded if alive]
+        return elements or _EXPIRED
+    alive, value = values(entries[0][2])
+    return value if alive else _EXPIRED
+
+
+def keyed_read_plan(
+    ref: CheckpointRef, selection: StateSelection, key: Any = NO_KEY
+) -> tuple[list[tuple[str, Any, KeyGroupRange]], bytes | None]:
+    """The (file path, handle, key groups) to read, and the serialized key if one is asked.
+
+    With a key only its key group is read, from the one handle that holds it.
+    """
+    handles = [ack.keyed for ack in selection.operator.subtasks if ack.keyed is not None]
+    if not handles:
+        return [], None
+    key_bytes = None
+    wanted = KeyGroupRange(0, ref.metadata.max_parallelism - 1)
+    if key is not NO_KEY:
+        key_bytes = serializer_from_config(handles[0].key_serializer).serialize(key)
+        group = assign_to_key_group(key_bytes, ref.metadata.max_parallelism)
+        wanted = KeyGroupRange(group, group)
+    plan = []
+    for handle in handles:
+        groups = handle.key_group_range.intersection(wanted)
+        if groups:
+            plan.append((join(ref.directory, handle.path), handle, groups))
+    return plan, key_bytes
+
+
+def read_bytes(ref: CheckpointRef, selection: StateSelection, key: Any = NO_KEY) -> int:
+    """How many bytes ``read_state`` reads (for a progress bar)."""
+    plan, _ = keyed_read_plan(ref, selection, key)
+    return sum(handle.bytes_for(groups) for _, handle, groups in plan)
+
+
+def read_keyed_state(
+    ref: CheckpointRef,
+    selection: StateSelection,
+    key: Any = NO_KEY,
+    progress: Progress | None = None,
+    now: float | None = None,
+) -> Iterator[Record]:
+    """``{"key", "value"}`` per key of a keyed state (only ``key`` if given), in key-group
+    order; map state values are dicts, list state values lists. Values expired at ``now``
+    (seconds, default the current time) are skipped."""
+    meta = selection.keyed
+    if meta is None:
+        raise ConfigurationError(f"state {selection.name!r} is not keyed state")
+    values = _Decoder(meta.serializers["value"], (time.time() if now is None else now) * 1000)
+    user_keys = (
+        serializer_from_config(meta.serializers["user_key"]) if meta.kind is StateKind.MAP else None
+    )
+
+    def read_range(path: str, start: int, length: int) -> bytes:
+        data = ref.fs.read_range(path, start, length)
+        if progress is not None:
+            progress(len(data))
+        return data
+
+    plan, key_bytes = keyed_read_plan(ref, selection, key)
+    for path, handle, groups in plan:
+        keys = serializer_from_config(handle.key_serializer)
+        entries = (
+            entry
+            for name, _, entry in read_keyed_entries(read_range, path, handle, groups)
+            if name == meta.name and (key_bytes is None or entry[0] == key_bytes)
+        )
+        for key_data, run in groupby(entries, key=lambda entry: entry[0]):
+            value = _keyed_value(meta.kind, list(run), values, user_keys)
+            if value is not _EXPIRED:
+                yield {"key": keys.deserialize(key_data), "value": value}
+
+
+def decode_operator_state(state: NamedStateCut) -> list[Record]:
+    """The records of one restored operator state: ``{"value"}`` per list element,
+    ``{"key", "value"}`` per broadcast entry."""
+    values = serializer_from_config(state.serializers[VALUE_ROLE])
+    if state.mode is not DistributionMode.BROADCAST:
+        return [{"value": values.deserialize(e)} for e in state.entries if isinstance(e, bytes)]
+    keys = serializer_from_config(state.serializers[KEY_ROLE])
+    return [
+        {"key": keys.deserialize(e[0]), "value": values.deserialize(e[1])}
+        for e in state.entries
+        if isinstance(e, tuple)
+    ]
+
+
+def restored_operator_states(
+    ref: CheckpointRef, operator: OperatorSnapshot, subtask: int, parallelism: int
+) -> dict[str, NamedStateCut]:
+    """The operator states new subtask ``subtask`` of ``parallelism`` would restore."""
+    reader = OperatorStateReader(operator.operator_handles(), ref.directory, ref.fs.read_range)
+    return dict(reader.restore_cut(subtask, parallelism).states)
+
+
+def read_state(
+    ref: CheckpointRef,
+    selection: StateSelection,
+    key: Any = NO_KEY,
+    progress: Progress | None = None,
+) -> Iterator[Record]:
+    """The records of the selected state (see ``read_keyed_state``); for operator state
+    every element (broadcast: every entry of one copy), filtered by ``key`` for broadcast
+    state."""
+    if selection.keyed is not None:
+        yield from read_keyed_state(ref, selection, key, progress)
+        return
+    states = restored_operator_states(ref, selection.operator, 0, 1)
+    for record in decode_operator_state(states[selection.name]):
+        if key is NO_KEY or record.get("key", NO_KEY) == key:
+            yield record
+
+
+def parse_selection_key(selection: StateSelection, text: str) -> Any:
+    """The ``--key`` text as a key of the selected state (keyed or broadcast state)."""
+    if selection.keyed is not None:
+        handle = next(ack.keyed for ack in selection.operator.subtasks if ack.keyed is not None)
+        return parse_key(text, handle.key_serializer)
+    info = selection.operator_state
+    if info is None or info.mode is not DistributionMode.BROADCAST:
+        raise ConfigurationError(
+            f"--key selects a key of keyed or broadcast state; {selection.name!r} is neither"
+        )
+    return parse_key(text, info.serializers[KEY_ROLE])
+
+
+def to_jsonable(value: Any) -> Any:
+    """``value`` if JSON can encode it, else its repr."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value

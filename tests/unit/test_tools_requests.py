@@ -1,0 +1,105 @@
+"""The savepoint request protocol between ``statebackend savepoint trigger`` and a driver,
+and the key parsing of ``statebackend read --key``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
+from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.requests import (
+    REQUESTS_DIR,
+    answer_savepoint_request,
+    pending_savepoint_requests,
+    request_savepoint,
+    wait_for_savepoint,
+)
+from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.serializers import (
+    IntSerializer,
+    JsonSerializer,
+    PickleSerializer,
+    Serializer,
+    StrSerializer,
+    TupleSerializer,
+)
+from statebackend.tools.reader import parse_key
+
+
+@pytest.fixture
+def fs() -> CheckpointFileSystem:
+    return open_filesystem("memory://")
+
+
+@pytest.fixture
+def job_dir() -> str:
+    return f"memory://requests-{uuid.uuid4().hex}/job"
+
+
+def test_requests_are_pending_until_answered(fs: CheckpointFileSystem, job_dir: str) -> None:
+    first = request_savepoint(fs, job_dir)
+    second = request_savepoint(fs, job_dir, "memory://elsewhere/sp")
+    pending = pending_savepoint_requests(fs, job_dir)
+    assert [r.request_id for r in pending] == [first, second]
+    assert pending[0].savepoint_dir(job_dir) == join(
+        job_dir, "savepoints", f"savepoint-request-{first}"
+    )
+    assert pending[1].savepoint_dir(job_dir) == "memory://elsewhere/sp"
+    answer_savepoint_request(fs, job_dir, pending[0], savepoint_path="memory://x/sp")
+    answer_savepoint_request(fs, job_dir, pending[1], error="disk full")
+    assert pending_savepoint_requests(fs, job_dir) == []
+    assert wait_for_savepoint(fs, job_dir, first, 0) == "memory://x/sp"
+    with pytest.raises(CheckpointError, match="disk full"):
+        wait_for_savepoint(fs, job_dir, second, 0)
+
+
+def test_an_answer_needs_exactly_a_path_or_an_error(fs: CheckpointFileSystem, job_dir: str) -> None:
+    request_savepoint(fs, job_dir)
+    [request] = pending_savepoint_requests(fs, job_dir)
+    for kwargs in ({}, {"savepoint_path": "p", "error": "e"}):
+        with pytest.raises(ConfigurationError):
+            answer_savepoint_request(fs, job_dir, request, **kwargs)
+
+
+def test_malformed_requests_are_answered_with_an_error(
+    fs: CheckpointFileSystem, job_dir: str
+) -> None:
+    request_id = "0000000000001-abcdef01"
+    fs.write_atomic(join(job_dir, REQUESTS_DIR, f"savepoint-{request_id}.json"), b"{not json")
+    assert pending_savepoint_requests(fs, job_dir) == []
+    with pytest.raises(CheckpointError, match="malformed"):
+        wait_for_savepoint(fs, job_dir, request_id, 0)
+
+
+def test_waiting_times_out_with_a_clear_error(fs: CheckpointFileSystem, job_dir: str) -> None:
+    request_id = request_savepoint(fs, job_dir)
+    slept: list[float] = []
+    with pytest.raises(CheckpointError, match="no answer"):
+        wait_for_savepoint(fs, job_dir, request_id, 0.05, poll_interval=0.01, sleep=slept.append)
+    assert slept and all(s <= 0.01 for s in slept)
+
+
+@pytest.mark.parametrize(
+    ("text", "serializer", "expected"),
+    [
+        ("alice", StrSerializer(), "alice"),
+        ("42", StrSerializer(), "42"),
+        ("42", IntSerializer(), 42),
+        ('["alice", 3]', TupleSerializer(StrSerializer(), IntSerializer()), ("alice", 3)),
+        ('{"a": 1}', JsonSerializer(), {"a": 1}),
+        ("[1, 2]", PickleSerializer(), (1, 2)),
+        ("plain text", PickleSerializer(), "plain text"),
+    ],
+)
+def test_keys_are_parsed_for_their_serializer(
+    text: str, serializer: Serializer[Any], expected: object
+) -> None:
+    assert parse_key(text, serializer.config()) == expected
+
+
+def test_a_key_that_does_not_fit_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="does not fit"):
+        parse_key("abc", IntSerializer().config())
