@@ -43,6 +43,9 @@ class Serializer(ABC, Generic[T]):
     version: ClassVar[int] = 1
     migrates_from: ClassVar[frozenset[str]] = frozenset()
     """Identities of other serializers whose stored bytes this one can take over."""
+    migratable_by_any: ClassVar[bool] = True
+    """Whether a serializer that takes over any stored state (pickle) may take over this
+    one's bytes: False for envelopes such as TTL, whose decoded values are not the user's."""
 
     def serialize(self, value: T) -> bytes:
         """The bytes of ``value``; SerializationError if this serializer cannot encode it."""
@@ -84,7 +87,11 @@ class Serializer(ABC, Generic[T]):
             if isinstance(version, int) and version <= self.version and identity in _REGISTRY:
                 return Compatibility.COMPATIBLE_AFTER_MIGRATION
             return Compatibility.INCOMPATIBLE
-        if identity in self.migrates_from or (self.migrates_from == _ANY and identity in _REGISTRY):
+        if identity in self.migrates_from or (
+            self.migrates_from == _ANY
+            and identity in _REGISTRY
+            and _REGISTRY[str(identity)].migratable_by_any
+        ):
             return Compatibility.COMPATIBLE_AFTER_MIGRATION
         return Compatibility.INCOMPATIBLE
 

@@ -134,11 +134,14 @@ class KeyedStateBackend(ABC):
         Raises StateAccessError for None or a key outside the owned key-group range,
         SerializationError for a key the key serializer cannot encode.
         """
+        if self._disposed:
+            self._check_open()
         if key is None:
             raise StateAccessError("None cannot be a key: give every record a key")
         encoded = self.key_serializer.serialize(key)
         key_group = assign_to_key_group(encoded, self.max_parallelism)
-        if key_group not in self.key_group_range:
+        owned = self.key_group_range
+        if not owned.start <= key_group <= owned.end:
             raise StateAccessError(
                 f"key {key!r} is in key group {key_group}, outside this backend's "
                 f"key-group range {self.key_group_range.start}..{self.key_group_range.end}: "
@@ -154,12 +157,14 @@ class KeyedStateBackend(ABC):
 
     def _require_current(self) -> CurrentKey:
         current = self._current
-        if current is None:
+        if current is None or self._disposed:
+            self._check_open()
             raise StateAccessError("no current key: call set_current_key(key) before using state")
         return current
 
     def keys(self, state_name: str) -> Iterator[Any]:
         """The keys that have a value in state ``state_name``, each once."""
+        self._check_open()
         store = self._stores.get(state_name)
         if store is None:
             raise StateAccessError(f"state {state_name!r} is not registered in this backend")
@@ -187,9 +192,11 @@ class KeyedStateBackend(ABC):
             store = self._stores[descriptor.name] = self._create_store(
                 descriptor.name, descriptor.kind is StateKind.MAP
             )
-        restored = self._restored.pop(descriptor.name, None)
+        restored = self._restored.get(descriptor.name)
         if restored is not None:
             self._take_over(restored, descriptor, store)
+            # Only once taken over: a failed attempt must not let a retry skip the checks.
+            del self._restored[descriptor.name]
         impl = STATE_IMPLEMENTATIONS[descriptor.kind](
             descriptor, store, self._require_current, self.clock
         )

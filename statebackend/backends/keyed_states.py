@@ -113,6 +113,11 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
     """ValueState over a StateStore."""
 
     def value(self) -> Any:
+        if self._ttl is None:  # the hot path, without TTL bookkeeping
+            data = self._store.get(self._current_key())
+            if data is None:
+                return self.descriptor.default
+            return self._serializer.deserialize(data)
         value = self._read_value()[1]
         return self.descriptor.default if value is None else value
 
@@ -120,6 +125,8 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         current = self._current_key()
         if value is None:
             self._store.delete(current)
+        elif self._ttl is None:
+            self._store.put(current, self._serializer.serialize(value))
         else:
             self._store.put(current, self._encode(value))
 
@@ -132,10 +139,18 @@ class ListStateImpl(KeyedStateImpl, ListState):
         data = self._store.get(current)
         if data is None:
             return []
-        decoded = [self._decode(e) for e in decode_list(data)]
+        elements = decode_list(data)
+        decoded = [self._decode(e) for e in elements]
         live = [value for alive, value in decoded if alive]
-        if len(live) != len(decoded) or (self._refresh_on_read and live):
+        if self._refresh_on_read and live:
             self._write(current, live)
+        elif len(live) != len(decoded):
+            # Drop the expired elements but keep the live ones' bytes (and expiry) as stored.
+            kept = [e for e, (alive, _) in zip(elements, decoded, strict=True) if alive]
+            if kept:
+                self._store.put(current, encode_list(kept))
+            else:
+                self._store.delete(current)
         return live
 
     def add(self, value: Any) -> None:
@@ -215,9 +230,7 @@ class MapStateImpl(KeyedStateImpl, MapState):
 
     def _user_key(self, user_key: Any) -> bytes:
         if user_key is None:
-            raise StateAccessError(
-                f"map state {self.descriptor.name!r} cannot take None as a key"
-            )
+            raise StateAccessError(f"map state {self.descriptor.name!r} cannot take None as a key")
         return self._user_keys.serialize(user_key)
 
     def get(self, user_key: Any) -> Any:
@@ -225,6 +238,8 @@ class MapStateImpl(KeyedStateImpl, MapState):
         data = self._store.map_get(current, encoded_key)
         if data is None:
             return None
+        if self._ttl is None:  # the hot path, without TTL bookkeeping
+            return self._serializer.deserialize(data)
         alive, value = self._decode(data)
         if not alive:
             self._store.map_remove(current, encoded_key)
@@ -234,7 +249,8 @@ class MapStateImpl(KeyedStateImpl, MapState):
         return value
 
     def put(self, user_key: Any, value: Any) -> None:
-        self.put_all({user_key: value})
+        encoded_key, encoded = self._user_key(user_key), self._encode(value)
+        self._store.map_put(self._current_key(), encoded_key, encoded)
 
     def put_all(self, entries: Mapping[Any, Any]) -> None:
         encoded = [(self._user_key(k), self._encode(v)) for k, v in entries.items()]

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from struct import Struct
+from typing import NamedTuple
 
 KEY_GROUP_PREFIX = Struct(">H")
 KEY_LENGTH = Struct(">I")
+_KEY_HEADER = Struct(">HI")  # KEY_GROUP_PREFIX then KEY_LENGTH, packed in one call
 
 
-@dataclass(frozen=True)
-class CurrentKey:
+class CurrentKey(NamedTuple):
     """A serialized key with its key group and composite-key prefix.
 
     The prefix is ``[key group: 2 bytes big-endian][key length: 4 bytes][key]``, so
     that byte order equals key-group order and one key's map entries are contiguous.
+    (A NamedTuple rather than a frozen dataclass: one is built per record, on the hot path.)
     """
 
     key_group: int
@@ -31,8 +32,7 @@ class CurrentKey:
     @classmethod
     def of(cls, key_group: int, key: bytes) -> CurrentKey:
         """The current-key record of serialized ``key`` in ``key_group``."""
-        prefix = KEY_GROUP_PREFIX.pack(key_group) + KEY_LENGTH.pack(len(key)) + key
-        return cls(key_group, key, prefix)
+        return cls(key_group, key, _KEY_HEADER.pack(key_group, len(key)) + key)
 
 
 def split_composite_key(composite: bytes) -> tuple[int, bytes, bytes]:

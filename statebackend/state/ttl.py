@@ -69,6 +69,7 @@ class TtlSerializer(Serializer[TtlValue]):
     """Encodes ``TtlValue`` as an 8-byte expiration then the inner serializer's bytes."""
 
     identity = "ttl"
+    migratable_by_any = False
 
     def __init__(self, inner: Serializer[Any]) -> None:
         self.inner = inner
