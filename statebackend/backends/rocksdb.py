@@ -5,10 +5,15 @@ One RocksDB instance per backend, one column family per state. Keys are composit
 one contiguous range and a key's map entries are one contiguous range. The synchronous
 part of a snapshot is a native RocksDB checkpoint (flush + hard links: its cost does not
 grow with the state), read back in the background from a read-only instance.
+
+``close()`` keeps the database on disk with the states' meta info (in the default column
+family), and ``open_existing=True`` reopens such a directory: an executor reuses its local
+state across micro-batches instead of restoring it from a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -17,7 +22,7 @@ from typing import Any, cast
 
 from rocksdict import AccessType, Checkpoint, Options, Rdict, WriteBatch
 
-from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend, StateMetaInfo
 from statebackend.backends.stores import (
     KEY_GROUP_PREFIX,
     CurrentKey,
@@ -26,9 +31,13 @@ from statebackend.backends.stores import (
     StateStoreView,
     split_composite_key,
 )
-from statebackend.errors import StateBackendError
+from statebackend.errors import IncompatibleStateError, StateBackendError
+from statebackend.serializers import Compatibility
+from statebackend.state.descriptors import StateKind
 
 _WRITE_BATCH_ENTRIES = 10_000
+_META_KEY = b"statebackend.meta"
+"""Key of the backend's meta info in the default column family (no state may use it)."""
 
 
 def _options() -> Options:
@@ -135,21 +144,90 @@ class RocksDBCheckpointView(StateStoreView):
 
 
 class RocksDBKeyedStateBackend(KeyedStateBackend):
-    """Keyed state in a local RocksDB under ``local_dir`` (created empty, owned by this
-    backend; removed by ``dispose``)."""
+    """Keyed state in a local RocksDB under ``local_dir``.
 
-    def __init__(self, local_dir: str | Path, **kwargs: Any) -> None:
+    By default the directory must be empty (or absent) and the backend owns it:
+    ``dispose`` removes it. With ``open_existing=True`` a database a previous backend left
+    there with ``close()`` is reopened with its states (they are taken over by
+    ``get_state`` as restored states are); its max parallelism, key-group range and key
+    serializer must be the ones given, else IncompatibleStateError.
+    """
+
+    def __init__(
+        self, local_dir: str | Path, *, open_existing: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.local_dir = Path(local_dir)
-        if self.local_dir.exists() and any(self.local_dir.iterdir()):
+        db_path = self.local_dir / "db"
+        reopen = open_existing and db_path.is_dir()
+        if not reopen and self.local_dir.exists() and any(self.local_dir.iterdir()):
             raise StateBackendError(
                 f"local RocksDB directory {self.local_dir} is not empty: give each "
                 f"backend its own directory, or remove the leftovers of a crashed run"
             )
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        self._db = Rdict(str(self.local_dir / "db"), _options())
         self._columns: dict[str, Rdict] = {}
         self._checkpoints = 0
+        self._keep_files = False
+        if reopen:
+            names = [n for n in Rdict.list_cf(str(db_path), _options()) if n != "default"]
+            self._db = Rdict(
+                str(db_path), _options(), column_families={n: _options() for n in names}
+            )
+            self._reopen()
+        else:
+            self._db = Rdict(str(db_path), _options())
+
+    def _meta_document(self) -> dict[str, Any]:
+        return {
+            "key_serializer": self.key_serializer.config(),
+            "max_parallelism": self.max_parallelism,
+            "key_group_range": self.key_group_range.to_json(),
+            "states": [meta.to_json() for meta in self.state_meta()],
+        }
+
+    def _reopen(self) -> None:
+        data = self._db.get(_META_KEY)
+        if data is None:
+            self._db.close()
+            raise StateBackendError(
+                f"{self.local_dir} holds a RocksDB without statebackend meta info (it was not "
+                f"closed with close()): remove the directory and restore from a checkpoint"
+            )
+        stored = json.loads(data)
+        expected = self._meta_document()
+        mismatch = [
+            name
+            for name in ("max_parallelism", "key_group_range")
+            if stored[name] != expected[name]
+        ]
+        if self.key_serializer.compatibility_with(stored["key_serializer"]) is not (
+            Compatibility.COMPATIBLE_AS_IS
+        ):
+            mismatch.append("key_serializer")
+        if mismatch:
+            self._db.close()
+            raise IncompatibleStateError(
+                f"the RocksDB in {self.local_dir} was written with another "
+                f"{', '.join(mismatch)} ({[stored[n] for n in mismatch]}): it cannot be reused"
+            )
+        for document in stored["states"]:
+            meta = StateMetaInfo.from_json(document)
+            column = self._db.get_column_family(meta.name)
+            self._columns[meta.name] = column
+            self._restored[meta.name] = meta
+            self._stores[meta.name] = RocksDBStateStore(
+                self._db, column, meta.name, meta.kind is StateKind.MAP
+            )
+
+    def close(self) -> None:
+        """Close the database but keep it on disk, with the states' meta info, so that a
+        later backend can reopen it with ``open_existing=True``."""
+        if self._disposed:
+            return
+        self._db[_META_KEY] = json.dumps(self._meta_document()).encode("utf-8")
+        self._keep_files = True
+        self.dispose()
 
     def _create_store(self, name: str, is_map: bool) -> StateStore:
         column = self._db.create_column_family(name, _options())
@@ -182,4 +260,5 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         for column in self._columns.values():
             column.close()
         self._db.close()
-        shutil.rmtree(self.local_dir, ignore_errors=True)
+        if not self._keep_files:
+            shutil.rmtree(self.local_dir, ignore_errors=True)

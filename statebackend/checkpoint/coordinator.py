@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot, SubtaskAck
 from statebackend.checkpoint.savepoints import copy_checkpoint
@@ -31,6 +32,7 @@ class PendingCheckpoint:
     triggered_at: float
     expected: dict[str, int]
     savepoint_dir: str | None = None
+    properties: dict[str, Any] = field(default_factory=dict)
     acks: dict[tuple[str, int], SubtaskAck] = field(default_factory=dict)
 
     def missing(self) -> list[tuple[str, int]]:
@@ -71,12 +73,18 @@ class CheckpointCoordinator:
         self.pending: dict[int, PendingCheckpoint] = {}
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
 
-    def trigger(self, expected: Mapping[str, int], *, savepoint_dir: str | None = None) -> int:
+    def trigger(
+        self,
+        expected: Mapping[str, int],
+        *,
+        savepoint_dir: str | None = None,
+        properties: Mapping[str, Any] | None = None,
+    ) -> int:
         """Start checkpoint N expecting ``expected[operator]`` subtasks of each operator.
 
         With ``savepoint_dir`` the completed checkpoint is also copied there as a
-        self-contained savepoint. Raises CheckpointError if as many checkpoints as allowed
-        are pending already.
+        self-contained savepoint. ``properties`` (JSON-able) go into ``_metadata``.
+        Raises CheckpointError if as many checkpoints as allowed are pending already.
         """
         if len(self.pending) >= self.max_concurrent:
             raise CheckpointError(
@@ -88,7 +96,7 @@ class CheckpointCoordinator:
         checkpoint_id = self._next_id
         self._next_id += 1
         self.pending[checkpoint_id] = PendingCheckpoint(
-            checkpoint_id, self.clock(), dict(expected), savepoint_dir
+            checkpoint_id, self.clock(), dict(expected), savepoint_dir, dict(properties or {})
         )
         return checkpoint_id
 
@@ -164,6 +172,7 @@ class CheckpointCoordinator:
             operators=operators,
             triggered_at=pending.triggered_at,
             completed_at=self.clock(),
+            properties=pending.properties,
         )
         directory = self.storage.complete(metadata)
         del self.pending[pending.checkpoint_id]

@@ -1,0 +1,167 @@
+"""Our Spark runtime against Spark's own stateful APIs on the same workload.
+
+Workload (``spark_baseline.py``): N events ``(user, amount)`` over K users; per user keep
+the count and the sum of ``amount``; micro-batches of B events. Ours: ``StatefulJob``
+over two source partitions (B/2 records each per batch, so B per batch), RocksDB keyed
+state, a checkpoint after every batch (as Spark's state store commits every batch), in
+the same local[2] session. Spark: ``applyInPandasWithState`` and
+``transformWithStateInPandas`` with the RocksDB state store provider. Every run's final
+state is checked against a plain-Python computation.
+
+    python scripts/bench/spark_state.py [--events N --keys K --batch-size B] [--json]
+
+Prints events/s, the ratio ours / the faster Spark API (target >= 10x) and the per-batch
+checkpoint wait of ours (how long the driver waited for the previous checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import spark_baseline  # noqa: E402
+
+from statebackend.serializers import IntSerializer  # noqa: E402
+from statebackend.spark.api import KeyedContext, KeyedFunction  # noqa: E402
+from statebackend.spark.conf import StateBackendConf  # noqa: E402
+from statebackend.spark.runner import RunSummary, StatefulJob  # noqa: E402
+from statebackend.spark.source import LogSource, partition_path  # noqa: E402
+from statebackend.spark.state_reader import read_state  # noqa: E402
+from statebackend.state.descriptors import ValueStateDescriptor  # noqa: E402
+from statebackend.state.interfaces import ValueState  # noqa: E402
+
+OPERATOR_ID = "count-sum"
+COUNT = ValueStateDescriptor("count", IntSerializer(), default=0)
+SUM = ValueStateDescriptor("sum", IntSerializer(), default=0)
+SOURCE_PARTITIONS = 2
+
+
+class CountSum(KeyedFunction):
+    """Per user: the number of events and the sum of their amounts."""
+
+    def open(self, ctx: KeyedContext) -> None:
+        """Register the two states."""
+        self.count = cast(ValueState, ctx.get_state(COUNT))
+        self.sum = cast(ValueState, ctx.get_state(SUM))
+
+    def process(self, key: Any, values: list[Any], ctx: KeyedContext) -> list[Any]:
+        """Add the batch's events of ``key``; output nothing (as the baselines)."""
+        self.count.update(self.count.value() + len(values))
+        self.sum.update(self.sum.value() + sum(v["amount"] for v in values))
+        return []
+
+
+def _write_input(workload: spark_baseline.Workload, directory: Path) -> None:
+    directory.mkdir(parents=True)
+    files = [
+        partition_path(directory, p).open("w", encoding="utf-8") for p in range(SOURCE_PARTITIONS)
+    ]
+    for i, (user, amount) in enumerate(
+        zip(workload.users.tolist(), workload.amounts.tolist(), strict=True)
+    ):
+        files[i % SOURCE_PARTITIONS].write(json.dumps({"user": str(user), "amount": amount}))
+        files[i % SOURCE_PARTITIONS].write("\n")
+    for f in files:
+        f.close()
+
+
+def run_ours(spark: Any, workload: spark_baseline.Workload, batch_size: int) -> RunSummary:
+    """Run the workload through StatefulJob; check the final state; return the summary."""
+    workdir = Path(tempfile.mkdtemp(prefix="statebackend-bench-"))
+    _write_input(workload, workdir / "input")
+    summary = StatefulJob(
+        spark,
+        job_id="bench",
+        source=LogSource(str(workdir / "input")),
+        operator_id=OPERATOR_ID,
+        key_by="user",
+        function=CountSum(),
+        parallelism=2,
+        batch_size=max(1, batch_size // SOURCE_PARTITIONS),
+        checkpoint_every=1,
+        restore=None,
+        conf=StateBackendConf(
+            checkpoint_dir=(workdir / "checkpoints").as_uri(), local_dir=str(workdir / "local")
+        ),
+    ).run()
+    assert summary.last_checkpoint is not None
+    counts: dict[str, int] = dict(
+        read_state(spark, summary.last_checkpoint, OPERATOR_ID, "count").collect()
+    )
+    sums: dict[str, int] = dict(
+        read_state(spark, summary.last_checkpoint, OPERATOR_ID, "sum").collect()
+    )
+    got = {int(user): (counts[user], sums[user]) for user in counts}
+    if got != workload.expected:
+        raise SystemExit("spark_state: our final state differs from the plain-Python totals")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ours and the baselines; print a table (or JSON lines with --json)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--keys", type=int, default=2_000)
+    parser.add_argument("--batch-size", type=int, default=5_000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    spark = spark_baseline.create_session()
+    try:
+        workload = spark_baseline.make_workload(args.events, args.keys)
+        run_ours(spark, spark_baseline.make_workload(2_000, 100, 1), 1_000)  # warm-up
+        ours = run_ours(spark, workload, args.batch_size)
+        baselines = spark_baseline.run_baselines(
+            args.events, args.keys, args.batch_size, spark=spark
+        )
+    finally:
+        spark.stop()
+    ours_rate = args.events / ours.seconds
+    best = max(result.events_per_second for result in baselines.values())
+    waits = ours.checkpoint_waits or [0.0]
+    rows: list[dict[str, Any]] = [
+        {
+            "name": "statebackend",
+            "events_per_second": ours_rate,
+            "seconds": ours.seconds,
+            "ratio_to_best_spark": ours_rate / best,
+            "batches": ours.batches,
+            "checkpoint_wait_mean_ms": 1000 * sum(waits) / len(waits),
+            "checkpoint_wait_max_ms": 1000 * max(waits),
+            "sync_cut_max_ms": 1000 * max(ours.sync_seconds or [0.0]),
+        }
+    ]
+    for name, result in baselines.items():
+        rows.append(
+            {
+                "name": name,
+                "events_per_second": result.events_per_second,
+                "seconds": result.seconds,
+                "ratio_to_best_spark": result.events_per_second / best,
+            }
+        )
+    if args.json:
+        for row in rows:
+            print(json.dumps({"events": args.events, "keys": args.keys, **row}))
+        return
+    print(f"N={args.events} K={args.keys} B={args.batch_size} (local[2])")
+    print(f"{'strategy':<32}{'events/s':>12}{'seconds':>10}{'x best Spark':>14}")
+    for row in rows:
+        print(
+            f"{row['name']:<32}{row['events_per_second']:>12.0f}{row['seconds']:>10.1f}"
+            f"{row['ratio_to_best_spark']:>14.1f}"
+        )
+    print(
+        f"ours: {ours.batches} batches, checkpoint wait per batch mean "
+        f"{rows[0]['checkpoint_wait_mean_ms']:.1f} ms, max {rows[0]['checkpoint_wait_max_ms']:.1f}"
+        f" ms; longest synchronous cut {rows[0]['sync_cut_max_ms']:.1f} ms; target ours >= 10x"
+    )
+
+
+if __name__ == "__main__":
+    main()

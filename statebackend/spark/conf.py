@@ -1,0 +1,168 @@
+"""The runtime's settings: ``spark.statebackend.*`` keys of a SparkConf, with defaults.
+
+Every key is listed in ``KEYS`` (and documented in ``conf/statebackend.conf``, which
+``spark-submit --properties-file`` accepts). Storage options for fsspec are free-form:
+``spark.statebackend.storage.<option>`` (e.g. ``.storage.endpoint_url``). An unknown
+``spark.statebackend.*`` key or a malformed value is a ConfigurationError naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statebackend.checkpoint.coordinator import DEFAULT_RETAINED, DEFAULT_TIMEOUT_SECONDS
+from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
+from statebackend.errors import ConfigurationError
+from statebackend.snapshot.frames import CODECS
+
+PREFIX = "spark.statebackend."
+STORAGE_PREFIX = PREFIX + "storage."
+BACKENDS = ("rocksdb",)
+
+
+def _positive_int(key: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigurationError(f"{key}={text!r} is invalid: give an integer >= 1")
+    return value
+
+
+def _positive_float(key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigurationError(f"{key}={text!r} is invalid: give a number of seconds > 0")
+    return value
+
+
+def _choice(options: Iterable[str]) -> Callable[[str, str], str]:
+    allowed = tuple(options)
+
+    def parse(key: str, text: str) -> str:
+        if text not in allowed:
+            raise ConfigurationError(f"{key}={text!r} is invalid: choose one of {list(allowed)}")
+        return text
+
+    return parse
+
+
+def _text(key: str, text: str) -> str:
+    return text
+
+
+def _optional_int(key: str, text: str) -> int | None:
+    return None if text in ("", "auto") else _positive_int(key, text)
+
+
+KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "backend": ("backend", _choice(BACKENDS)),
+    "checkpoint.dir": ("checkpoint_dir", _text),
+    "checkpoint.interval": ("checkpoint_interval", _positive_int),
+    "checkpoint.retained": ("retained", _positive_int),
+    "checkpoint.timeout": ("timeout_seconds", _positive_float),
+    "checkpoint.max-retries": ("max_retries", _positive_int),
+    "max-parallelism": ("max_parallelism", _optional_int),
+    "local.dir": ("local_dir", _text),
+    "transfer.threads": ("transfer_threads", _positive_int),
+    "compression": ("compression", _choice(CODECS)),
+}
+"""``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
+
+
+def default_local_dir() -> str:
+    """Where executors keep their RocksDB instances unless ``local.dir`` is set: one
+    host-wide directory, so every executor process on a host finds the local copies."""
+    return str(Path(tempfile.gettempdir()) / "statebackend-local")
+
+
+@dataclass(frozen=True)
+class StateBackendConf:
+    """The runtime's settings (see ``conf/statebackend.conf`` for each one's meaning)."""
+
+    backend: str = "rocksdb"
+    checkpoint_dir: str = ""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    checkpoint_interval: int = 10
+    retained: int = DEFAULT_RETAINED
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    max_retries: int = 3
+    max_parallelism: int | None = None
+    local_dir: str = field(default_factory=default_local_dir)
+    transfer_threads: int = DEFAULT_TRANSFER_THREADS
+    compression: str = "lz4"
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[str, str]], **overrides: Any) -> StateBackendConf:
+        """Settings from (key, value) pairs (a SparkConf's ``getAll()``), then overrides.
+
+        Pairs outside ``spark.statebackend.`` are ignored; overrides are field values.
+        """
+        values: dict[str, Any] = {}
+        storage: dict[str, Any] = {}
+        for key, text in pairs:
+            if not key.startswith(PREFIX):
+                continue
+            if key.startswith(STORAGE_PREFIX):
+                option = key[len(STORAGE_PREFIX) :]
+                if not option:
+                    raise ConfigurationError(f"{key} names no storage option")
+                storage[option] = text
+                continue
+            spec = KEYS.get(key[len(PREFIX) :])
+            if spec is None:
+                known = ", ".join(PREFIX + name for name in KEYS)
+                raise ConfigurationError(
+                    f"unknown setting {key}: the known ones are {known} and "
+                    f"{STORAGE_PREFIX}<option>"
+                )
+            name, parse = spec
+            values[name] = parse(key, text.strip())
+        values["storage_options"] = storage
+        conf = cls(**values)
+        return conf.with_overrides(**overrides) if overrides else conf
+
+    @classmethod
+    def from_spark_conf(cls, spark_conf: Any, **overrides: Any) -> StateBackendConf:
+        """Settings from a ``pyspark.SparkConf`` (or anything with ``getAll()``)."""
+        return cls.from_pairs(spark_conf.getAll(), **overrides)
+
+    def with_overrides(self, **overrides: Any) -> StateBackendConf:
+        """A copy with some fields replaced; storage options are merged, not replaced."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigurationError(f"unknown state backend settings {unknown}")
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        if "storage_options" in changes:
+            changes["storage_options"] = {**self.storage_options, **changes["storage_options"]}
+        return dataclasses.replace(self, **changes)
+
+    def require_checkpoint_dir(self) -> str:
+        """The checkpoint directory, or ConfigurationError if none was set."""
+        if not self.checkpoint_dir:
+            raise ConfigurationError(
+                f"no checkpoint directory: set {PREFIX}checkpoint.dir (or --checkpoint-dir)"
+            )
+        return self.checkpoint_dir
+
+
+def parse_storage_options(items: Iterable[str]) -> Mapping[str, str]:
+    """``k=v`` strings (e.g. from ``--storage-option``) as a dict; ConfigurationError on a
+    string without ``=``."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigurationError(f"storage option {item!r} is invalid: write key=value")
+        options[key] = value
+    return options

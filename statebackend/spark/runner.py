@@ -1,0 +1,530 @@
+"""StatefulJob: the driver loop of micro-batches, checkpoints, failure recovery, rescale.
+
+Each micro-batch is one Spark job: ``parallelize(range(P), P)`` runs the source subtasks,
+``partitionBy(P, identity)`` shuffles records to the keyed subtask of their key group, the
+keyed subtasks run the user's function over their executor-local RocksDB, and ``collect()``
+brings back small per-subtask results (new source offsets, counts, restore bytes).
+
+The driver holds the source operator state (the offsets, tiny) and writes it into each
+checkpoint as operator-state snapshots of operator ``source``. A checkpoint is triggered
+before its batch runs; keyed subtasks take their cut at the end of the batch and upload
+in the background; the driver polls the acks between batches and completes the
+checkpoint. Batch N+1 does not wait for checkpoint N's upload; the next checkpoint waits
+for the previous one (at most one is pending), and that wait is measured.
+
+On a failed batch the driver aborts pending checkpoints, starts a new restore
+generation (every keyed subtask wipes its local copy and restores from the latest
+completed checkpoint), resets the source offsets to that checkpoint's, and replays. State
+is exactly-once. Deterministic errors (a malformed input line, incompatible state) stop
+the run at once instead; other failures are retried up to ``max_retries`` times.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from statebackend.backends.operator import OperatorStateBackend
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.layout import validate_id
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
+from statebackend.checkpoint.requests import (
+    SavepointRequest,
+    answer_savepoint_request,
+    pending_savepoint_requests,
+)
+from statebackend.checkpoint.restore import (
+    check_max_parallelism,
+    check_operators,
+    restore_operator_state,
+)
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import (
+    CheckpointError,
+    ConfigurationError,
+    IncompatibleStateError,
+    SerializationError,
+    SourceError,
+    StateAccessError,
+    StateBackendError,
+)
+from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
+from statebackend.serializers import Serializer, StrSerializer
+from statebackend.spark.api import KeyedFunction
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.local_state import LocalVersion
+from statebackend.spark.source import (
+    LogSource,
+    Offsets,
+    assign_partitions,
+    iter_owned,
+    key_selector,
+    offsets_state,
+)
+from statebackend.spark.tasks import (
+    KeyedPlan,
+    KeyedResult,
+    SourcePlan,
+    StorageSpec,
+    keyed_task,
+    source_task,
+)
+
+SOURCE_OPERATOR = "source"
+_POLL_SECONDS = 0.05
+_FATAL_ERRORS: dict[str, type[StateBackendError]] = {
+    cls.__name__: cls
+    for cls in (
+        SourceError,
+        IncompatibleStateError,
+        SerializationError,
+        StateAccessError,
+        ConfigurationError,
+    )
+}
+_TASK_ERROR = re.compile(r"statebackend\.errors\.(\w+): ([^\n]*)")
+
+
+class JobFailedError(StateBackendError):
+    """A job kept failing after ``max_retries`` recoveries."""
+
+
+@dataclass
+class RunSummary:
+    """What one ``StatefulJob.run()`` did."""
+
+    job_id: str
+    parallelism: int
+    max_parallelism: int
+    restored_from: str | None
+    batches: int = 0
+    records: int = 0
+    outputs: int = 0
+    skipped: int = 0
+    failures: int = 0
+    checkpoints: list[str] = field(default_factory=list)
+    savepoints: list[str] = field(default_factory=list)
+    checkpoint_waits: list[float] = field(default_factory=list)
+    """Seconds the driver waited for a checkpoint before going on (per checkpoint)."""
+    sync_seconds: list[float] = field(default_factory=list)
+    """Longest synchronous cut of a keyed subtask, per checkpoint."""
+    restored_bytes: list[int] = field(default_factory=list)
+    """Bytes keyed subtasks read from checkpoint storage, per batch."""
+    reused_subtasks: list[int] = field(default_factory=list)
+    """Keyed subtasks that reused their local state, per batch."""
+    seconds: float = 0.0
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The run's final completed checkpoint."""
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    def describe(self) -> str:
+        """A short human-readable summary."""
+        waits = self.checkpoint_waits or [0.0]
+        return (
+            f"job {self.job_id}: {self.batches} batches, {self.records} records, "
+            f"{self.outputs} output rows, {self.skipped} skipped lines at parallelism "
+            f"{self.parallelism} (max {self.max_parallelism}) in {self.seconds:.1f} s; "
+            f"restored from {self.restored_from or 'nothing'}; {len(self.checkpoints)} "
+            f"checkpoints (wait max {max(waits) * 1000:.0f} ms), {self.failures} failures "
+            f"recovered; last checkpoint {self.last_checkpoint}"
+        )
+
+
+def _describe_key_by(key_by: Any) -> str:
+    return key_by if isinstance(key_by, str) else getattr(key_by, "__qualname__", repr(key_by))
+
+
+def _task_error(exc: BaseException) -> StateBackendError | None:
+    """The deterministic statebackend error a Spark job failed with, if any."""
+    for name, message in _TASK_ERROR.findall(str(exc)):
+        cls = _FATAL_ERRORS.get(name)
+        if cls is not None:
+            return cls(message)
+    return None
+
+
+@dataclass
+class _Pending:
+    checkpoint_id: int
+    batch_id: int
+    savepoint_request: SavepointRequest | None
+
+
+class StatefulJob:
+    """A keyed stateful job over a partitioned log source, run as Spark micro-batches.
+
+    ``key_by`` is a record field name or a function record -> key. ``restore`` is
+    ``"latest"`` (the job's newest completed checkpoint, if any), a checkpoint or
+    savepoint directory, or None (start empty). ``checkpoint_every`` defaults to the
+    conf's ``checkpoint.interval``; ``conf`` defaults to the SparkConf's
+    ``spark.statebackend.*`` settings.
+    """
+
+    def __init__(
+        self,
+        spark: Any,
+        job_id: str,
+        source: LogSource,
+        operator_id: str,
+        key_by: Any,
+        function: KeyedFunction,
+        parallelism: int,
+        batch_size: int = 1000,
+        checkpoint_every: int | None = None,
+        restore: str | None = "latest",
+        output_dir: str | None = None,
+        conf: StateBackendConf | None = None,
+        key_serializer: Serializer[Any] | None = None,
+    ) -> None:
+        self.spark = spark
+        self.job_id = validate_id(job_id, "job id")
+        self.operator_id = validate_id(operator_id, "operator id")
+        if self.operator_id == SOURCE_OPERATOR:
+            raise ConfigurationError(f"operator id {SOURCE_OPERATOR!r} is the source's: rename")
+        self.source = source
+        self.key_by = key_by
+        self.function = function
+        self.parallelism = parallelism
+        if batch_size < 1:
+            raise ConfigurationError(f"batch size {batch_size!r} is invalid: give >= 1")
+        self.batch_size = batch_size
+        self.conf = conf or StateBackendConf.from_spark_conf(spark.sparkContext.getConf())
+        self.checkpoint_every = checkpoint_every or self.conf.checkpoint_interval
+        if self.checkpoint_every < 1:
+            raise ConfigurationError(f"checkpoint_every {checkpoint_every!r}: give >= 1")
+        self.restore = restore
+        self.output_dir = output_dir
+        self.key_serializer = key_serializer or StrSerializer()
+        reuse = spark.sparkContext.getConf().get("spark.python.worker.reuse", "true")
+        self._wait_for_uploads = reuse.lower() != "true"
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _resolve_restore(self, storage: CheckpointStorage) -> str | None:
+        if self.restore is None or self.restore == "none":
+            return None
+        if self.restore == "latest":
+            return storage.latest_completed()
+        return storage.resolve(self.restore)
+
+    def _check_metadata(self, metadata: CheckpointMetadata, where: str) -> None:
+        if metadata.job_id != self.job_id and not metadata.is_savepoint:
+            raise ConfigurationError(
+                f"{where} is a checkpoint of job {metadata.job_id!r}, not of {self.job_id!r}: "
+                f"use that job id, or restore from a savepoint"
+            )
+        check_operators(metadata, {SOURCE_OPERATOR, self.operator_id}, False)
+        if self.operator_id not in metadata.operators:
+            raise IncompatibleStateError(
+                f"{where} has no state of operator {self.operator_id!r} (it has "
+                f"{sorted(metadata.operators)}): it belongs to another job"
+            )
+        recorded = metadata.properties.get("key_by")
+        if recorded is not None and recorded != _describe_key_by(self.key_by):
+            raise IncompatibleStateError(
+                f"{where} was keyed by {recorded!r}, but this job keys by "
+                f"{_describe_key_by(self.key_by)!r}: its key groups would not match"
+            )
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        """Consume what is in the input, checkpoint, and return a summary.
+
+        Ends when the source has nothing new and the final checkpoint is complete.
+        Raises a StateBackendError with a clear message on bad input, an unusable
+        checkpoint, or after ``max_retries`` failed recoveries; checkpoints stay intact.
+        """
+        started = time.perf_counter()
+        self.source.check()
+        conf = self.conf
+        storage = CheckpointStorage(
+            conf.require_checkpoint_dir(),
+            self.job_id,
+            storage_options=conf.storage_options,
+            transfer_threads=conf.transfer_threads,
+            compression=conf.compression,
+        )
+        try:
+            return self._run(storage, started)
+        finally:
+            storage.close()
+
+    def _run(self, storage: CheckpointStorage, started: float) -> RunSummary:
+        restore_dir = self._resolve_restore(storage)
+        metadata = None
+        if restore_dir is not None:
+            metadata = storage.load(restore_dir)
+            self._check_metadata(metadata, restore_dir)
+            max_parallelism = check_max_parallelism(metadata, self.conf.max_parallelism)
+        else:
+            max_parallelism = self.conf.max_parallelism or compute_default_max_parallelism(
+                self.parallelism
+            )
+        check_parallelism(self.parallelism, max_parallelism)
+        self._storage = storage
+        self._max_parallelism = max_parallelism
+        self._coordinator = CheckpointCoordinator(
+            storage,
+            max_parallelism=max_parallelism,
+            retained=self.conf.retained,
+            timeout_seconds=self.conf.timeout_seconds,
+        )
+        self._summary = RunSummary(self.job_id, self.parallelism, max_parallelism, restore_dir)
+        self._run_id = uuid.uuid4().hex[:12]
+        self._generation = 0
+        self._pending: _Pending | None = None
+        self._restore_point = restore_dir
+        self._reset(metadata)
+        retries = 0
+        since_checkpoint = 0
+        while True:
+            self._discover_partitions()
+            more = self._has_input()
+            if not more:
+                self._wait_pending()
+            request = self._savepoint_request()
+            if not more and request is None and self._covered():
+                break
+            checkpoint = (
+                not more or request is not None or since_checkpoint + 1 >= (self.checkpoint_every)
+            )
+            try:
+                self._batch(read_source=more, checkpoint=checkpoint, request=request)
+                if not more and not self._wait_pending():
+                    raise JobFailedError(
+                        f"job {self.job_id}: its final checkpoint did not complete within "
+                        f"{self.conf.timeout_seconds:g} s"
+                    )
+            except StateBackendError:
+                self._coordinator.abort_all()
+                raise
+            except Exception as exc:
+                retries = self._recover(exc, retries)
+                since_checkpoint = 0
+                continue
+            since_checkpoint = 0 if checkpoint else since_checkpoint + 1
+            if checkpoint and self._poll():
+                retries = 0
+        self._summary.seconds = time.perf_counter() - started
+        return self._summary
+
+    def _covered(self) -> bool:
+        """Whether a completed checkpoint holds everything the run did so far."""
+        return (
+            self._pending is None
+            and self._restore_point is not None
+            and self._previous_batch == self._covered_batch
+        )
+
+    # -- state of the driver ----------------------------------------------------------------
+
+    def _reset(self, metadata: CheckpointMetadata | None) -> None:
+        """Source state and batch counter from the restore point (or fresh)."""
+        p = self.parallelism
+        if metadata is None or self._restore_point is None:
+            shares = assign_partitions(self.source.partitions(), p)
+            self._source_states = [OperatorStateBackend() for _ in range(p)]
+            for backend, share in zip(self._source_states, shares, strict=True):
+                offsets_state(backend).update(share)
+            self._next_batch = 0
+        else:
+            self._source_states = [
+                restore_operator_state(
+                    self._storage.fs, self._restore_point, metadata, SOURCE_OPERATOR, i, p
+                )
+                for i in range(p)
+            ]
+            self._next_batch = int(metadata.properties.get("next_batch", 0))
+        self._generation += 1
+        self._previous_batch: int | None = None
+        self._covered_batch: int | None = None
+
+    def _offsets(self) -> list[Offsets]:
+        return [list(offsets_state(backend).get()) for backend in self._source_states]
+
+    def _discover_partitions(self) -> None:
+        offsets = self._offsets()
+        owned = {partition for partition, _ in iter_owned(offsets)}
+        for partition in self.source.partitions():
+            if partition not in owned:
+                offsets_state(self._source_states[partition % self.parallelism]).add((partition, 0))
+
+    def _has_input(self) -> bool:
+        return any(
+            self.source.has_complete_line(partition, offset)
+            for partition, offset in iter_owned(self._offsets())
+        )
+
+    def _recover(self, exc: Exception, retries: int) -> int:
+        fatal = _task_error(exc)
+        self._coordinator.abort_all()
+        if self._pending is not None and self._pending.savepoint_request is not None:
+            self._answer(self._pending.savepoint_request, None, f"the job failed: {exc}")
+        self._pending = None
+        if fatal is not None:
+            raise fatal from None
+        retries += 1
+        self._summary.failures += 1
+        if retries > self.conf.max_retries:
+            raise JobFailedError(
+                f"job {self.job_id} failed {retries} times in a row, giving up; the last "
+                f"error: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}. "
+                f"Its completed checkpoints are intact: fix the cause and rerun with "
+                f"--restore latest"
+            ) from exc
+        metadata = None if self._restore_point is None else self._storage.load(self._restore_point)
+        self._reset(metadata)
+        return retries
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _savepoint_request(self) -> SavepointRequest | None:
+        requests = pending_savepoint_requests(self._storage.fs, self._storage.layout.job_dir)
+        return requests[0] if requests else None
+
+    def _answer(self, request: SavepointRequest, path: str | None, error: str | None) -> None:
+        answer_savepoint_request(
+            self._storage.fs, self._storage.layout.job_dir, request, path, error
+        )
+
+    def _poll(self) -> bool:
+        """Poll the pending checkpoint; True if it completed now."""
+        pending = self._pending
+        if pending is None:
+            return False
+        try:
+            result = self._coordinator.poll(pending.checkpoint_id)
+        except CheckpointError as exc:  # timed out and aborted: the job goes on
+            self._pending = None
+            if pending.savepoint_request is not None:
+                self._answer(pending.savepoint_request, None, str(exc))
+            return False
+        if result is None:
+            return False
+        self._pending = None
+        self._covered_batch = pending.batch_id
+        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
+        self._summary.checkpoints.append(checkpoint_dir)
+        self._restore_point = checkpoint_dir
+        if pending.savepoint_request is not None:
+            self._summary.savepoints.append(result)
+            self._answer(pending.savepoint_request, result, None)
+        return True
+
+    def _wait_pending(self) -> bool:
+        """Wait until no checkpoint is pending; record the wait. True unless the pending
+        checkpoint was aborted."""
+        if self._pending is None:
+            return True
+        started = time.perf_counter()
+        completed = False
+        while self._pending is not None:
+            completed = self._poll()
+            if not completed:
+                time.sleep(_POLL_SECONDS)
+        self._summary.checkpoint_waits.append(time.perf_counter() - started)
+        return completed
+
+    def _trigger(self, request: SavepointRequest | None) -> int:
+        self._wait_pending()
+        savepoint_dir = None
+        if request is not None:
+            savepoint_dir = request.savepoint_dir(self._storage.layout.job_dir)
+        checkpoint_id = self._coordinator.trigger(
+            {SOURCE_OPERATOR: self.parallelism, self.operator_id: self.parallelism},
+            savepoint_dir=savepoint_dir,
+            properties={
+                "next_batch": self._next_batch + 1,
+                "key_by": _describe_key_by(self.key_by),
+                "operator": self.operator_id,
+                "source": self.source.directory,
+            },
+        )
+        self._pending = _Pending(checkpoint_id, self._next_batch, request)
+        return checkpoint_id
+
+    def _acknowledge_source(self, checkpoint_id: int) -> None:
+        for subtask, backend in enumerate(self._source_states):
+            target = self._storage.snapshot_target(checkpoint_id, SOURCE_OPERATOR, subtask)
+            handle = target.write_operator_snapshot(checkpoint_id, backend.sync_cut()).result()
+            self._storage.write_ack(
+                checkpoint_id,
+                SubtaskAck(SOURCE_OPERATOR, subtask, self.parallelism, None, handle),
+            )
+
+    # -- one batch --------------------------------------------------------------------------
+
+    def _batch(self, read_source: bool, checkpoint: bool, request: SavepointRequest | None) -> None:
+        batch_id = self._next_batch
+        checkpoint_id = self._trigger(request) if checkpoint else None
+        conf, p = self.conf, self.parallelism
+        plan = KeyedPlan(
+            operator_id=self.operator_id,
+            function=self.function,
+            key_serializer=self.key_serializer,
+            batch_id=batch_id,
+            version=LocalVersion(
+                f"{self._run_id}-{self._generation}",
+                self._previous_batch,
+                self._restore_point,
+                p,
+                self._max_parallelism,
+            ),
+            storage=StorageSpec(
+                conf.require_checkpoint_dir(),
+                self.job_id,
+                conf.storage_options,
+                conf.transfer_threads,
+                conf.compression,
+            ),
+            local_dir=conf.local_dir,
+            output_dir=self.output_dir if read_source else None,
+            checkpoint_id=checkpoint_id,
+            wait_for_upload=self._wait_for_uploads or not read_source,
+        )
+        sc = self.spark.sparkContext
+        sc.setJobDescription(f"statebackend {self.job_id} batch {batch_id}")
+        if read_source:
+            source_plan = SourcePlan(
+                self.source,
+                self._offsets(),
+                self.batch_size,
+                key_selector(self.key_by),
+                self.key_serializer,
+                p,
+                self._max_parallelism,
+            )
+            records = sc.parallelize(range(p), p).mapPartitionsWithIndex(
+                lambda index, _: source_task(source_plan, index)
+            )
+            shuffled = records.partitionBy(p, lambda subtask: subtask)
+        else:
+            shuffled = sc.parallelize([], p)
+        results: list[KeyedResult] = shuffled.mapPartitionsWithIndex(
+            lambda index, items: keyed_task(plan, index, items)
+        ).collect()
+        self._apply(results, batch_id)
+        if checkpoint_id is not None:
+            self._acknowledge_source(checkpoint_id)
+
+    def _apply(self, results: list[KeyedResult], batch_id: int) -> None:
+        summary = self._summary
+        for result in results:
+            for subtask, offsets in result.source_offsets.items():
+                offsets_state(self._source_states[subtask]).update(offsets)
+            summary.records += result.records
+            summary.outputs += result.outputs
+            summary.skipped += result.skipped
+        summary.batches += 1
+        summary.restored_bytes.append(sum(r.restored_bytes for r in results))
+        summary.reused_subtasks.append(sum(r.reused for r in results))
+        if any(r.sync_seconds for r in results):
+            summary.sync_seconds.append(max(r.sync_seconds for r in results))
+        self._previous_batch = batch_id
+        self._next_batch = batch_id + 1

@@ -1,0 +1,155 @@
+"""A partitioned log source: a directory of append-only ``partition-<n>.jsonl`` files.
+
+Each line is one JSON record. Source subtasks own partitions through split operator list
+state ``offsets`` of (partition, byte offset) tuples, so on rescale the partitions are
+spread over the new subtasks like Flink's Kafka source spreads its splits. A batch reads
+up to ``batch_size`` records from each owned partition, starting at its offset, and only
+complete lines (ending in ``\\n``): a line still being appended is read by a later batch.
+Partitions that appear later are picked up at offset 0.
+
+Malformed lines (not JSON, or without a key): by default a SourceError naming the file
+and line number stops the job before the batch runs (so no state changes, and the
+checkpoints stay as they were); with ``on_malformed="skip"`` such lines are skipped and
+counted in the job's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from statebackend.backends.operator import OperatorStateBackend
+from statebackend.errors import ConfigurationError, SourceError
+from statebackend.serializers import IntSerializer, TupleSerializer
+
+OFFSETS_STATE = "offsets"
+"""The source operator's split list state: (partition, byte offset) per owned partition."""
+
+OFFSET_SERIALIZER = TupleSerializer(IntSerializer(), IntSerializer())
+MALFORMED_POLICIES = ("fail", "skip")
+_PARTITION_NAME = re.compile(r"partition-(0|[1-9][0-9]*)\.jsonl")
+
+Offsets = list[tuple[int, int]]
+KeyOf = Callable[[Any], Any]
+
+
+def partition_path(directory: str | Path, partition: int) -> Path:
+    """The file of ``partition`` in the source ``directory``."""
+    return Path(directory) / f"partition-{partition}.jsonl"
+
+
+def key_selector(key_by: str | KeyOf) -> KeyOf:
+    """A function record -> key: ``key_by`` itself, or the record's field ``key_by``."""
+    if callable(key_by):
+        return key_by
+    return lambda record: record[key_by]
+
+
+def _line_number(path: Path, offset: int) -> int:
+    with path.open("rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+@dataclass(frozen=True)
+class PartitionBatch:
+    """What one batch read of one partition: keyed records, the new offset, skipped lines."""
+
+    records: list[tuple[Any, Any]]
+    offset: int
+    skipped: int
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """The source directory and how malformed lines are handled ("fail" or "skip")."""
+
+    directory: str
+    on_malformed: str = "fail"
+
+    def __post_init__(self) -> None:
+        if self.on_malformed not in MALFORMED_POLICIES:
+            raise ConfigurationError(
+                f"on_malformed={self.on_malformed!r} is invalid: choose one of "
+                f"{list(MALFORMED_POLICIES)}"
+            )
+
+    def check(self) -> None:
+        """SourceError unless the directory exists."""
+        if not Path(self.directory).is_dir():
+            raise SourceError(f"source directory {self.directory} does not exist")
+
+    def partitions(self) -> list[int]:
+        """The partition numbers present, ascending."""
+        found = []
+        for entry in Path(self.directory).iterdir():
+            match = _PARTITION_NAME.fullmatch(entry.name)
+            if match:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def has_complete_line(self, partition: int, offset: int) -> bool:
+        """Whether ``partition`` has a complete line after byte ``offset``."""
+        path = partition_path(self.directory, partition)
+        if not path.exists() or path.stat().st_size <= offset:
+            return False
+        with path.open("rb") as f:
+            f.seek(offset)
+            while chunk := f.read(1 << 16):
+                if b"\n" in chunk:
+                    return True
+        return False
+
+    def read(self, partition: int, offset: int, max_records: int, key_of: KeyOf) -> PartitionBatch:
+        """Up to ``max_records`` complete lines of ``partition`` from ``offset``, keyed."""
+        path = partition_path(self.directory, partition)
+        records: list[tuple[Any, Any]] = []
+        skipped = 0
+        with path.open("rb") as f:
+            f.seek(offset)
+            while len(records) < max_records:
+                line = f.readline()
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    record = json.loads(line)
+                    key = key_of(record)
+                except Exception as exc:
+                    if self.on_malformed == "skip":
+                        skipped += 1
+                        offset += len(line)
+                        continue
+                    raise SourceError(
+                        f"{path} line {_line_number(path, offset)}: malformed record "
+                        f"({type(exc).__name__}: {exc}): fix the line, or run with "
+                        f"on_malformed='skip' to skip and count such lines"
+                    ) from None
+                records.append((key, record))
+                offset += len(line)
+        return PartitionBatch(records, offset, skipped)
+
+
+def assign_partitions(partitions: list[int], parallelism: int) -> list[Offsets]:
+    """A fresh start's offsets per source subtask: consecutive chunks of the partitions
+    (as split state is distributed), each at offset 0."""
+    count, rest = divmod(len(partitions), parallelism)
+    shares, start = [], 0
+    for subtask in range(parallelism):
+        end = start + count + (1 if subtask < rest else 0)
+        shares.append([(p, 0) for p in partitions[start:end]])
+        start = end
+    return shares
+
+
+def offsets_state(backend: OperatorStateBackend) -> Any:
+    """The ``offsets`` split list state of a source subtask's operator state."""
+    return backend.get_list_state(OFFSETS_STATE, OFFSET_SERIALIZER)
+
+
+def iter_owned(offsets: list[Offsets]) -> Iterator[tuple[int, int]]:
+    """(partition, offset) over all subtasks' offsets."""
+    for share in offsets:
+        yield from share

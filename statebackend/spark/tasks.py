@@ -1,0 +1,236 @@
+"""The code a micro-batch runs on the executors: source subtasks and keyed subtasks.
+
+The driver builds a ``SourcePlan`` and a ``KeyedPlan`` per batch; Spark ships them (and
+the user's function) to the tasks. A source subtask reads its partitions and emits
+``(keyed subtask, (RECORD, key, record))`` plus one ``(subtask, (MARKER, ...))`` with its
+new offsets. A keyed subtask groups its records by key, runs the user's function over its
+local RocksDB, writes its output rows, takes the checkpoint's synchronous cut if the
+batch is a checkpoint, and returns a small ``KeyedResult``. The checkpoint's upload runs
+on the worker's transfer threads and writes the subtask's ack when done; the task does
+not wait for it (except on a run's final checkpoint, or without Python worker reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
+from statebackend.serializers import Serializer
+from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.source import KeyOf, LogSource, Offsets
+
+RECORD = 0
+MARKER = 1
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How to open the job's checkpoint storage on an executor."""
+
+    checkpoint_dir: str
+    job_id: str
+    storage_options: dict[str, Any]
+    transfer_threads: int
+    compression: str
+
+    def _cache_key(self) -> str:
+        return json.dumps(
+            [
+                self.checkpoint_dir,
+                self.job_id,
+                self.storage_options,
+                self.transfer_threads,
+                self.compression,
+            ],
+            sort_keys=True,
+            default=str,
+        )
+
+    def open(self) -> CheckpointStorage:
+        """This process's storage for the spec (one per process, so that its transfer
+        threads outlive the task that started an upload)."""
+        key = self._cache_key()
+        storage = _STORAGES.get(key)
+        if storage is None:
+            storage = _STORAGES[key] = CheckpointStorage(
+                self.checkpoint_dir,
+                self.job_id,
+                storage_options=self.storage_options,
+                transfer_threads=self.transfer_threads,
+                compression=self.compression,
+            )
+        return storage
+
+
+_STORAGES: dict[str, CheckpointStorage] = {}
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """What source subtasks read in one batch."""
+
+    source: LogSource
+    offsets: list[Offsets]
+    batch_size: int
+    key_of: KeyOf
+    key_serializer: Serializer[Any]
+    parallelism: int
+    max_parallelism: int
+
+
+@dataclass(frozen=True)
+class KeyedPlan:
+    """What keyed subtasks do in one batch."""
+
+    operator_id: str
+    function: KeyedFunction
+    key_serializer: Serializer[Any]
+    batch_id: int
+    version: LocalVersion
+    storage: StorageSpec
+    local_dir: str
+    output_dir: str | None
+    checkpoint_id: int | None
+    wait_for_upload: bool
+
+
+@dataclass
+class KeyedResult:
+    """What a keyed subtask reports to the driver."""
+
+    subtask: int
+    records: int = 0
+    outputs: int = 0
+    restored_bytes: int = 0
+    reused: bool = False
+    sync_seconds: float = 0.0
+    source_offsets: dict[int, Offsets] = field(default_factory=dict)
+    skipped: int = 0
+
+
+def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+    """Read source subtask ``subtask``'s partitions; route records by key group."""
+    new_offsets: Offsets = []
+    skipped = 0
+    parallelism, max_parallelism = plan.parallelism, plan.max_parallelism
+    serialize = plan.key_serializer.serialize
+    for partition, offset in plan.offsets[subtask]:
+        batch = plan.source.read(partition, offset, plan.batch_size, plan.key_of)
+        for key, record in batch.records:
+            key_group = assign_to_key_group(serialize(key), max_parallelism)
+            target = compute_operator_index_for_key_group(max_parallelism, parallelism, key_group)
+            yield target, (RECORD, key, record)
+        new_offsets.append((partition, batch.offset))
+        skipped += batch.skipped
+    yield subtask, (MARKER, subtask, new_offsets, skipped)
+
+
+def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:
+    if plan.output_dir is None:
+        return sum(1 for _ in rows)
+    directory = Path(plan.output_dir) / f"batch-{plan.batch_id:06d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"part-{subtask}.jsonl"
+    temporary = directory / f".part-{subtask}.jsonl.{os.getpid()}.tmp"
+    count = 0
+    with temporary.open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, default=str))
+            out.write("\n")
+            count += 1
+    temporary.replace(final)
+    return count
+
+
+def _acknowledge(storage: CheckpointStorage, checkpoint_id: int, ack: SubtaskAck) -> None:
+    try:
+        storage.write_ack(checkpoint_id, ack)
+    except Exception:  # the checkpoint then times out and is aborted
+        _log.exception("could not acknowledge checkpoint %s", checkpoint_id)
+
+
+def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
+    """Take the checkpoint's synchronous cut and start its upload; return the cut's time."""
+    assert plan.checkpoint_id is not None and local.backend is not None
+    checkpoint_id = plan.checkpoint_id
+    storage = plan.storage.open()
+    started = time.perf_counter()
+    future = local.backend.snapshot(
+        checkpoint_id, storage.snapshot_target(checkpoint_id, plan.operator_id, subtask)
+    )
+    sync_seconds = time.perf_counter() - started
+    parallelism = plan.version.parallelism
+
+    def uploaded(done: Any) -> None:
+        try:
+            handle = done.result()
+        except Exception:
+            _log.exception("the upload of checkpoint %s failed", checkpoint_id)
+            return
+        _acknowledge(
+            storage,
+            checkpoint_id,
+            SubtaskAck(plan.operator_id, subtask, parallelism, handle, None),
+        )
+
+    if plan.wait_for_upload:
+        uploaded_handle = future.result()
+        storage.write_ack(
+            checkpoint_id,
+            SubtaskAck(plan.operator_id, subtask, parallelism, uploaded_handle, None),
+        )
+    else:
+        future.add_done_callback(uploaded)
+    return sync_seconds
+
+
+def keyed_task(
+    plan: KeyedPlan, subtask: int, items: Iterable[tuple[int, tuple[Any, ...]]]
+) -> Iterator[KeyedResult]:
+    """Run keyed subtask ``subtask`` of one batch over its local state."""
+    result = KeyedResult(subtask)
+    groups: dict[Any, list[Any]] = {}
+    for _, item in items:
+        if item[0] == RECORD:
+            groups.setdefault(item[1], []).append(item[2])
+            result.records += 1
+        else:
+            result.source_offsets[item[1]] = item[2]
+            result.skipped += item[3]
+    root = Path(plan.local_dir) / plan.storage.job_id / plan.operator_id
+    with LocalKeyedState(
+        root,
+        subtask,
+        plan.version,
+        plan.storage.open(),
+        plan.operator_id,
+        plan.key_serializer,
+    ) as local:
+        backend = local.backend
+        assert backend is not None
+        result.restored_bytes, result.reused = local.restored_bytes, local.reused
+        ctx = KeyedContext(backend, subtask, plan.batch_id)
+        plan.function.open(ctx)
+
+        def rows() -> Iterator[Any]:
+            for key, values in groups.items():
+                backend.set_current_key(key)
+                yield from plan.function.process(key, values, ctx)
+
+        result.outputs = _write_output(plan, subtask, rows())
+        if plan.checkpoint_id is not None:
+            result.sync_seconds = _snapshot(plan, subtask, local)
+        local.commit(plan.batch_id)
+    yield result

@@ -1,0 +1,154 @@
+"""Bad input stops a run with one clear error and leaves the checkpoints intact."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from statebackend.errors import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    IncompatibleStateError,
+    SourceError,
+)
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.example import KEY_FIELD, OPERATOR_ID, UserTotals, generate_events
+from statebackend.spark.runner import RunSummary, StatefulJob
+from statebackend.spark.source import LogSource, partition_path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "user_totals.py"
+
+
+def _run(
+    spark: SparkSession,
+    tmp_path: Path,
+    *,
+    job_id: str = "bad",
+    key_by: str = KEY_FIELD,
+    parallelism: int = 2,
+    restore: str | None = "latest",
+    on_malformed: str = "fail",
+    max_parallelism: int | None = None,
+) -> RunSummary:
+    return StatefulJob(
+        spark,
+        job_id=job_id,
+        source=LogSource(str(tmp_path / "input"), on_malformed=on_malformed),
+        operator_id=OPERATOR_ID,
+        key_by=key_by,
+        function=UserTotals(),
+        parallelism=parallelism,
+        batch_size=100,
+        checkpoint_every=2,
+        restore=restore,
+        conf=StateBackendConf(
+            checkpoint_dir=(tmp_path / "checkpoints").as_uri(),
+            local_dir=str(tmp_path / "local"),
+            max_parallelism=max_parallelism,
+        ),
+    ).run()
+
+
+def _files(tmp_path: Path) -> set[Path]:
+    return {p for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def checkpointed(spark_local: SparkSession, tmp_path: Path) -> RunSummary:
+    generate_events(tmp_path / "input", 200, 20, 4, 3)
+    return _run(spark_local, tmp_path)
+
+
+def test_malformed_line(
+    spark_local: SparkSession, tmp_path: Path, checkpointed: RunSummary
+) -> None:
+    with partition_path(tmp_path / "input", 1).open("a") as f:
+        f.write('{"user": "u1", "amount": 3, "category": "food"}\n{"user": broken\n')
+    before = _files(tmp_path)
+    with pytest.raises(SourceError, match=r"partition-1\.jsonl line \d+: malformed record"):
+        _run(spark_local, tmp_path)
+    assert _files(tmp_path) == before
+    skipped = _run(spark_local, tmp_path, on_malformed="skip")
+    assert (skipped.records, skipped.skipped) == (1, 1)
+
+
+def test_checkpoint_of_another_job(
+    spark_local: SparkSession, tmp_path: Path, checkpointed: RunSummary
+) -> None:
+    before = _files(tmp_path)
+    with pytest.raises(IncompatibleStateError, match="keyed by 'user'"):
+        _run(spark_local, tmp_path, key_by="category")
+    assert checkpointed.last_checkpoint is not None
+    with pytest.raises(ConfigurationError, match="checkpoint of job 'bad', not of 'other'"):
+        _run(spark_local, tmp_path, job_id="other", restore=checkpointed.last_checkpoint)
+    assert _files(tmp_path) == before
+
+
+def test_restore_path_not_completed(
+    spark_local: SparkSession, tmp_path: Path, checkpointed: RunSummary
+) -> None:
+    pending = tmp_path / "checkpoints" / "bad" / "chk-99"
+    pending.mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="not a completed checkpoint"):
+        _run(spark_local, tmp_path, restore=pending.as_uri())
+
+
+def test_parallelism_above_max_parallelism(spark_local: SparkSession, tmp_path: Path) -> None:
+    generate_events(tmp_path / "input", 10, 5, 1, 1)
+    with pytest.raises(ConfigurationError, match="exceeds max parallelism 4"):
+        _run(spark_local, tmp_path, parallelism=8, max_parallelism=4)
+
+
+def test_script_prints_one_line(tmp_path: Path) -> None:
+    """The script's errors: one line, exit 2 (missing Java; no Spark is started)."""
+    generate_events(tmp_path / "input", 10, 5, 1, 1)
+    env = {**os.environ, "JAVA_HOME": str(tmp_path / "no-java")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--input",
+            str(tmp_path / "input"),
+            "--checkpoint-dir",
+            tmp_path.as_uri(),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("user_totals: error: Spark needs Java 17+")
+
+
+def test_conf_rejects_unknown_and_malformed_keys() -> None:
+    conf = StateBackendConf.from_pairs(
+        [
+            ("spark.statebackend.checkpoint.interval", "5"),
+            ("spark.statebackend.storage.endpoint_url", "http://127.0.0.1:9000"),
+            ("spark.app.name", "x"),
+        ],
+        compression="zstd",
+    )
+    assert (conf.checkpoint_interval, conf.compression) == (5, "zstd")
+    assert conf.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    with pytest.raises(ConfigurationError, match="unknown setting spark.statebackend.nope"):
+        StateBackendConf.from_pairs([("spark.statebackend.nope", "1")])
+    with pytest.raises(ConfigurationError, match="spark.statebackend.checkpoint.interval='x'"):
+        StateBackendConf.from_pairs([("spark.statebackend.checkpoint.interval", "x")])
+
+
+def test_properties_file_parses() -> None:
+    path = Path(__file__).resolve().parents[2] / "conf" / "statebackend.conf"
+    pairs = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, value = line.split(None, 1)
+            pairs.append((key, value))
+    assert StateBackendConf.from_pairs(pairs) == StateBackendConf()

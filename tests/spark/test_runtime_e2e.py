@@ -1,0 +1,109 @@
+"""End to end: the example job rescaled P = 2 -> 4 -> 1 -> 3 with input appended between
+runs ends with the state a plain-Python computation gives, on file:// and s3://, in
+local[2] and local-cluster; batches between restores reuse the executor-local RocksDB."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.example import (
+    KEY_FIELD,
+    OPERATOR_ID,
+    UserTotals,
+    checkpointed_totals,
+    compare_totals,
+    expected_totals,
+    generate_events,
+    read_events,
+)
+from statebackend.spark.runner import RunSummary, StatefulJob
+from statebackend.spark.source import LogSource, partition_path
+from tests.conftest import Storage
+
+EVENTS_PER_RUN = 1000
+USERS = 60
+PARTITIONS = 4
+
+
+def _run(
+    spark: SparkSession, tmp_path: Path, storage: Storage, parallelism: int, job_id: str
+) -> RunSummary:
+    conf = StateBackendConf(
+        checkpoint_dir=storage.url,
+        storage_options=storage.storage_options,
+        local_dir=str(tmp_path / "local"),
+    )
+    return StatefulJob(
+        spark,
+        job_id=job_id,
+        source=LogSource(str(tmp_path / "input")),
+        operator_id=OPERATOR_ID,
+        key_by=KEY_FIELD,
+        function=UserTotals(),
+        parallelism=parallelism,
+        batch_size=100,
+        checkpoint_every=2,
+        output_dir=str(tmp_path / "output"),
+        conf=conf,
+    ).run()
+
+
+def _rescale(
+    spark: SparkSession, tmp_path: Path, storage: Storage, parallelisms: tuple[int, ...]
+) -> list[RunSummary]:
+    summaries = []
+    for seed, parallelism in enumerate(parallelisms):
+        generate_events(tmp_path / "input", EVENTS_PER_RUN, USERS, PARTITIONS, seed)
+        summaries.append(_run(spark, tmp_path, storage, parallelism, "e2e"))
+    expected = expected_totals(read_events(tmp_path / "input"))
+    last = summaries[-1].last_checkpoint
+    assert last is not None
+    assert compare_totals(expected, checkpointed_totals(spark, last, storage.storage_options)) == []
+    return summaries
+
+
+def _check_summaries(summaries: list[RunSummary], parallelisms: tuple[int, ...]) -> None:
+    assert sum(s.records for s in summaries) == EVENTS_PER_RUN * len(parallelisms)
+    for summary, parallelism in zip(summaries, parallelisms, strict=True):
+        assert summary.failures == 0
+        assert summary.parallelism == parallelism
+        # The first batch restores (or starts empty); every later one reuses the local DB
+        # and reads nothing from checkpoint storage.
+        assert summary.reused_subtasks[1:] == [parallelism] * (summary.batches - 1)
+        assert summary.restored_bytes[1:] == [0] * (summary.batches - 1)
+    assert summaries[0].restored_bytes[0] == 0
+    assert all(s.restored_bytes[0] > 0 for s in summaries[1:])
+
+
+def test_rescale_local(spark_local: SparkSession, tmp_path: Path, checkpoint_url: Storage) -> None:
+    """P = 2 -> 4 -> 1 -> 3 in local[2], on file:// and on s3://."""
+    parallelisms = (2, 4, 1, 3)
+    summaries = _rescale(spark_local, tmp_path, checkpoint_url, parallelisms)
+    _check_summaries(summaries, parallelisms)
+    # Every partition was consumed to its end.
+    assert summaries[-1].records > 0
+    assert sum(partition_path(tmp_path / "input", p).stat().st_size for p in range(4)) > 0
+
+
+def test_rerun_without_new_input_changes_nothing(spark_local: SparkSession, tmp_path: Path) -> None:
+    """A run over input that was fully consumed reads nothing and takes no checkpoint."""
+    storage = Storage(tmp_path.as_uri() + "/checkpoints")
+    generate_events(tmp_path / "input", 300, 20, PARTITIONS, 7)
+    first = _run(spark_local, tmp_path, storage, 2, "rerun")
+    again = _run(spark_local, tmp_path, storage, 3, "rerun")
+    assert first.records == 300
+    assert again.records == 0 and again.batches == 0 and again.checkpoints == []
+    assert again.restored_from == first.last_checkpoint
+
+
+@pytest.mark.s3
+def test_rescale_cluster(spark_cluster: SparkSession, tmp_path: Path, s3_storage: Storage) -> None:
+    """P = 2 -> 3 on two executor JVMs, checkpoints on s3://."""
+    parallelisms = (2, 3)
+    summaries = _rescale(spark_cluster, tmp_path, s3_storage, parallelisms)
+    assert sum(s.records for s in summaries) == EVENTS_PER_RUN * 2
+    assert all(s.failures == 0 for s in summaries)
