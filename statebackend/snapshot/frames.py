@@ -82,5 +82,19 @@ def decode_frames(data: bytes, where: str) -> Iterator[bytes]:
             )
         if codec >= len(CODECS):
             raise CheckpointCorruptedError(f"{where}: unknown frame codec {codec}")
+        # The header is not covered by the crc: a damaged codec or raw length must still
+        # come out as corruption, never as a codec's own error or as other bytes.
+        start = position - FRAME_HEADER.size
+        try:
+            raw = _decompress(codec, payload, raw_length)
+        except Exception as exc:
+            raise CheckpointCorruptedError(
+                f"{where}: cannot decompress the frame at byte {start}: {exc}"
+            ) from exc
+        if len(raw) != raw_length:
+            raise CheckpointCorruptedError(
+                f"{where}: the frame at byte {start} holds {len(raw)} bytes, "
+                f"its header says {raw_length}"
+            )
         position += length
-        yield _decompress(codec, payload, raw_length)
+        yield raw
