@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python scripts/rescale_demo.py "$@"
+exec .venv/bin/python scripts/user_totals.py --demo "$@"
