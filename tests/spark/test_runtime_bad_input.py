@@ -144,11 +144,35 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
         StateBackendConf.from_pairs([("spark.statebackend.checkpoint.interval", "x")])
 
 
-def test_properties_file_parses() -> None:
-    path = Path(__file__).resolve().parents[2] / "conf" / "statebackend.conf"
+def _properties(name: str) -> list[tuple[str, str]]:
+    path = Path(__file__).resolve().parents[2] / "conf" / name
     pairs = []
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             key, value = line.split(None, 1)
             pairs.append((key, value))
-    assert StateBackendConf.from_pairs(pairs) == StateBackendConf()
+    return pairs
+
+
+def test_properties_file_parses() -> None:
+    assert StateBackendConf.from_pairs(_properties("statebackend.conf")) == StateBackendConf()
+
+
+@pytest.mark.parametrize(
+    ("name", "checkpoint_dir"),
+    [
+        ("local-disk.conf", "file:///var/lib/statebackend/checkpoints"),
+        ("s3.conf", "s3://my-bucket/statebackend/checkpoints"),
+        ("hdfs.conf", "hdfs://namenode:8020/statebackend/checkpoints"),
+    ],
+)
+def test_example_properties_files_parse(name: str, checkpoint_dir: str) -> None:
+    pairs = _properties(name)
+    conf = StateBackendConf.from_pairs(pairs)
+    assert conf.checkpoint_dir == checkpoint_dir
+    assert conf.retained == 3
+    assert conf.storage_options == {
+        key.removeprefix("spark.statebackend.storage."): value
+        for key, value in pairs
+        if key.startswith("spark.statebackend.storage.")
+    }
