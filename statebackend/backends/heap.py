@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.keyed import FrozenState, KeyedStateBackend
 from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
 
 _Groups = dict[int, dict[bytes, Any]]
@@ -108,14 +108,16 @@ class HeapStoreView(StateStoreView):
         self._groups = groups
         self._is_map = is_map
 
-    def entries(self, key_group: int) -> Iterator[Entry]:
+    def composite_items(self, key_group: int) -> Iterator[tuple[bytes, bytes]]:
         group = self._groups.get(key_group, {})
         for key in sorted(group, key=_composite_order):
+            prefix = CurrentKey.of(key_group, key).prefix
             if self._is_map:
-                for user_key in sorted(group[key]):
-                    yield key, user_key, group[key][user_key]
+                user_entries = group[key]
+                for user_key in sorted(user_entries):
+                    yield prefix + user_key, user_entries[user_key]
             else:
-                yield key, b"", group[key]
+                yield prefix, group[key]
 
 
 class HeapKeyedStateBackend(KeyedStateBackend):
@@ -124,14 +126,14 @@ class HeapKeyedStateBackend(KeyedStateBackend):
     def _create_store(self, name: str, is_map: bool) -> StateStore:
         return HeapStateStore(is_map)
 
-    def _freeze(self, names: list[str]) -> tuple[dict[str, StateStoreView], Any]:
+    def _freeze(self, names: list[str]) -> FrozenState:
         stores = self._stores
         views: dict[str, StateStoreView] = {}
         for name in names:
             store = stores[name]
             assert isinstance(store, HeapStateStore)
             views[name] = store.freeze()
-        return views, None
+        return FrozenState(views, None)
 
     def _close(self) -> None:
         pass

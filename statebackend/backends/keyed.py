@@ -14,7 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 from statebackend.backends.keyed_states import (
     STATE_IMPLEMENTATIONS,
@@ -63,6 +64,29 @@ class StateMetaInfo:
         return cls(data["name"], StateKind(data["kind"]), dict(data["serializers"]))
 
 
+@dataclass(frozen=True)
+class NativeCheckpoint:
+    """The native RocksDB checkpoint a cut was taken from, for the incremental format.
+
+    ``directory`` holds the checkpoint's files (hard links; removed when the cut is
+    released). ``records`` is a directory of the backend that outlives the cut and
+    ``close()``/reopen (and goes with the database), where incremental snapshots note
+    which files they uploaded, so that later snapshots upload each file only once.
+    """
+
+    directory: Path
+    records: Path
+
+
+class FrozenState(NamedTuple):
+    """What a backend's ``_freeze`` returns: frozen views of its stores, a release
+    callable (or None) and, for RocksDB, the native checkpoint they read from."""
+
+    views: dict[str, StateStoreView]
+    release: Any
+    native: NativeCheckpoint | None = None
+
+
 @dataclass
 class KeyedStateCut:
     """A backend's keyed state frozen at one instant, for the async part of a snapshot.
@@ -78,6 +102,7 @@ class KeyedStateCut:
     states: list[StateMetaInfo]
     views: dict[str, StateStoreView]
     _release: Any = field(default=None, repr=False)
+    native: NativeCheckpoint | None = None
 
     def entries(self, key_group: int) -> Iterator[tuple[str, Entry]]:
         """(state name, entry) pairs of one key group, state by state in ``states`` order."""
@@ -245,14 +270,15 @@ class KeyedStateBackend(ABC):
         """Freeze the current state (the synchronous part of a snapshot)."""
         self._check_open()
         metas = self.state_meta()
-        views, release = self._freeze([meta.name for meta in metas])
+        frozen = self._freeze([meta.name for meta in metas])
         return KeyedStateCut(
             self.key_serializer.config(),
             self.max_parallelism,
             self.key_group_range,
             metas,
-            views,
-            release,
+            frozen.views,
+            frozen.release,
+            frozen.native,
         )
 
     def snapshot(self, checkpoint_id: int, target: SnapshotTarget) -> Any:
@@ -327,8 +353,9 @@ class KeyedStateBackend(ABC):
         """A new, empty store for state ``name``."""
 
     @abstractmethod
-    def _freeze(self, names: list[str]) -> tuple[dict[str, StateStoreView], Any]:
-        """Frozen views of the named stores and a release callable (or None)."""
+    def _freeze(self, names: list[str]) -> FrozenState:
+        """Frozen views of the named stores, a release callable (or None), and the native
+        checkpoint behind them if there is one."""
 
     @abstractmethod
     def _close(self) -> None:

@@ -20,9 +20,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
-from rocksdict import AccessType, Checkpoint, Options, Rdict, WriteBatch
+from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, WriteBatch
 
-from statebackend.backends.keyed import KeyedStateBackend, StateMetaInfo
+from statebackend.backends.keyed import (
+    FrozenState,
+    KeyedStateBackend,
+    NativeCheckpoint,
+    StateMetaInfo,
+)
 from statebackend.backends.stores import (
     KEY_GROUP_PREFIX,
     CurrentKey,
@@ -38,6 +43,8 @@ from statebackend.state.descriptors import StateKind
 _WRITE_BATCH_ENTRIES = 10_000
 _META_KEY = b"statebackend.meta"
 """Key of the backend's meta info in the default column family (no state may use it)."""
+_UPLOAD_RECORDS_DIR = "incremental"
+"""Where incremental snapshots record their uploads, beside the database (``db``)."""
 
 
 def _options() -> Options:
@@ -54,9 +61,11 @@ def prefix_end(prefix: bytes) -> bytes:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-def _raw_items(column: Any, from_key: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+def _raw_items(
+    column: Any, from_key: bytes | None = None, read_opt: ReadOptions | None = None
+) -> Iterator[tuple[bytes, bytes]]:
     # rocksdict's stubs type keys as any key type; in raw mode they are bytes.
-    return cast(Iterator[tuple[bytes, bytes]], column.items(from_key=from_key))
+    return cast(Iterator[tuple[bytes, bytes]], column.items(from_key=from_key, read_opt=read_opt))
 
 
 def _scan(column: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -131,16 +140,33 @@ class RocksDBStateStore(StateStore):
         self._write_batches((key, function(value)) for key, value in _raw_items(self._column))
 
 
+def open_read_only(path: str | Path, names: list[str]) -> Rdict:
+    """The RocksDB (a native checkpoint) at ``path``, read-only, with the named states'
+    column families."""
+    return Rdict(
+        str(path),
+        _options(),
+        column_families={name: _options() for name in names},
+        access_type=AccessType.read_only(),
+    )
+
+
 class RocksDBCheckpointView(StateStoreView):
     """One column family of a native checkpoint, opened read-only."""
 
     def __init__(self, column: Any) -> None:
         self._column = column
 
-    def entries(self, key_group: int) -> Iterator[Entry]:
-        for composite, value in _scan(self._column, KEY_GROUP_PREFIX.pack(key_group)):
-            _, key, user_key = split_composite_key(composite)
-            yield key, user_key, value
+    def composite_items(self, key_group: int) -> Iterator[tuple[bytes, bytes]]:
+        # One native iterator bounded to the key group: no per-entry check in Python. A
+        # snapshot reads every block once, so it does not fill the block cache. A
+        # generator, because the iterator uses the upper bound held by ``read_opt``
+        # without keeping it alive (it reads freed memory once ``read_opt`` is dropped).
+        prefix = KEY_GROUP_PREFIX.pack(key_group)
+        read_opt = ReadOptions()
+        read_opt.set_iterate_upper_bound(prefix_end(prefix))
+        read_opt.fill_cache(False)  # type: ignore[call-arg]  # the stub omits the flag
+        yield from _raw_items(self._column, prefix, read_opt)
 
 
 class RocksDBKeyedStateBackend(KeyedStateBackend):
@@ -234,17 +260,12 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         self._columns[name] = column
         return RocksDBStateStore(self._db, column, name, is_map)
 
-    def _freeze(self, names: list[str]) -> tuple[dict[str, StateStoreView], Any]:
+    def _freeze(self, names: list[str]) -> FrozenState:
         self._checkpoints += 1
         parent = tempfile.mkdtemp(prefix=f"cut-{self._checkpoints}-", dir=self.local_dir)
         path = str(Path(parent) / "checkpoint")
         Checkpoint(self._db).create_checkpoint(path)
-        reader = Rdict(
-            path,
-            _options(),
-            column_families={name: _options() for name in names},
-            access_type=AccessType.read_only(),
-        )
+        reader = open_read_only(path, names)
         views: dict[str, StateStoreView] = {
             name: RocksDBCheckpointView(reader.get_column_family(name)) for name in names
         }
@@ -254,7 +275,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
             reader.close()
             shutil.rmtree(parent, ignore_errors=True)
 
-        return views, release
+        native = NativeCheckpoint(Path(path), self.local_dir / _UPLOAD_RECORDS_DIR)
+        return FrozenState(views, release, native)
 
     def _close(self) -> None:
         for column in self._columns.values():

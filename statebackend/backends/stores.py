@@ -8,7 +8,7 @@ and the snapshot format is the same whichever backend wrote it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from struct import Struct
 from typing import NamedTuple
 
@@ -95,5 +95,16 @@ class StateStoreView(ABC):
     """A frozen view of a state's bytes, taken at a snapshot's synchronous cut."""
 
     @abstractmethod
+    def composite_items(self, key_group: int) -> Iterable[tuple[bytes, bytes]]:
+        """(composite key, value) pairs of one key group as they were at the cut, in
+        composite-key byte order (``CurrentKey.prefix`` + user key, as RocksDB stores them).
+
+        The snapshot encoder's input: a backend yields them with as little work per entry
+        as it can. An iterator it returns is consumed or dropped before the cut is released.
+        """
+
     def entries(self, key_group: int) -> Iterator[Entry]:
         """The entries of one key group, as they were at the cut."""
+        for composite, value in self.composite_items(key_group):
+            _, key, user_key = split_composite_key(composite)
+            yield key, user_key, value

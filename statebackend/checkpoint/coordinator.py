@@ -5,20 +5,30 @@ every expected (operator, subtask) acknowledged and ``_metadata`` was written; a
 else is pending or aborted and never restored from. After each completion the coordinator
 keeps the newest ``retained`` checkpoints and deletes the older ones. Savepoints live in
 their own self-contained directories, which retention never touches.
+
+Shared files (``shared/``, written by incremental snapshots) are deleted by retention and
+abort only once no retained completed checkpoint and no pending checkpoint's
+acknowledgement references them (``registry.py``). A pending checkpoint whose snapshots
+reused a shared file that was deleted meanwhile (possible only with concurrent
+checkpoints) fails on completion instead of completing with a missing file.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot, SubtaskAck
+from statebackend.checkpoint.registry import SharedFileRegistry
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError, ConfigurationError
 from statebackend.state.ttl import Clock
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_RETAINED = 3
 DEFAULT_TIMEOUT_SECONDS = 600.0
@@ -34,6 +44,8 @@ class PendingCheckpoint:
     savepoint_dir: str | None = None
     properties: dict[str, Any] = field(default_factory=dict)
     acks: dict[tuple[str, int], SubtaskAck] = field(default_factory=dict)
+    shared_deletions: int = 0
+    """The registry's deletion count when the checkpoint was triggered."""
 
     def missing(self) -> list[tuple[str, int]]:
         """The (operator, subtask) pairs that have not acknowledged yet."""
@@ -71,6 +83,7 @@ class CheckpointCoordinator:
         self.max_concurrent = max_concurrent
         self.clock = clock
         self.pending: dict[int, PendingCheckpoint] = {}
+        self.registry = SharedFileRegistry(storage)
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
 
     def trigger(
@@ -96,7 +109,12 @@ class CheckpointCoordinator:
         checkpoint_id = self._next_id
         self._next_id += 1
         self.pending[checkpoint_id] = PendingCheckpoint(
-            checkpoint_id, self.clock(), dict(expected), savepoint_dir, dict(properties or {})
+            checkpoint_id,
+            self.clock(),
+            dict(expected),
+            savepoint_dir,
+            dict(properties or {}),
+            shared_deletions=self.registry.deletions,
         )
         return checkpoint_id
 
@@ -137,9 +155,16 @@ class CheckpointCoordinator:
         return None
 
     def abort(self, checkpoint_id: int) -> None:
-        """Abandon a pending checkpoint and delete its files."""
-        self.pending.pop(checkpoint_id, None)
+        """Abandon a pending checkpoint and delete its files (its shared files too, unless
+        another checkpoint references them)."""
+        pending = self.pending.pop(checkpoint_id, None)
+        acks = [
+            *(pending.acks.values() if pending else ()),
+            *self.storage.read_acks(checkpoint_id).values(),
+        ]
+        uploaded = self.registry.of_acks(checkpoint_id, acks)
         self.storage.discard(checkpoint_id)
+        self._delete_unreferenced(uploaded)
 
     def abort_all(self) -> None:
         """Abort every pending checkpoint (e.g. after a failure)."""
@@ -156,7 +181,27 @@ class CheckpointCoordinator:
             raise CheckpointError(f"checkpoint {checkpoint_id} is not pending")
         return pending
 
+    def _check_shared_files(self, pending: PendingCheckpoint) -> None:
+        """CheckpointError (the checkpoint aborted) if shared files it references were
+        deleted since it was triggered; checked only if the registry deleted any since."""
+        if pending.shared_deletions == self.registry.deletions:
+            return
+        checkpoint_id = pending.checkpoint_id
+        referenced = self.registry.of_acks(checkpoint_id, pending.acks.values())
+        missing = [
+            path
+            for path in sorted(referenced - self.registry.retained())
+            if not self.storage.fs.exists(path)
+        ]
+        if missing:
+            self.abort(checkpoint_id)
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id} references shared files that were deleted when "
+                f"older checkpoints were discarded ({', '.join(missing)}); it was aborted"
+            )
+
     def _complete(self, pending: PendingCheckpoint) -> str:
+        self._check_shared_files(pending)
         operators = {
             operator: OperatorSnapshot(
                 operator,
@@ -187,7 +232,30 @@ class CheckpointCoordinator:
         completed = self.storage.completed_checkpoint_ids()
         keep = set(completed[-self.retained :]) | set(self.pending)
         newest = completed[-1] if completed else 0
-        for checkpoint_id in self.storage.checkpoint_ids():
-            # Older incomplete directories are leftovers of aborted or crashed attempts.
-            if checkpoint_id not in keep and checkpoint_id < newest:
-                self.storage.discard(checkpoint_id)
+        # Older incomplete directories are leftovers of aborted or crashed attempts.
+        discarded = [n for n in self.storage.checkpoint_ids() if n not in keep and n < newest]
+        try:
+            used = frozenset().union(*(self.registry.of_checkpoint(n) for n in discarded))
+        except CheckpointError:
+            _log.warning("cannot read what %s reference: their shared files stay", discarded)
+            used = frozenset()
+        for checkpoint_id in discarded:
+            self.storage.discard(checkpoint_id)
+        self.registry.forget(discarded)
+        self._delete_unreferenced(used)
+
+    def _delete_unreferenced(self, candidates: frozenset[str]) -> None:
+        """Delete those of ``candidates`` that no retained completed checkpoint and no
+        pending checkpoint's acknowledgement references. If a retained checkpoint's
+        ``_metadata`` cannot be read, nothing is deleted (``statebackend gc`` can later)."""
+        if not candidates:
+            return
+        try:
+            referenced = self.registry.retained()
+        except CheckpointError:
+            _log.warning("cannot read the retained checkpoints: no shared file deleted")
+            return
+        referenced = referenced.union(
+            *(self.registry.of_acks(n, p.acks.values()) for n, p in self.pending.items())
+        )
+        self.registry.delete(candidates - referenced)

@@ -2,17 +2,22 @@
 
 It names the job, the checkpoint, the max parallelism and, per operator, its parallelism
 and each subtask's state handles. Every file it references has a size and a checksum;
-paths are relative to the directory that holds ``_metadata``, so a savepoint can move.
+paths are relative to the directory that holds ``_metadata``, so a savepoint can move
+(incremental checkpoints reference the job's shared files as ``../shared/...``; a
+savepoint holds copies of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
-from statebackend.snapshot.keyed_format import KeyedStateHandle
+from statebackend.snapshot.handles import StoredFile
+from statebackend.snapshot.keyed_handles import KeyedHandle, keyed_handle_from_json
 from statebackend.snapshot.operator_format import OperatorStateHandle
 
 FORMAT_VERSION = 1
@@ -25,8 +30,16 @@ class SubtaskAck:
     operator_id: str
     subtask: int
     parallelism: int
-    keyed: KeyedStateHandle | None
+    keyed: KeyedHandle | None
     operator_state: OperatorStateHandle | None
+
+    def files(self) -> list[StoredFile]:
+        """Every file the subtask's handles reference."""
+        found = [] if self.keyed is None else self.keyed.files()
+        handle = self.operator_state
+        if handle is not None and handle.path is not None:
+            found.append(StoredFile(handle.path, handle.size, handle.checksum))
+        return found
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (an ack file's content and part of ``_metadata``)."""
@@ -48,7 +61,7 @@ class SubtaskAck:
             operator_id=data["operator"],
             subtask=int(data["subtask"]),
             parallelism=int(data["parallelism"]),
-            keyed=None if keyed is None else KeyedStateHandle.from_json(keyed),
+            keyed=None if keyed is None else keyed_handle_from_json(keyed),
             operator_state=(
                 None if operator_state is None else OperatorStateHandle.from_json(operator_state)
             ),
@@ -63,7 +76,7 @@ class OperatorSnapshot:
     parallelism: int
     subtasks: tuple[SubtaskAck, ...]
 
-    def keyed_handles(self) -> list[KeyedStateHandle]:
+    def keyed_handles(self) -> list[KeyedHandle]:
         """The keyed handles of all subtasks that have keyed state."""
         return [ack.keyed for ack in self.subtasks if ack.keyed is not None]
 
@@ -93,22 +106,26 @@ class CheckpointMetadata:
     is_savepoint: bool = False
     properties: dict[str, Any] = field(default_factory=dict)
 
-    def files(self) -> list[tuple[str, int, str]]:
-        """(relative path, size, checksum) of every file the checkpoint references."""
-        found: list[tuple[str, int, str]] = []
-        for operator in self.operators.values():
-            for ack in operator.subtasks:
-                if ack.keyed is not None:
-                    found.append((ack.keyed.path, ack.keyed.size, ack.keyed.checksum))
-                if ack.operator_state is not None and ack.operator_state.path is not None:
-                    found.append(
-                        (
-                            ack.operator_state.path,
-                            ack.operator_state.size,
-                            ack.operator_state.checksum,
-                        )
-                    )
-        return found
+    def files(self) -> list[StoredFile]:
+        """(relative path, size, checksum) of every file the checkpoint references,
+        shared ones (``../shared/...``) included."""
+        return [f for op in self.operators.values() for ack in op.subtasks for f in ack.files()]
+
+    def with_keyed_paths(self, relocate: Callable[[str], str]) -> CheckpointMetadata:
+        """The same metadata with the keyed handles' file paths mapped by ``relocate``."""
+        operators = {
+            operator_id: dataclasses.replace(
+                op,
+                subtasks=tuple(
+                    ack
+                    if ack.keyed is None
+                    else dataclasses.replace(ack, keyed=ack.keyed.with_paths(relocate))
+                    for ack in op.subtasks
+                ),
+            )
+            for operator_id, op in self.operators.items()
+        }
+        return dataclasses.replace(self, operators=operators)
 
     def state_bytes(self) -> int:
         """Bytes of state over all operators."""

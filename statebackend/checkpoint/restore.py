@@ -2,9 +2,11 @@
 
 For a new parallelism P', new subtask i owns the key-group range of (M, P', i); it reads
 the key groups of that range from every old keyed handle that intersects it (ranged
-reads by the handle's index), and its share of the operator state by the old handles'
-element spans, per distribution mode. ``plan_restore`` computes the same without reading
-any state file, for ``statebackend plan``.
+reads by the handle's index; an incremental handle is downloaded whole, opened as a
+read-only RocksDB and only those key groups are streamed out), and its share of the
+operator state by the old handles' element spans, per distribution mode.
+``plan_restore`` computes the same without reading any state file, for
+``statebackend plan``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from dataclasses import dataclass
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.backends.stores import Entry
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
-from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot
 from statebackend.errors import CheckpointNotFoundError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange, check_parallelism
@@ -25,7 +27,7 @@ from statebackend.redistribution import (
     assign_key_group_ranges,
     plan_operator_state,
 )
-from statebackend.snapshot.keyed_format import KeyedStateHandle, read_keyed_entries
+from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.snapshot.operator_format import OperatorStateReader
 
 
@@ -138,21 +140,23 @@ def restore_keyed_state(
 ) -> int:
     """Load into ``backend`` the key groups of its range from the checkpoint.
 
-    Reads only the intersecting key groups, by ranged reads, verifying every frame.
-    Returns the number of entries restored.
+    Full snapshots: reads only the intersecting key groups, by ranged reads, verifying
+    every frame. Incremental snapshots: downloads the intersecting handles' files (next
+    to a RocksDB backend's database, else into the system's temp directory), checks
+    their checksums and streams the intersecting key groups. Returns the number of
+    entries restored.
     """
     check_max_parallelism(metadata, backend.max_parallelism)
     snapshot = operator_snapshot(metadata, operator_id)
     if snapshot is None:
         return 0
     restored = 0
+    local_dir = backend.local_dir if isinstance(backend, RocksDBKeyedStateBackend) else None
 
-    def counted(
-        handle: KeyedStateHandle, key_groups: KeyGroupRange
-    ) -> Iterator[tuple[str, int, Entry]]:
+    def counted(handle: KeyedHandle, key_groups: KeyGroupRange) -> Iterator[tuple[str, int, Entry]]:
         nonlocal restored
-        for item in read_keyed_entries(
-            fs.read_range, join(checkpoint_dir, handle.path), handle, key_groups
+        for item in read_keyed_handle(
+            fs, checkpoint_dir, handle, key_groups, read_range=fs.read_range, local_dir=local_dir
         ):
             restored += 1
             yield item

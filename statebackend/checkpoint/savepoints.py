@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from collections.abc import Callable, Iterator
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import join, metadata_path
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointError
+from statebackend.snapshot.handles import resolve_path
 
 _COPY_CHUNK = 4 << 20
 
@@ -25,6 +27,15 @@ def _chunks(fs: CheckpointFileSystem, path: str) -> Iterator[bytes]:
         stream.close()
 
 
+def _inside(relative: str) -> str:
+    """Where a referenced file goes in a savepoint: where it was, except that files outside
+    the checkpoint directory move in (``../shared/x`` becomes ``shared/x``)."""
+    parts = posixpath.normpath(relative).split("/")
+    while parts[0] == "..":
+        parts.pop(0)
+    return "/".join(parts)
+
+
 def copy_checkpoint(
     source_fs: CheckpointFileSystem,
     source_dir: str,
@@ -34,10 +45,12 @@ def copy_checkpoint(
 ) -> str:
     """Copy the completed checkpoint (or savepoint) in ``source_dir`` to a savepoint.
 
-    Every referenced file is copied and checked against its recorded size and checksum,
-    then ``_metadata`` (marked as a savepoint) is written last, so an interrupted copy is
-    never mistaken for a savepoint. The result restores from wherever it is moved to.
-    Returns ``target_dir``; raises CheckpointError if it already holds a savepoint.
+    Every referenced file is copied and checked against its recorded size and checksum
+    (an incremental checkpoint's shared files into the savepoint's own ``shared/``, the
+    handles rewritten to match), then ``_metadata`` (marked as a savepoint) is written
+    last, so an interrupted copy is never mistaken for a savepoint. The result restores
+    from wherever it is moved to. Returns ``target_dir``; raises CheckpointError if it
+    already holds a savepoint.
     """
     metadata = load_metadata(source_fs, source_dir)
     if target_fs.exists(metadata_path(target_dir)):
@@ -45,7 +58,8 @@ def copy_checkpoint(
             f"{target_dir} already holds a checkpoint or savepoint: choose an empty directory"
         )
     for relative, size, checksum in metadata.files():
-        source, target = join(source_dir, relative), join(target_dir, relative)
+        source = resolve_path(source_dir, relative)
+        target = join(target_dir, _inside(relative))
         if source_fs is target_fs:
             source_fs.copy(source, target)
         else:
@@ -53,6 +67,6 @@ def copy_checkpoint(
         target_fs.verify(target, size, checksum)
         if progress is not None:
             progress(size)
-    savepoint = dataclasses.replace(metadata, is_savepoint=True)
+    savepoint = dataclasses.replace(metadata.with_keyed_paths(_inside), is_savepoint=True)
     target_fs.write_atomic(metadata_path(target_dir), savepoint.to_bytes())
     return target_dir

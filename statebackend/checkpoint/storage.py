@@ -10,6 +10,7 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesy
 from statebackend.checkpoint.layout import (
     ACKS_DIR,
     METADATA_FILE,
+    SHARED_DIR,
     JobLayout,
     checkpoint_ids,
     join,
@@ -18,6 +19,7 @@ from statebackend.checkpoint.layout import (
 )
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
+from statebackend.snapshot.incremental import SharedLocation
 from statebackend.snapshot.target import SnapshotDirectory
 
 DEFAULT_TRANSFER_THREADS = 4
@@ -28,7 +30,10 @@ class CheckpointStorage:
 
     ``checkpoint_dir`` is any fsspec URL or local path; ``storage_options`` go to the
     file system (e.g. ``endpoint_url``, ``key``, ``secret`` for S3). Snapshots are
-    written on a pool of ``transfer_threads`` threads.
+    written on a pool of ``transfer_threads`` threads. With ``incremental=True`` keyed
+    snapshots of RocksDB backends upload their native checkpoint's files, each SST file
+    once, to the job's ``shared/`` directory (``snapshot/incremental.py``); heap backends
+    and the default write the full format.
     """
 
     def __init__(
@@ -39,6 +44,7 @@ class CheckpointStorage:
         storage_options: dict[str, Any] | None = None,
         transfer_threads: int = DEFAULT_TRANSFER_THREADS,
         compression: str = "none",
+        incremental: bool = False,
         filesystem: CheckpointFileSystem | None = None,
     ) -> None:
         if transfer_threads < 1:
@@ -49,6 +55,7 @@ class CheckpointStorage:
         self.job_id = job_id
         self.fs = filesystem or open_filesystem(checkpoint_dir, storage_options)
         self.compression = compression
+        self.incremental = incremental
         self._transfer_threads = transfer_threads
         self._executor: Executor | None = None
 
@@ -79,7 +86,12 @@ class CheckpointStorage:
             f"{operator_id}-{subtask}",
             self.executor,
             self.compression,
+            self.shared_location() if self.incremental else None,
         )
+
+    def shared_location(self) -> SharedLocation:
+        """The job's ``shared/`` directory, for incremental snapshots."""
+        return SharedLocation(self.layout.shared_dir, f"../{SHARED_DIR}", self.is_completed)
 
     def write_ack(self, checkpoint_id: int, ack: SubtaskAck) -> None:
         """Record a subtask's acknowledgement (its state handles) of checkpoint N."""
@@ -118,9 +130,13 @@ class CheckpointStorage:
         """Ids of every checkpoint directory of the job (complete or not), ascending."""
         return checkpoint_ids(self.fs.list_dir(self.layout.job_dir))
 
+    def is_completed(self, checkpoint_id: int) -> bool:
+        """Whether checkpoint N is complete (has ``_metadata``)."""
+        return self.fs.exists(self.layout.metadata_path(checkpoint_id))
+
     def completed_checkpoint_ids(self) -> list[int]:
         """Ids of the completed checkpoints (those with ``_metadata``), ascending."""
-        return [n for n in self.checkpoint_ids() if self.fs.exists(self.layout.metadata_path(n))]
+        return [n for n in self.checkpoint_ids() if self.is_completed(n)]
 
     def latest_completed(self) -> str | None:
         """The directory of the newest completed checkpoint, or None."""

@@ -11,20 +11,29 @@ the backend that wrote it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from struct import Struct
 from typing import Any
 
 from statebackend.backends.keyed import KeyedStateCut, StateMetaInfo
-from statebackend.backends.stores import Entry
+from statebackend.backends.stores import KEY_GROUP_PREFIX, KEY_LENGTH, Entry, StateStoreView
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.frames import decode_frames, encode_frame
+from statebackend.snapshot.handles import StoredFile, keyed_state_from_json, keyed_state_json
+from statebackend.state.descriptors import StateKind
 
 ENTRY_HEAD = Struct(">HI")
 LENGTH = Struct(">I")
+STATE_INDEX = Struct(">H")
+_NO_USER_KEY = Struct(">II")
+"""A user-key length of 0 and the value length, packed in one call."""
+_KEY_FROM = KEY_GROUP_PREFIX.size
+"""Where ``[key length][key]`` starts in a composite key (``stores.CurrentKey``)."""
+_KEY_BYTES_FROM = KEY_GROUP_PREFIX.size + KEY_LENGTH.size
+"""Where the key's bytes start in a composite key."""
 FRAME_BYTES = 1 << 20
 """Raw bytes gathered before a frame is cut (a key group may span several frames)."""
 
@@ -52,6 +61,14 @@ class KeyedStateHandle:
         """How many bytes of the file hold the given key groups."""
         return sum(length for group, _, length in self.key_groups if group in key_groups)
 
+    def files(self) -> list[StoredFile]:
+        """The one file of the snapshot."""
+        return [StoredFile(self.path, self.size, self.checksum)]
+
+    def with_paths(self, relocate: Callable[[str], str]) -> KeyedStateHandle:
+        """The same handle with its file's path mapped by ``relocate``."""
+        return replace(self, path=relocate(self.path))
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict for ``_metadata``."""
         return {
@@ -59,11 +76,9 @@ class KeyedStateHandle:
             "path": self.path,
             "size": self.size,
             "checksum": self.checksum,
-            "key_group_range": self.key_group_range.to_json(),
             "key_groups": [list(item) for item in self.key_groups],
-            "states": [meta.to_json() for meta in self.states],
-            "key_serializer": self.key_serializer,
             "compression": self.compression,
+            **keyed_state_json(self.key_group_range, self.states, self.key_serializer),
         }
 
     @classmethod
@@ -73,11 +88,9 @@ class KeyedStateHandle:
             path=data["path"],
             size=int(data["size"]),
             checksum=data["checksum"],
-            key_group_range=KeyGroupRange.from_json(data["key_group_range"]),
             key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
-            states=tuple(StateMetaInfo.from_json(m) for m in data["states"]),
-            key_serializer=data["key_serializer"],
             compression=data.get("compression", "none"),
+            **keyed_state_from_json(data),
         )
 
 
@@ -85,28 +98,66 @@ def encode_keyed_cut(
     cut: KeyedStateCut, codec: int, index: list[tuple[int, int, int]]
 ) -> Iterator[bytes]:
     """The file's frames, key group by key group; fills ``index`` as it goes."""
-    state_index = {meta.name: i for i, meta in enumerate(cut.states)}
+    states = [
+        (STATE_INDEX.pack(i), meta.kind is StateKind.MAP, cut.views[meta.name])
+        for i, meta in enumerate(cut.states)
+    ]
     offset = 0
     for key_group in cut.key_group_range:
-        start, buffer = offset, bytearray()
-        for name, (key, user_key, value) in cut.entries(key_group):
-            buffer += ENTRY_HEAD.pack(state_index[name], len(key))
-            buffer += key
-            buffer += LENGTH.pack(len(user_key))
-            buffer += user_key
-            buffer += LENGTH.pack(len(value))
-            buffer += value
-            if len(buffer) >= FRAME_BYTES:
-                frame = encode_frame(bytes(buffer), codec)
-                offset += len(frame)
-                buffer.clear()
-                yield frame
-        if buffer:
-            frame = encode_frame(bytes(buffer), codec)
+        start = offset
+        for frame in _key_group_frames(states, key_group, codec):
             offset += len(frame)
             yield frame
         if offset > start:
             index.append((key_group, start, offset - start))
+
+
+def _key_group_frames(
+    states: list[tuple[bytes, bool, StateStoreView]], key_group: int, codec: int
+) -> Iterator[bytes]:
+    """The frames of one key group: its entries, state by state, cut into frames of
+    ``FRAME_BYTES``; ``states`` holds (packed state index, is map state, view).
+
+    The hot loop of a snapshot, so each entry is built from its composite key
+    ``[key group][key length][key][user key]`` by slicing (the entry's
+    ``[key length][key]`` is the composite key's own) and its pieces are joined once per
+    frame. A non-map state's composite key has no user key.
+    """
+    parts: list[bytes] = []
+    add, pack, unpack_from = parts.extend, LENGTH.pack, LENGTH.unpack_from
+    pack_no_user_key = _NO_USER_KEY.pack
+    size = 0  # the raw frame's length: an entry is 8 bytes longer than key + value
+    for head, is_map, view in states:
+        if is_map:
+            for composite, value in view.composite_items(key_group):
+                (key_length,) = unpack_from(composite, _KEY_FROM)
+                end = _KEY_BYTES_FROM + key_length
+                user_key = composite[end:]
+                add(
+                    (
+                        head,
+                        composite[_KEY_FROM:end],
+                        pack(len(user_key)),
+                        user_key,
+                        pack(len(value)),
+                        value,
+                    )
+                )
+                size += len(composite) + len(value) + 8
+                if size >= FRAME_BYTES:
+                    yield encode_frame(b"".join(parts), codec)
+                    parts.clear()
+                    size = 0
+        else:
+            for composite, value in view.composite_items(key_group):
+                add((head, composite[_KEY_FROM:], pack_no_user_key(0, len(value)), value))
+                size += len(composite) + len(value) + 8
+                if size >= FRAME_BYTES:
+                    yield encode_frame(b"".join(parts), codec)
+                    parts.clear()
+                    size = 0
+    if parts:
+        yield encode_frame(b"".join(parts), codec)
 
 
 def _decode_entries(payload: bytes, where: str) -> Iterator[tuple[int, Entry]]:

@@ -12,12 +12,19 @@ from statebackend.backends.operator import OperatorStateCut
 from statebackend.checksums import checksum
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.future import ShouldStop, SnapshotFuture
+from statebackend.snapshot.incremental import SharedLocation, upload_native_checkpoint
 from statebackend.snapshot.keyed_format import KeyedStateHandle, encode_keyed_cut
+from statebackend.snapshot.keyed_handles import KeyedHandle
 from statebackend.snapshot.operator_format import (
     INLINE_LIMIT,
     OperatorStateHandle,
     encode_operator_cut,
 )
+from statebackend.snapshot.pipeline import prefetched
+
+PREFETCH_FRAMES = 16
+"""Frames (``keyed_format.FRAME_BYTES`` each, before compression) a keyed snapshot
+encodes ahead of its upload."""
 
 
 class SnapshotFileSystem(Protocol):
@@ -32,12 +39,20 @@ class SnapshotFileSystem(Protocol):
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``path`` from ``start``."""
 
+    def open_read(self, path: str) -> Any:
+        """A binary stream of ``path``."""
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        """Delete ``path``; not an error if it does not exist."""
+
 
 class SnapshotDirectory:
     """Writes the snapshots of one (operator, subtask) into one checkpoint directory.
 
     File names are ``<name>-<kind>-<random>``, relative to ``directory``, so that a
-    retried or concurrent snapshot never overwrites another's file.
+    retried or concurrent snapshot never overwrites another's file. With ``shared`` set,
+    keyed snapshots of cuts that have a native checkpoint (RocksDB) are incremental
+    (``snapshot/incremental.py``); other cuts are written in the full format.
     """
 
     def __init__(
@@ -47,29 +62,35 @@ class SnapshotDirectory:
         name: str,
         executor: Executor,
         compression: str = "none",
+        shared: SharedLocation | None = None,
     ) -> None:
         self.filesystem = filesystem
         self.directory = directory.rstrip("/")
         self.name = name
         self.executor = executor
         self.codec = check_codec(compression)
+        self.shared = shared
 
     def _new_file(self, kind: str) -> str:
         return f"{self.name}-{kind}-{uuid.uuid4().hex[:12]}"
 
     def write_keyed_snapshot(
         self, checkpoint_id: int, cut: KeyedStateCut
-    ) -> SnapshotFuture[KeyedStateHandle]:
-        """Write ``cut`` in the full keyed format in the background."""
+    ) -> SnapshotFuture[KeyedHandle]:
+        """Write ``cut`` in the background: incrementally if configured and possible,
+        else in the full keyed format."""
+        if self.shared is not None and cut.native is not None:
+            return self._write_incremental(checkpoint_id, cut, self.shared)
         relative = self._new_file("keyed")
 
         def work(should_stop: ShouldStop) -> KeyedStateHandle:
             index: list[tuple[int, int, int]] = []
-            written = self.filesystem.write_file(
-                f"{self.directory}/{relative}",
-                encode_keyed_cut(cut, self.codec, index),
-                should_stop=should_stop,
-            )
+            # Frames are encoded on a producer thread while earlier ones are written; it
+            # has ended when the block is left, before ``cut.release`` may run.
+            with prefetched(encode_keyed_cut(cut, self.codec, index), PREFETCH_FRAMES) as frames:
+                written = self.filesystem.write_file(
+                    f"{self.directory}/{relative}", frames, should_stop=should_stop
+                )
             return KeyedStateHandle(
                 path=relative,
                 size=written.size,
@@ -86,6 +107,21 @@ class SnapshotDirectory:
             work,
             cut.release,
             f"keyed snapshot {self.name} of checkpoint {checkpoint_id}",
+        )
+
+    def _write_incremental(
+        self, checkpoint_id: int, cut: KeyedStateCut, shared: SharedLocation
+    ) -> SnapshotFuture[KeyedHandle]:
+        def work(should_stop: ShouldStop) -> KeyedHandle:
+            return upload_native_checkpoint(
+                self.filesystem, self.directory, self.name, shared, checkpoint_id, cut, should_stop
+            )
+
+        return SnapshotFuture(
+            self.executor,
+            work,
+            cut.release,
+            f"incremental keyed snapshot {self.name} of checkpoint {checkpoint_id}",
         )
 
     def write_operator_snapshot(

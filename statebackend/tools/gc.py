@@ -28,6 +28,7 @@ from statebackend.checkpoint.layout import (
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointNotFoundError
+from statebackend.snapshot.handles import normalize_path, resolve_path
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,8 @@ class Garbage:
     reason: str
 
 
-def _normalized(path: str) -> str:
-    """``path`` with ``.`` and ``..`` resolved (after any ``scheme://``)."""
-    scheme, sep, rest = path.rpartition("://")
-    return f"{scheme}{sep}{posixpath.normpath(rest)}"
-
-
 def _references(directory: str, metadata: CheckpointMetadata) -> set[str]:
-    return {_normalized(join(directory, relative)) for relative, _, _ in metadata.files()}
+    return {resolve_path(directory, relative) for relative, _, _ in metadata.files()}
 
 
 def _files(fs: CheckpointFileSystem, directory: str) -> list[str]:
@@ -83,7 +78,7 @@ def find_garbage(fs: CheckpointFileSystem, job_dir: str) -> list[Garbage]:
             candidates += [
                 (path, f"not referenced by chk-{checkpoint_id}/{METADATA_FILE}")
                 for path in _files(fs, directory)
-                if _normalized(path) not in keep
+                if normalize_path(path) not in keep
             ]
         elif checkpoint_id < newest:
             candidates += [
@@ -95,7 +90,7 @@ def find_garbage(fs: CheckpointFileSystem, job_dir: str) -> list[Garbage]:
         candidates += [
             (join(shared, name), "shared file no completed checkpoint or savepoint uses")
             for name in fs.list_dir(shared)
-            if _normalized(join(shared, name)) not in referenced
+            if normalize_path(join(shared, name)) not in referenced
         ]
     return [Garbage(path, fs.size(path), reason) for path, reason in candidates]
 

@@ -12,6 +12,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointError, CheckpointNotFoundError
 from statebackend.serializers import SerializerConfig
+from statebackend.snapshot.keyed_format import KeyedStateHandle
 from statebackend.tools.location import CheckpointRef
 
 COMPLETED = "completed"
@@ -131,9 +132,10 @@ def _describe_roles(serializers: dict[str, SerializerConfig]) -> str:
 def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
     """Everything ``inspect`` shows of a checkpoint, as a JSON-able dict.
 
-    Per operator: its keyed states (kind, serializers), its operator states (mode,
-    serializers, element count), and per subtask its key-group range, keyed bytes and
-    operator-state elements.
+    With the job's ``properties`` (e.g. the example job's source directory). Per
+    operator: its keyed states (kind, serializers), its operator states (mode,
+    serializers, element count), and per subtask its key-group range, keyed bytes, keyed
+    file (``keyed_files`` for an incremental snapshot) and operator-state elements.
     """
     md = ref.metadata
     operators: dict[str, Any] = {}
@@ -155,9 +157,12 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
                         },
                     )
                 row["key_group_range"] = ack.keyed.key_group_range.to_json()
-                row["key_groups_with_state"] = len(ack.keyed.key_groups)
                 row["keyed_bytes"] = ack.keyed.size
-                row["keyed_file"] = ack.keyed.path
+                if isinstance(ack.keyed, KeyedStateHandle):
+                    row["key_groups_with_state"] = len(ack.keyed.key_groups)
+                    row["keyed_file"] = ack.keyed.path
+                else:
+                    row["keyed_files"] = [f.path for f in ack.keyed.files()]
             handle = ack.operator_state
             row["operator_state_elements"] = (
                 {} if handle is None else {n: len(i.elements) for n, i in handle.states.items()}
@@ -194,5 +199,6 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
         "max_parallelism": md.max_parallelism,
         "state_bytes": md.state_bytes(),
         "files": len(md.files()),
+        "properties": dict(md.properties),
         "operators": operators,
     }

@@ -1,6 +1,7 @@
 """``statebackend read``: a state's entries straight from a checkpoint, without Spark.
 
-Keyed state is streamed key group by key group (ranged reads of the snapshot files) and
+Keyed state is streamed key group by key group (ranged reads of full snapshot files; an
+incremental snapshot's files are downloaded whole, without progress reports) and
 decoded with the serializers the snapshot recorded; TTL-wrapped values are unwrapped and
 expired ones skipped. Operator state is read as a restore at parallelism 1 gets it: every
 element of split and union state, one copy of broadcast state.
@@ -19,14 +20,13 @@ from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list
 from statebackend.backends.operator import KEY_ROLE, VALUE_ROLE, NamedStateCut
 from statebackend.backends.stores import Entry
-from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import OperatorSnapshot
 from statebackend.checkpoint.savepoints import Progress
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import Serializer, SerializerConfig, serializer_from_config
-from statebackend.snapshot.keyed_format import read_keyed_entries
+from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.snapshot.operator_format import OperatorStateInfo, OperatorStateReader
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlSerializer, TtlValue
@@ -155,8 +155,8 @@ def _keyed_value(
 
 def keyed_read_plan(
     ref: CheckpointRef, selection: StateSelection, key: Any = NO_KEY
-) -> tuple[list[tuple[str, Any, KeyGroupRange]], bytes | None]:
-    """The (file path, handle, key groups) to read, and the serialized key if one is asked.
+) -> tuple[list[tuple[KeyedHandle, KeyGroupRange]], bytes | None]:
+    """The (handle, key groups) to read, and the serialized key if one is asked.
 
     With a key only its key group is read, from the one handle that holds it.
     """
@@ -173,14 +173,14 @@ def keyed_read_plan(
     for handle in handles:
         groups = handle.key_group_range.intersection(wanted)
         if groups:
-            plan.append((join(ref.directory, handle.path), handle, groups))
+            plan.append((handle, groups))
     return plan, key_bytes
 
 
 def read_bytes(ref: CheckpointRef, selection: StateSelection, key: Any = NO_KEY) -> int:
     """How many bytes ``read_state`` reads (for a progress bar)."""
     plan, _ = keyed_read_plan(ref, selection, key)
-    return sum(handle.bytes_for(groups) for _, handle, groups in plan)
+    return sum(handle.bytes_for(groups) for handle, groups in plan)
 
 
 def read_keyed_state(
@@ -208,11 +208,13 @@ def read_keyed_state(
         return data
 
     plan, key_bytes = keyed_read_plan(ref, selection, key)
-    for path, handle, groups in plan:
+    for handle, groups in plan:
         keys = serializer_from_config(handle.key_serializer)
         entries = (
             entry
-            for name, _, entry in read_keyed_entries(read_range, path, handle, groups)
+            for name, _, entry in read_keyed_handle(
+                ref.fs, ref.directory, handle, groups, read_range=read_range
+            )
             if name == meta.name and (key_bytes is None or entry[0] == key_bytes)
         )
         for key_data, run in groupby(entries, key=lambda entry: entry[0]):

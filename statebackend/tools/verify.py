@@ -9,6 +9,7 @@ from statebackend.checkpoint.layout import join, metadata_path
 from statebackend.checkpoint.savepoints import Progress
 from statebackend.checksums import checksum
 from statebackend.errors import CheckpointError
+from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.keyed_format import KeyedStateHandle
 from statebackend.snapshot.operator_format import OperatorStateHandle, Span
 from statebackend.tools.location import CheckpointRef
@@ -54,12 +55,13 @@ def _span_problems(where: str, handle: OperatorStateHandle) -> list[Problem]:
 
 
 def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> list[Problem]:
-    """The problems of the checkpoint: missing, truncated or corrupted files (checked by
+    """The problems of the checkpoint: missing, truncated or corrupted files, shared ones
+    included (checked by
     size and checksum, reading each file whole), state-handle indexes pointing beyond
     their files, and inline operator state failing its checksums. Empty if all is well."""
     problems: list[Problem] = []
     for relative, size, expected in ref.metadata.files():
-        path = join(ref.directory, relative)
+        path = resolve_path(ref.directory, relative)
         try:
             ref.fs.verify(path, size, expected)
         except CheckpointError as exc:
@@ -68,7 +70,7 @@ def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> l
             progress(size)
     for operator_id, snapshot in sorted(ref.metadata.operators.items()):
         for ack in snapshot.subtasks:
-            if ack.keyed is not None:
+            if isinstance(ack.keyed, KeyedStateHandle):
                 where = join(ref.directory, ack.keyed.path)
                 problems += _keyed_index_problems(where, ack.keyed)
             handle = ack.operator_state

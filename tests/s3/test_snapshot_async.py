@@ -236,6 +236,11 @@ def cut_dirs(local_dir: Path) -> list[str]:
     return sorted(p.name for p in local_dir.iterdir() if p.name != "db")
 
 
+def encode_threads() -> list[threading.Thread]:
+    """Live producer threads of keyed snapshots (``snapshot/pipeline.py``)."""
+    return [t for t in threading.enumerate() if t.name == "statebackend-encode"]
+
+
 @pytest.fixture(params=["heap", "rocksdb"])
 def kind(request: pytest.FixtureRequest) -> str:
     """The keyed backend under test."""
@@ -324,6 +329,7 @@ def test_cancel_mid_upload_leaves_nothing(
     with pytest.raises(CheckpointCancelledError):
         future.result(WAIT)
     assert future.done()
+    assert encode_threads() == []
 
     assert files_of(storage, checkpoint_id) == []
     if isinstance(backend, RocksDBKeyedStateBackend):
@@ -414,6 +420,7 @@ def test_failure_in_the_async_part_fails_only_that_checkpoint(
     assert any(isinstance(c, InjectedFailure) for c in causes), causes
     assert "injected failure" in str(info.value)
     assert not isinstance(info.value, CheckpointCancelledError)
+    assert encode_threads() == []
     if isinstance(backend, RocksDBKeyedStateBackend):
         assert cut_dirs(backend.local_dir) == []
 
@@ -434,6 +441,57 @@ def test_failure_in_the_async_part_fails_only_that_checkpoint(
     coordinator.timeout_seconds = 600.0
     after = checkpoint(storage, coordinator, backend)
     assert after == failed + 1
+    assert restored_model(storage, after) == non_empty(model)
+    backend.dispose()
+    storage.close()
+
+
+def test_failure_while_encoding_fails_the_snapshot_and_leaves_nothing(
+    checkpoint_url: Storage, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cut's reader fails part-way (frames are encoded on a producer thread): the
+    future raises CheckpointError with the cause, the partial file is gone, the producer
+    thread has ended, the cut is released once, and the next checkpoint completes."""
+    storage = make_storage(checkpoint_url)
+    coordinator = CheckpointCoordinator(storage, max_parallelism=M)
+    backend = make_backend(kind, tmp_path / "db")
+    model: Model = {}
+    write_state(backend, model, random.Random(13), 3000)
+    cut = backend.sync_cut()
+    view_class = type(cut.views["count"])
+    original = view_class.composite_items
+
+    def failing(self: Any, key_group: int) -> Iterator[tuple[bytes, bytes]]:
+        if key_group >= M // 2:
+            raise InjectedFailure(f"cannot read key group {key_group}")
+        yield from original(self, key_group)
+
+    monkeypatch.setattr(view_class, "composite_items", failing)
+    releases: list[int] = []
+    release = cut._release
+
+    def counted() -> None:
+        releases.append(len(encode_threads()))
+        if release is not None:
+            release()
+
+    cut._release = counted
+    checkpoint_id = coordinator.trigger({OPERATOR: 1})
+    future = storage.snapshot_target(checkpoint_id, OPERATOR, 0).write_keyed_snapshot(
+        checkpoint_id, cut
+    )
+    with pytest.raises(CheckpointError, match="cannot read key group") as info:
+        future.result(WAIT)
+    assert isinstance(info.value.__cause__, InjectedFailure)
+    assert releases == [0]  # once, after the producer thread ended
+    assert encode_threads() == []
+    assert files_of(storage, checkpoint_id) == []
+    if isinstance(backend, RocksDBKeyedStateBackend):
+        assert cut_dirs(backend.local_dir) == []
+
+    monkeypatch.undo()
+    coordinator.abort(checkpoint_id)
+    after = checkpoint(storage, coordinator, backend)
     assert restored_model(storage, after) == non_empty(model)
     backend.dispose()
     storage.close()

@@ -1,0 +1,313 @@
+"""The incremental keyed snapshot format (RocksDB): the native checkpoint's files as they are.
+
+The synchronous cut of a RocksDB backend is a native checkpoint (hard links). The
+incremental snapshot uploads its files without reading a single entry:
+
+- SST files are immutable and their names are never reused within a database, so each
+  is uploaded once, to the job's ``shared/`` directory as ``<subtask>-<random>-<sst>``;
+  later snapshots of the same backend reference the copy that the newest *completed*
+  checkpoint it took refers to (matched by file name and size, as Flink's
+  RocksIncrementalSnapshotStrategy does). The backend keeps these upload records in its
+  ``NativeCheckpoint.records`` directory, one JSON file per checkpoint, so they survive
+  ``close()``/reopen across micro-batches and go with the database.
+- The other files (MANIFEST, CURRENT, OPTIONS, rocksdict's config, the WAL, empty after
+  the checkpoint's flush) are small and private to the checkpoint directory.
+
+Paths in the handle are relative to the checkpoint directory (``../shared/...`` for
+shared files), like every handle's. A snapshot that is cancelled or fails deletes the
+files it uploaded itself and never a shared file it reuses; the coordinator's registry
+(``checkpoint/registry.py``) deletes shared files that no retained checkpoint references.
+
+A restore downloads all files of a handle (checking sizes and checksums), opens them
+read-only as RocksDB and streams the key groups it needs, state by state.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMetaInfo
+from statebackend.backends.rocksdb import RocksDBCheckpointView, open_read_only
+from statebackend.backends.stores import Entry
+from statebackend.checksums import format_crc
+from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError
+from statebackend.keygroups import KeyGroupRange
+from statebackend.serializers import SerializerConfig
+from statebackend.snapshot.handles import (
+    StoredFile,
+    keyed_state_from_json,
+    keyed_state_json,
+    resolve_path,
+)
+
+CHUNK_BYTES = 4 << 20
+"""Bytes read from a local file per chunk of an upload or download."""
+
+_SST_SUFFIX = ".sst"
+
+
+class IncrementalFileSystem(Protocol):
+    """What incremental snapshots need of a file system (``checkpoint.filesystem``)."""
+
+    def write_file(
+        self, path: str, chunks: Iterable[bytes], *, should_stop: Callable[[], bool] | None = None
+    ) -> Any:
+        """Stream chunks to a new file; return an object with ``size`` and ``checksum``;
+        leave nothing behind if stopped or failed."""
+
+    def open_read(self, path: str) -> Any:
+        """A binary stream of ``path``."""
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        """Delete ``path``; not an error if it does not exist."""
+
+
+@dataclass(frozen=True)
+class SharedLocation:
+    """Where a job's shared files go, as a path (``directory``) and as seen from a
+    checkpoint directory (``relative``, e.g. ``../shared``), and how a snapshot learns
+    whether an earlier checkpoint completed (only then does it reuse its files)."""
+
+    directory: str
+    relative: str
+    is_completed: Callable[[int], bool]
+
+
+class NativeFile(NamedTuple):
+    """One file of a native checkpoint in a handle: its name in the RocksDB directory,
+    its stored path (relative to the checkpoint directory), size and checksum."""
+
+    name: str
+    path: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return self._asdict()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NativeFile:
+        """The inverse of ``to_json``."""
+        return cls(data["name"], data["path"], int(data["size"]), data["checksum"])
+
+
+@dataclass(frozen=True)
+class IncrementalKeyedStateHandle:
+    """One subtask's incremental keyed snapshot: the files of its native checkpoint.
+
+    ``shared`` are its SST files (in the job's ``shared/`` directory, possibly uploaded
+    by an earlier checkpoint), ``private`` the checkpoint's other files.
+    """
+
+    key_group_range: KeyGroupRange
+    states: tuple[StateMetaInfo, ...]
+    key_serializer: SerializerConfig
+    shared: tuple[NativeFile, ...]
+    private: tuple[NativeFile, ...]
+
+    @property
+    def size(self) -> int:
+        """Bytes of all files of the snapshot."""
+        return sum(f.size for f in (*self.shared, *self.private))
+
+    def bytes_for(self, key_groups: KeyGroupRange) -> int:
+        """Bytes a restore of ``key_groups`` reads: all files, whatever the key groups."""
+        return self.size if key_groups else 0
+
+    def files(self) -> list[StoredFile]:
+        """Every file the snapshot references, shared ones first."""
+        return [StoredFile(f.path, f.size, f.checksum) for f in (*self.shared, *self.private)]
+
+    def with_paths(self, relocate: Callable[[str], str]) -> IncrementalKeyedStateHandle:
+        """The same handle with every file's path mapped by ``relocate``."""
+        return replace(
+            self,
+            shared=tuple(f._replace(path=relocate(f.path)) for f in self.shared),
+            private=tuple(f._replace(path=relocate(f.path)) for f in self.private),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict for ``_metadata``."""
+        return {
+            "type": "keyed-incremental",
+            "shared": [f.to_json() for f in self.shared],
+            "private": [f.to_json() for f in self.private],
+            **keyed_state_json(self.key_group_range, self.states, self.key_serializer),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> IncrementalKeyedStateHandle:
+        """The inverse of ``to_json``."""
+        return cls(
+            shared=tuple(NativeFile.from_json(f) for f in data["shared"]),
+            private=tuple(NativeFile.from_json(f) for f in data["private"]),
+            **keyed_state_from_json(data),
+        )
+
+
+# -- upload records ---------------------------------------------------------------------------
+
+
+def _record_path(native: NativeCheckpoint, checkpoint_id: int) -> Path:
+    return native.records / f"{checkpoint_id}.json"
+
+
+def _recorded_ids(native: NativeCheckpoint) -> list[int]:
+    if not native.records.is_dir():
+        return []
+    return sorted(int(p.stem) for p in native.records.glob("*.json") if p.stem.isdigit())
+
+
+def reusable_files(
+    native: NativeCheckpoint, checkpoint_id: int, shared: SharedLocation
+) -> dict[tuple[str, int], NativeFile]:
+    """The shared files of the newest completed checkpoint before ``checkpoint_id`` that
+    this backend took, by (SST name, size); records older than that one are dropped."""
+    earlier = [n for n in _recorded_ids(native) if n < checkpoint_id]
+    for previous in reversed(earlier):
+        if not shared.is_completed(previous):
+            continue
+        for older in earlier:
+            if older < previous:
+                _record_path(native, older).unlink(missing_ok=True)
+        record = json.loads(_record_path(native, previous).read_text())
+        if record["shared_dir"] != shared.directory:
+            return {}
+        files = (NativeFile.from_json(f) for f in record["files"])
+        return {(f.name, f.size): f for f in files}
+    return {}
+
+
+def record_uploads(
+    native: NativeCheckpoint, checkpoint_id: int, shared: SharedLocation, files: list[NativeFile]
+) -> None:
+    """Note the shared files of checkpoint ``checkpoint_id`` for later snapshots (written
+    atomically; skipped if the backend's directory is gone)."""
+    document = {"shared_dir": shared.directory, "files": [f.to_json() for f in files]}
+    path = _record_path(native, checkpoint_id)
+    with suppress(FileNotFoundError):  # the backend was disposed meanwhile
+        native.records.mkdir(exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(document))
+        temporary.replace(path)
+
+
+# -- upload -------------------------------------------------------------------------------------
+
+
+def _local_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            yield chunk
+
+
+def upload_native_checkpoint(
+    fs: IncrementalFileSystem,
+    directory: str,
+    name: str,
+    shared: SharedLocation,
+    checkpoint_id: int,
+    cut: KeyedStateCut,
+    should_stop: Callable[[], bool],
+) -> IncrementalKeyedStateHandle:
+    """Upload the files of ``cut``'s native checkpoint for checkpoint ``checkpoint_id``:
+    new SST files to ``shared``, the others into ``directory`` (the checkpoint's), each
+    named after ``name`` (the subtask's unique prefix). Checks ``should_stop`` before
+    each file and chunk; on cancellation or failure deletes what it uploaded and raises.
+    """
+    native = cut.native
+    if native is None:
+        raise ValueError("an incremental snapshot needs a cut with a native checkpoint")
+    previous = reusable_files(native, checkpoint_id, shared)
+    token = uuid.uuid4().hex[:12]
+    uploaded: list[str] = []
+    shared_files: list[NativeFile] = []
+    private_files: list[NativeFile] = []
+    try:
+        for local in sorted(native.directory.iterdir()):
+            if should_stop():
+                raise CheckpointCancelledError(f"the upload of {directory} was cancelled")
+            is_sst = local.suffix == _SST_SUFFIX
+            reused = previous.get((local.name, local.stat().st_size)) if is_sst else None
+            if reused is not None:
+                shared_files.append(reused)
+                continue
+            stored = f"{name}-{token}-{local.name}"
+            remote = f"{shared.directory}/{stored}" if is_sst else f"{directory}/{stored}"
+            uploaded.append(remote)
+            written = fs.write_file(remote, _local_chunks(local), should_stop=should_stop)
+            relative = f"{shared.relative}/{stored}" if is_sst else stored
+            entry = NativeFile(local.name, relative, written.size, written.checksum)
+            (shared_files if is_sst else private_files).append(entry)
+    except BaseException:
+        for remote in uploaded:
+            with suppress(Exception):
+                fs.delete(remote)
+        raise
+    record_uploads(native, checkpoint_id, shared, shared_files)
+    return IncrementalKeyedStateHandle(
+        key_group_range=cut.key_group_range,
+        states=tuple(cut.states),
+        key_serializer=cut.key_serializer,
+        shared=tuple(shared_files),
+        private=tuple(private_files),
+    )
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+
+def _download(fs: IncrementalFileSystem, remote: str, file: NativeFile, target: Path) -> None:
+    size, crc = 0, 0
+    stream = fs.open_read(remote)
+    try:
+        with target.open("wb") as out:
+            while chunk := stream.read(CHUNK_BYTES):
+                out.write(chunk)
+                size += len(chunk)
+                crc = zlib.crc32(chunk, crc)
+    finally:
+        stream.close()
+    if size != file.size or format_crc(crc) != file.checksum:
+        raise CheckpointCorruptedError(
+            f"{remote}: size {size} and checksum {format_crc(crc)} != expected {file.size} "
+            f"and {file.checksum}; the file is truncated or corrupted"
+        )
+
+
+def read_incremental_entries(
+    fs: IncrementalFileSystem,
+    directory: str,
+    handle: IncrementalKeyedStateHandle,
+    key_groups: KeyGroupRange,
+    local_dir: Path | None = None,
+) -> Iterator[tuple[str, int, Entry]]:
+    """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``,
+    state by state. Downloads the handle's files (relative to ``directory``) into a
+    temporary directory under ``local_dir`` (default: the system's), checking each one's
+    size and checksum (CheckpointCorruptedError naming it), removed when the iteration
+    ends."""
+    wanted = handle.key_group_range.intersection(key_groups)
+    if not wanted:
+        return
+    with tempfile.TemporaryDirectory(prefix="restore-", dir=local_dir) as temporary:
+        for file in (*handle.shared, *handle.private):
+            _download(fs, resolve_path(directory, file.path), file, Path(temporary) / file.name)
+        reader = open_read_only(temporary, [meta.name for meta in handle.states])
+        try:
+            for meta in handle.states:
+                view = RocksDBCheckpointView(reader.get_column_family(meta.name))
+                for key_group in wanted:
+                    for entry in view.entries(key_group):
+                        yield meta.name, key_group, entry
+        finally:
+            reader.close()

@@ -1,0 +1,490 @@
+"""Incremental keyed checkpoints of the RocksDB backend, on file:// and s3://.
+
+Real backends, storage, coordinator and restore; the file system is a real
+``CheckpointFileSystem`` that can hold or fail writes to ``shared/``. Expectations come
+from a plain-Python model of the state.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import fsspec
+import pytest
+from fsspec.utils import get_protocol
+
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
+from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.restore import plan_restore, restore_keyed_state
+from statebackend.checkpoint.savepoints import copy_checkpoint
+from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError, CheckpointError
+from statebackend.keygroups import (
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
+)
+from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
+from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
+from statebackend.state.interfaces import MapState, ValueState
+from statebackend.tools.gc import find_garbage
+from statebackend.tools.location import CheckpointRef
+from statebackend.tools.verify import verify_checkpoint
+from tests.conftest import S3Endpoint, Storage
+
+M = 128
+OPERATOR = "op"
+WAIT = 20.0
+COUNT = ValueStateDescriptor("count", IntSerializer())
+TAGS = MapStateDescriptor("tags", StrSerializer(), IntSerializer())
+
+Model = dict[str, tuple[int | None, dict[str, int]]]
+"""key -> (count, tags); keys holding nothing are absent."""
+
+
+class InjectedFailure(OSError):
+    """The failure the test file system raises instead of writing a shared file."""
+
+
+class SharedGateFileSystem(CheckpointFileSystem):
+    """A checkpoint file system that, once ``shared_allowed`` shared files were written,
+    holds the next shared write at ``gate`` (``holding`` set) or fails it (``fail``)."""
+
+    def __init__(self, location: Storage) -> None:
+        protocol = get_protocol(location.url)
+        options = {"auto_mkdir": True} if protocol == "file" else dict(location.storage_options)
+        super().__init__(fsspec.filesystem(protocol, **options))
+        self.shared_allowed: int | None = None
+        self.fail = False
+        self.shared_writes = 0
+        self.gate = threading.Event()
+        self.holding = threading.Event()
+
+    def write_file(
+        self,
+        path: str,
+        chunks: Iterable[bytes],
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> WrittenFile:
+        """``CheckpointFileSystem.write_file``, held or failed as configured."""
+        if "/shared/" in path and self.shared_allowed is not None:
+            if self.shared_writes >= self.shared_allowed:
+                if self.fail:
+                    raise InjectedFailure(f"injected failure writing {path}")
+                self.holding.set()
+                assert self.gate.wait(WAIT), "the test never opened the gate"
+            self.shared_writes += 1
+        return super().write_file(path, chunks, should_stop=should_stop)
+
+
+@dataclass
+class Job:
+    """``parallelism`` RocksDB subtasks checkpointing incrementally, with their model."""
+
+    location: Storage
+    storage: CheckpointStorage
+    coordinator: CheckpointCoordinator
+    backends: list[RocksDBKeyedStateBackend]
+    rng: random.Random = field(default_factory=lambda: random.Random(5))
+    model: Model = field(default_factory=dict)
+    models: dict[int, Model] = field(default_factory=dict)
+
+    def write(self, records: int = 1500, keys: int = 400) -> None:
+        """Random count updates, tag puts and clears, mirrored in the model."""
+        parallelism = len(self.backends)
+        for _ in range(records):
+            key = f"key-{self.rng.randrange(keys)}"
+            group = assign_to_key_group(StrSerializer().serialize(key), M)
+            backend = self.backends[compute_operator_index_for_key_group(M, parallelism, group)]
+            backend.set_current_key(key)
+            count = cast(ValueState, backend.get_state(COUNT))
+            tags = cast(MapState, backend.get_state(TAGS))
+            old_count, old_tags = self.model.get(key, (None, {}))
+            action = self.rng.randrange(10)
+            if action == 0:
+                count.clear()
+                tags.clear()
+                self.model.pop(key, None)
+                continue
+            if action < 6:
+                count.update((old_count or 0) + 1)
+                self.model[key] = ((old_count or 0) + 1, old_tags)
+            else:
+                tag, value = f"t{self.rng.randrange(5)}", self.rng.randrange(10**6)
+                tags.put(tag, value)
+                self.model[key] = (old_count, {**old_tags, tag: value})
+
+    def snapshot(self, checkpoint_id: int) -> list[Any]:
+        """Start every subtask's snapshot of checkpoint N; their futures."""
+        return [
+            backend.snapshot(
+                checkpoint_id, self.storage.snapshot_target(checkpoint_id, OPERATOR, i)
+            )
+            for i, backend in enumerate(self.backends)
+        ]
+
+    def checkpoint(self) -> int:
+        """Take and complete a checkpoint of the current state; its id."""
+        checkpoint_id = self.coordinator.trigger({OPERATOR: len(self.backends)})
+        for i, future in enumerate(self.snapshot(checkpoint_id)):
+            ack = SubtaskAck(OPERATOR, i, len(self.backends), future.result(WAIT), None)
+            self.storage.write_ack(checkpoint_id, ack)
+        assert self.coordinator.poll(checkpoint_id) is not None
+        self.models[checkpoint_id] = {k: (c, dict(t)) for k, (c, t) in self.model.items()}
+        return checkpoint_id
+
+    def close(self) -> None:
+        """Dispose the backends and stop the transfer threads."""
+        for backend in self.backends:
+            backend.dispose()
+        self.storage.close()
+
+
+def new_job(
+    location: Storage,
+    local: Path,
+    parallelism: int = 1,
+    retained: int = 3,
+    fs: CheckpointFileSystem | None = None,
+) -> Job:
+    """A job of ``parallelism`` RocksDB subtasks writing incremental checkpoints."""
+    storage = CheckpointStorage(
+        location.url,
+        "job",
+        storage_options=location.storage_options,
+        incremental=True,
+        filesystem=fs,
+    )
+    coordinator = CheckpointCoordinator(storage, max_parallelism=M, retained=retained)
+    backends = [
+        RocksDBKeyedStateBackend(
+            local / f"subtask-{i}",
+            max_parallelism=M,
+            key_group_range=compute_key_group_range_for_operator_index(M, parallelism, i),
+        )
+        for i in range(parallelism)
+    ]
+    return Job(location, storage, coordinator, backends)
+
+
+@pytest.fixture
+def job(checkpoint_url: Storage, tmp_path: Path) -> Iterator[Job]:
+    """A one-subtask incremental job on file:// and on s3://."""
+    created = new_job(checkpoint_url, tmp_path / "local")
+    yield created
+    created.close()
+
+
+def read_model(backend: KeyedStateBackend) -> Model:
+    """What a backend holds, in the model's shape."""
+    count = cast(ValueState, backend.get_state(COUNT))
+    tags = cast(MapState, backend.get_state(TAGS))
+    out: Model = {}
+    for key in set(backend.keys("count")) | set(backend.keys("tags")):
+        backend.set_current_key(key)
+        out[key] = (count.value(), dict(tags.items()))
+    return out
+
+
+def restore(
+    fs: CheckpointFileSystem, directory: str, parallelism: int, local: Path, kind: str = "heap"
+) -> Model:
+    """The keyed state of the checkpoint in ``directory`` restored at ``parallelism``,
+    into heap or RocksDB backends; every key must land in exactly one subtask."""
+    metadata = load_metadata(fs, directory)
+    restored: Model = {}
+    for i in range(parallelism):
+        options: dict[str, Any] = {
+            "max_parallelism": M,
+            "key_group_range": compute_key_group_range_for_operator_index(M, parallelism, i),
+        }
+        backend: KeyedStateBackend = (
+            RocksDBKeyedStateBackend(local / f"restore-{parallelism}-{i}", **options)
+            if kind == "rocksdb"
+            else HeapKeyedStateBackend(**options)
+        )
+        restore_keyed_state(backend, fs, directory, metadata, OPERATOR)
+        part = read_model(backend)
+        backend.dispose()
+        assert not part.keys() & restored.keys()
+        restored.update(part)
+    return restored
+
+
+def handles(job: Job, checkpoint_id: int) -> list[IncrementalKeyedStateHandle]:
+    """The incremental keyed handles of checkpoint N, by subtask."""
+    found = []
+    for ack in job.storage.load(checkpoint_id).operators[OPERATOR].subtasks:
+        assert isinstance(ack.keyed, IncrementalKeyedStateHandle)
+        found.append(ack.keyed)
+    return found
+
+
+def shared_names(job: Job) -> set[str]:
+    """The files in the job's ``shared/`` directory."""
+    return set(job.storage.fs.list_dir(job.storage.layout.shared_dir))
+
+
+def referenced_shared(job: Job, checkpoint_ids: Iterable[int]) -> set[str]:
+    """The names of the shared files the given checkpoints reference."""
+    return {
+        f.path.rsplit("/", 1)[-1]
+        for checkpoint_id in checkpoint_ids
+        for handle in handles(job, checkpoint_id)
+        for f in handle.shared
+    }
+
+
+def raw_fs(location: Storage) -> fsspec.AbstractFileSystem:
+    """A plain fsspec file system on ``location``'s storage, for the test's own I/O."""
+    protocol = get_protocol(location.url)
+    return fsspec.filesystem(
+        protocol, **({"auto_mkdir": True} if protocol == "file" else location.storage_options)
+    )
+
+
+def compact(backend: RocksDBKeyedStateBackend) -> None:
+    """Force a full compaction: the SST files of the database change."""
+    for column in backend._columns.values():
+        column.compact_range(None, None)
+
+
+# -- restore -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("new", [1, 2, 4])
+def test_restore_at_any_parallelism(
+    checkpoint_url: Storage, tmp_path: Path, old: int, new: int
+) -> None:
+    """P -> P': both of two incremental checkpoints (the second reusing SSTs of the first)
+    restore to the model at P' (into RocksDB backends for P'=2, heap ones otherwise);
+    the plan reads whole handles."""
+    job = new_job(checkpoint_url, tmp_path / "local", old)
+    try:
+        job.write(3000)
+        first = job.checkpoint()
+        job.write(1000)
+        second = job.checkpoint()
+        kind = "rocksdb" if new == 2 else "heap"
+        for checkpoint_id in (first, second):
+            directory = job.storage.resolve(checkpoint_id)
+            restored = restore(job.storage.fs, directory, new, tmp_path / str(checkpoint_id), kind)
+            assert restored == job.models[checkpoint_id]
+        metadata = job.storage.load(second)
+        sizes = {h.key_group_range.start: h.size for h in handles(job, second)}
+        for plan in plan_restore(metadata, OPERATOR, new):
+            assert plan.keyed_bytes == sum(
+                sizes[h.key_group_range.start]
+                for h in handles(job, second)
+                if h.key_group_range.intersection(plan.key_group_range)
+            )
+    finally:
+        job.close()
+
+
+def test_the_heap_backend_falls_back_to_the_full_format(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """An incremental storage with a heap backend writes (and restores) the full format."""
+    storage = CheckpointStorage(
+        checkpoint_url.url, "job", storage_options=checkpoint_url.storage_options, incremental=True
+    )
+    backend = HeapKeyedStateBackend(
+        max_parallelism=M, key_group_range=compute_key_group_range_for_operator_index(M, 1, 0)
+    )
+    backend.set_current_key("a")
+    cast(ValueState, backend.get_state(COUNT)).update(3)
+    handle = backend.snapshot(1, storage.snapshot_target(1, OPERATOR, 0)).result(WAIT)
+    assert not isinstance(handle, IncrementalKeyedStateHandle)
+    storage.close()
+
+
+# -- uploads -------------------------------------------------------------------------------------
+
+
+def test_unchanged_sst_files_are_uploaded_once(job: Job) -> None:
+    """A checkpoint without changes uploads no SST file and references the same shared
+    files; after more writes only the new SST files are uploaded."""
+    job.write(4000)
+    first = job.checkpoint()
+    (one,) = handles(job, first)
+    assert one.shared and all(f.path.startswith("../shared/") for f in one.shared)
+    assert {f.name for f in one.private} >= {"CURRENT", "rocksdict-config.json"}
+
+    before = job.storage.fs.bytes_written
+    second = job.checkpoint()
+    uploaded = job.storage.fs.bytes_written - before
+    (two,) = handles(job, second)
+    assert two.shared == one.shared
+    private_bytes = sum(f.size for f in two.private)
+    assert uploaded < private_bytes + 4096  # the private files, the ack and _metadata
+    assert shared_names(job) == referenced_shared(job, [first])
+
+    job.write(500)
+    before = job.storage.fs.bytes_written
+    third = job.checkpoint()
+    uploaded = job.storage.fs.bytes_written - before
+    (three,) = handles(job, third)
+    old = {f.name: f for f in one.shared}
+    reused = [f for f in three.shared if f.name in old]
+    new = [f for f in three.shared if f.name not in old]
+    assert reused and new
+    assert all(f == old[f.name] for f in reused)
+    assert uploaded < sum(f.size for f in new) + sum(f.size for f in three.private) + 8192
+    assert job.models[third] != job.models[first]
+    for checkpoint_id in (first, second, third):
+        restored = restore(job.storage.fs, job.storage.resolve(checkpoint_id), 1, Path("unused"))
+        assert restored == job.models[checkpoint_id]
+
+
+def test_retention_deletes_only_unreferenced_shared_files(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """retained=2 over five checkpoints (a full compaction in between): after each, the
+    shared directory holds exactly the files the retained checkpoints reference, some
+    were deleted, and every retained checkpoint restores."""
+    job = new_job(checkpoint_url, tmp_path / "local", parallelism=2, retained=2)
+    try:
+        for round_ in range(5):
+            job.write(1500)
+            if round_ == 3:
+                for backend in job.backends:
+                    compact(backend)
+            job.checkpoint()
+            retained = job.storage.completed_checkpoint_ids()
+            assert retained == list(range(max(1, round_), round_ + 2))
+            assert shared_names(job) == referenced_shared(job, retained)
+        assert job.coordinator.registry.deletions > 0
+        for checkpoint_id in job.storage.completed_checkpoint_ids():
+            restored = restore(job.storage.fs, job.storage.resolve(checkpoint_id), 3, tmp_path)
+            assert restored == job.models[checkpoint_id]
+
+        # A restarted driver computes the references from _metadata alone.
+        job.coordinator = CheckpointCoordinator(job.storage, max_parallelism=M, retained=2)
+        job.write(1500)
+        for backend in job.backends:
+            compact(backend)
+        job.checkpoint()
+        retained = job.storage.completed_checkpoint_ids()
+        assert shared_names(job) == referenced_shared(job, retained)
+        for checkpoint_id in retained:
+            restored = restore(job.storage.fs, job.storage.resolve(checkpoint_id), 1, tmp_path)
+            assert restored == job.models[checkpoint_id]
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "failure"])
+def test_cancel_or_failure_leaves_no_new_shared_file(
+    checkpoint_url: Storage, tmp_path: Path, how: str
+) -> None:
+    """A snapshot cancelled or failing after it uploaded a new shared file: that file is
+    deleted, the earlier checkpoint's shared files stay and it restores; after the
+    abort the next checkpoint completes."""
+    fs = SharedGateFileSystem(checkpoint_url)
+    job = new_job(checkpoint_url, tmp_path / "local", fs=fs)
+    try:
+        job.write(3000)
+        good = job.checkpoint()
+        before = shared_names(job)
+        job.write(3000)  # new SST files in both column families
+        fs.shared_writes, fs.shared_allowed, fs.fail = 0, 1, how == "failure"
+        checkpoint_id = job.coordinator.trigger({OPERATOR: 1})
+        (future,) = job.snapshot(checkpoint_id)
+        if how == "cancel":
+            assert fs.holding.wait(WAIT)
+            assert future.cancel() is True
+            fs.gate.set()
+        with pytest.raises(CheckpointError) as info:
+            future.result(WAIT)
+        assert isinstance(info.value, CheckpointCancelledError) == (how == "cancel")
+        assert fs.shared_writes >= 1
+        assert shared_names(job) == before
+        assert job.storage.fs.list_dir(job.storage.resolve(checkpoint_id)) == []
+        job.coordinator.abort(checkpoint_id)
+        assert shared_names(job) == before
+        directory = job.storage.resolve(good)
+        assert restore(job.storage.fs, directory, 2, tmp_path) == job.models[good]
+
+        fs.shared_allowed = None
+        after = job.checkpoint()
+        directory = job.storage.resolve(after)
+        assert restore(job.storage.fs, directory, 2, tmp_path) == job.models[after]
+    finally:
+        job.close()
+
+
+# -- savepoints, verify, gc --------------------------------------------------------------------
+
+
+@pytest.fixture
+def elsewhere(request: pytest.FixtureRequest, checkpoint_url: Storage, tmp_path: Path) -> Storage:
+    """Another location on the same kind of storage."""
+    if checkpoint_url.url.startswith("s3://"):
+        endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+        return endpoint.new_storage()
+    return Storage((tmp_path / "elsewhere").as_uri())
+
+
+def test_savepoint_restores_after_the_job_dir_is_gone(job: Job, elsewhere: Storage) -> None:
+    """A savepoint of an incremental checkpoint copies the shared files in: its metadata
+    references nothing outside it, and it restores once the job directory is deleted."""
+    job.write(3000)
+    job.checkpoint()
+    job.write(1000)
+    checkpoint_id = job.checkpoint()
+    target = join(elsewhere.url, "savepoint-1")
+    copy_checkpoint(job.storage.fs, job.storage.resolve(checkpoint_id), job.storage.fs, target)
+    job.storage.fs.delete(job.storage.layout.job_dir, recursive=True)
+    savepoint = load_metadata(job.storage.fs, target)
+    assert savepoint.is_savepoint
+    assert all(not f.path.startswith("..") for f in savepoint.files())
+    assert any(f.path.startswith("shared/") for f in savepoint.files())
+    assert restore(job.storage.fs, target, 2, Path("unused")) == job.models[checkpoint_id]
+    assert verify_checkpoint(CheckpointRef(job.storage.fs, target, savepoint)) == []
+
+
+def test_verify_and_restore_catch_a_damaged_shared_file(job: Job) -> None:
+    """A flipped byte in a shared SST file: verify names it, restore fails naming it."""
+    job.write(3000)
+    checkpoint_id = job.checkpoint()
+    directory = job.storage.resolve(checkpoint_id)
+    ref = CheckpointRef(job.storage.fs, directory, job.storage.load(checkpoint_id))
+    assert verify_checkpoint(ref) == []
+    (handle,) = handles(job, checkpoint_id)
+    damaged = join(job.storage.layout.shared_dir, handle.shared[0].path.rsplit("/", 1)[-1])
+    fs = raw_fs(job.location)
+    data = bytearray(fs.cat_file(damaged))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(damaged, bytes(data))
+
+    problems = verify_checkpoint(ref)
+    assert [p.path for p in problems] == [damaged]
+    assert "checksum" in problems[0].message
+    with pytest.raises(CheckpointCorruptedError, match=damaged.rsplit("/", 1)[-1]):
+        restore(job.storage.fs, directory, 1, Path("unused"))
+
+
+def test_gc_lists_only_unreferenced_shared_files(job: Job) -> None:
+    """gc never lists a shared file a retained checkpoint references; it lists a stray one."""
+    for _ in range(3):
+        job.write(2000)
+        job.checkpoint()
+    stray = join(job.storage.layout.shared_dir, "op-0-stray-000001.sst")
+    job.storage.fs.write_atomic(stray, b"left behind by a crashed upload")
+    garbage = find_garbage(job.storage.fs, job.storage.layout.job_dir)
+    assert [g.path for g in garbage] == [stray]
+    assert "shared file" in garbage[0].reason
