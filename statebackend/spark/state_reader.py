@@ -29,12 +29,12 @@ from pyspark.sql.types import (
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
-from statebackend.checkpoint.layout import METADATA_FILE, join
+from statebackend.checkpoint.layout import METADATA_FILE
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointNotFoundError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import Serializer, serializer_from_config
-from statebackend.snapshot.keyed_format import KeyedStateHandle, read_keyed_entries
+from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlValue
 
@@ -113,7 +113,7 @@ class _Decoder:
 def _read_range(
     fs: CheckpointFileSystem,
     directory: str,
-    handles: list[KeyedStateHandle],
+    handles: list[KeyedHandle],
     key_groups: KeyGroupRange,
     state_name: str,
     decoder: _Decoder,
@@ -122,7 +122,7 @@ def _read_range(
         wanted = handle.key_group_range.intersection(key_groups)
         if not wanted:
             continue
-        entries = read_keyed_entries(fs.read_range, join(directory, handle.path), handle, wanted)
+        entries = read_keyed_handle(fs, directory, handle, wanted, read_range=fs.read_range)
         yield from decoder.rows(entry for name, _, entry in entries if name == state_name)
 
 
