@@ -22,7 +22,7 @@ from statebackend.snapshot.frames import CODECS
 
 PREFIX = "spark.statebackend."
 STORAGE_PREFIX = PREFIX + "storage."
-BACKENDS = ("rocksdb",)
+BACKENDS = ("rocksdb", "heap")
 
 
 def _positive_int(key: str, text: str) -> int:
@@ -70,6 +70,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "checkpoint.interval": ("checkpoint_interval", _positive_int),
     "checkpoint.retained": ("retained", _positive_int),
     "checkpoint.timeout": ("timeout_seconds", _positive_float),
+    "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
     "checkpoint.max-retries": ("max_retries", _positive_int),
     "max-parallelism": ("max_parallelism", _optional_int),
     "local.dir": ("local_dir", _text),
@@ -95,6 +96,7 @@ class StateBackendConf:
     checkpoint_interval: int = 10
     retained: int = DEFAULT_RETAINED
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    upload_stall_seconds: float = 30.0
     max_retries: int = 3
     max_parallelism: int | None = None
     local_dir: str = field(default_factory=default_local_dir)

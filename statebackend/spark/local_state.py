@@ -15,6 +15,14 @@ each task what it expects:
 
 The marker is removed before the batch changes the DB and written again once the DB is
 closed, so a task that dies midway never leaves a directory that looks current.
+
+With the ``heap`` backend the state lives in the Python worker's memory instead: a
+process-wide table maps (root, subtask) to (marker, backend). A worker that holds the
+subtask at (generation, previous_batch) reuses it; any other worker restores the
+subtask's key groups from ``restore_dir``, which the driver guarantees to be the
+completed checkpoint of ``previous_batch`` (``restore_batch``): with heap every batch is
+a checkpoint, completed before the next batch starts. Copies left behind in a worker
+that did not run the subtask's latest batch are disposed of at its next batch.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
@@ -49,10 +59,18 @@ class LocalVersion:
     restore_dir: str | None
     parallelism: int
     max_parallelism: int
+    restore_batch: int | None = None
+    """The last batch ``restore_dir`` holds, if it is the run's own checkpoint."""
+
+
+_Backend = TypeVar("_Backend", bound=KeyedStateBackend)
+_HEAP_COPIES: dict[tuple[str, int], tuple[dict[str, Any], HeapKeyedStateBackend]] = {}
+"""This process's heap state: (root, subtask) -> (version marker, backend)."""
 
 
 class LocalKeyedState:
-    """Context manager: the subtask's RocksDB backend, locked, current, ready for a batch.
+    """Context manager: the subtask's backend (``rocksdb``: locked, on local disk;
+    ``heap``: in this process), current, ready for a batch.
 
     ``restored_bytes`` tells how many bytes were read from checkpoint storage (0 when the
     local copy was reused). ``commit(batch_id)`` closes the DB and records its version;
@@ -67,7 +85,10 @@ class LocalKeyedState:
         storage: CheckpointStorage,
         operator_id: str,
         key_serializer: Serializer[Any],
+        kind: str = "rocksdb",
     ) -> None:
+        self._kind = kind
+        self._heap_key = (str(root), subtask)
         self.directory = root / f"subtask-{subtask}"
         self._marker = root / f"subtask-{subtask}.version"
         self._lock_path = root / f"subtask-{subtask}.lock"
@@ -77,7 +98,7 @@ class LocalKeyedState:
         self._operator_id = operator_id
         self._key_serializer = key_serializer
         self._lock_fd: int | None = None
-        self.backend: RocksDBKeyedStateBackend | None = None
+        self.backend: KeyedStateBackend | None = None
         self.restored_bytes = 0
         self.reused = False
 
@@ -96,6 +117,9 @@ class LocalKeyedState:
             return None
 
     def __enter__(self) -> LocalKeyedState:
+        if self._kind == "heap":
+            self.backend = self._open_heap()
+            return self
         self.directory.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -107,16 +131,56 @@ class LocalKeyedState:
             raise
         return self
 
-    def _open(self) -> RocksDBKeyedStateBackend:
+    def _options(self) -> dict[str, Any]:
         version = self._version
-        key_groups = compute_key_group_range_for_operator_index(
-            version.max_parallelism, version.parallelism, self._subtask
-        )
-        options: dict[str, Any] = {
+        return {
             "max_parallelism": version.max_parallelism,
-            "key_group_range": key_groups,
+            "key_group_range": compute_key_group_range_for_operator_index(
+                version.max_parallelism, version.parallelism, self._subtask
+            ),
             "key_serializer": self._key_serializer,
         }
+
+    def _open_heap(self) -> HeapKeyedStateBackend:
+        version = self._version
+        current = self._expected_marker(version.previous_batch)
+        reusable: HeapKeyedStateBackend | None = None
+        for key in [key for key in _HEAP_COPIES if key[0] == self._heap_key[0]]:
+            marker, copy = _HEAP_COPIES[key]
+            if key == self._heap_key and version.previous_batch is not None and marker == current:
+                reusable = _HEAP_COPIES.pop(key)[1]
+            elif key == self._heap_key or marker != current:
+                del _HEAP_COPIES[key]
+                copy.dispose()
+        if reusable is not None:
+            self.reused = True
+            return reusable
+        if version.previous_batch is not None and version.restore_batch != version.previous_batch:
+            raise StaleLocalStateError(
+                f"heap state of subtask {self._subtask} at batch {version.previous_batch} of "
+                f"generation {version.generation} is neither in this worker nor in a "
+                f"completed checkpoint: restoring from the latest checkpoint"
+            )
+        return self._restore(HeapKeyedStateBackend(**self._options()))
+
+    def _restore(self, backend: _Backend) -> _Backend:
+        """Load ``restore_dir`` (if any) into the fresh ``backend``; return the backend."""
+        restore_dir = self._version.restore_dir
+        if restore_dir is not None:
+            fs = self._storage.fs
+            before = fs.bytes_read
+            try:
+                metadata = load_metadata(fs, restore_dir)
+                restore_keyed_state(backend, fs, restore_dir, metadata, self._operator_id)
+            except BaseException:
+                backend.dispose()
+                raise
+            self.restored_bytes = fs.bytes_read - before
+        return backend
+
+    def _open(self) -> RocksDBKeyedStateBackend:
+        version = self._version
+        options = self._options()
         if version.previous_batch is not None:
             marker = self._read_marker()
             if marker != self._expected_marker(version.previous_batch):
@@ -128,25 +192,20 @@ class LocalKeyedState:
             self.reused = True
             return RocksDBKeyedStateBackend(self.directory, open_existing=True, **options)
         shutil.rmtree(self.directory, ignore_errors=True)
-        backend = RocksDBKeyedStateBackend(self.directory, **options)
-        if version.restore_dir is not None:
-            fs = self._storage.fs
-            before = fs.bytes_read
-            try:
-                metadata = load_metadata(fs, version.restore_dir)
-                restore_keyed_state(backend, fs, version.restore_dir, metadata, self._operator_id)
-            except BaseException:
-                backend.dispose()
-                raise
-            self.restored_bytes = fs.bytes_read - before
-        return backend
+        return self._restore(RocksDBKeyedStateBackend(self.directory, **options))
 
     def commit(self, batch_id: int) -> None:
-        """Close the DB, keeping it on disk, and mark it as being at ``batch_id``."""
-        if self.backend is None:
+        """Keep the state and mark it as being at ``batch_id`` (RocksDB: close the DB,
+        keeping it on disk; heap: keep it in this process)."""
+        backend = self.backend
+        if backend is None:
             raise StateBackendError("commit outside the local state's context")
-        self.backend.close()
         self.backend = None
+        if isinstance(backend, HeapKeyedStateBackend):
+            _HEAP_COPIES[self._heap_key] = (self._expected_marker(batch_id), backend)
+            return
+        assert isinstance(backend, RocksDBKeyedStateBackend)
+        backend.close()
         temporary = self._marker.with_suffix(".tmp")
         temporary.write_text(json.dumps(self._expected_marker(batch_id)))
         temporary.replace(self._marker)

@@ -10,7 +10,11 @@ checkpoint as operator-state snapshots of operator ``source``. A checkpoint is t
 before its batch runs; keyed subtasks take their cut at the end of the batch and upload
 in the background; the driver polls the acks between batches and completes the
 checkpoint. Batch N+1 does not wait for checkpoint N's upload; the next checkpoint waits
-for the previous one (at most one is pending), and that wait is measured.
+for the previous one (at most one is pending), and that wait is measured. A background
+upload beats a heartbeat file; one that neither acks nor beats for
+``upload_stall_seconds`` (its Python worker died) aborts the checkpoint early, and the job
+goes on. With the ``heap`` backend every batch is a checkpoint, completed before the next
+batch starts (see ``local_state``).
 
 On a failed batch the driver aborts pending checkpoints, starts a new restore
 generation (every keyed subtask wipes its local copy and restores from the latest
@@ -65,16 +69,21 @@ from statebackend.spark.source import (
     offsets_state,
 )
 from statebackend.spark.tasks import (
+    HEARTBEAT_SECONDS,
     KeyedPlan,
     KeyedResult,
     SourcePlan,
     StorageSpec,
+    heartbeat_path,
     keyed_task,
     source_task,
 )
 
 SOURCE_OPERATOR = "source"
-_POLL_SECONDS = 0.05
+_POLL_FIRST_SECONDS = 0.002
+_POLL_MAX_SECONDS = 0.05
+"""Waiting for a checkpoint, the driver polls its acks after 2 ms, then ever less often
+(doubling, up to every 50 ms): a small upload is usually done within a few ms."""
 _FATAL_ERRORS: dict[str, type[StateBackendError]] = {
     cls.__name__: cls
     for cls in (
@@ -105,6 +114,8 @@ class RunSummary:
     outputs: int = 0
     skipped: int = 0
     failures: int = 0
+    aborted: int = 0
+    """Checkpoints aborted (timed out, or an upload stalled) while the job went on."""
     checkpoints: list[str] = field(default_factory=list)
     savepoints: list[str] = field(default_factory=list)
     checkpoint_waits: list[float] = field(default_factory=list)
@@ -153,6 +164,11 @@ class _Pending:
     checkpoint_id: int
     batch_id: int
     savepoint_request: SavepointRequest | None
+    uploads_since: float | None = None
+    """When the batch's keyed subtasks returned, leaving their uploads in the background."""
+    beats: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)
+    """Keyed subtask -> (its last heartbeat seen, when it was first seen)."""
+    next_check: float = 0.0
 
 
 class StatefulJob:
@@ -202,6 +218,10 @@ class StatefulJob:
         self.key_serializer = key_serializer or StrSerializer()
         reuse = spark.sparkContext.getConf().get("spark.python.worker.reuse", "true")
         self._wait_for_uploads = reuse.lower() != "true"
+        # Heap state lives in a Python worker's memory: every batch is a checkpoint,
+        # completed before the next batch starts, so that a subtask running in another
+        # worker than in its last batch restores exactly that batch's state.
+        self._heap = self.conf.backend == "heap"
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -292,11 +312,15 @@ class StatefulJob:
             if not more and request is None and self._covered():
                 break
             checkpoint = (
-                not more or request is not None or since_checkpoint + 1 >= (self.checkpoint_every)
+                self._heap
+                or not more
+                or request is not None
+                or since_checkpoint + 1 >= self.checkpoint_every
             )
             try:
                 self._batch(read_source=more, checkpoint=checkpoint, request=request)
-                if not more and not self._wait_pending():
+                completed = self._wait_pending() if self._heap or not more else True
+                if not more and not completed:
                     raise JobFailedError(
                         f"job {self.job_id}: its final checkpoint did not complete within "
                         f"{self.conf.timeout_seconds:g} s"
@@ -400,8 +424,14 @@ class StatefulJob:
             return False
         try:
             result = self._coordinator.poll(pending.checkpoint_id)
-        except CheckpointError as exc:  # timed out and aborted: the job goes on
+            if result is None:
+                self._check_uploads(pending)
+        except CheckpointError as exc:  # timed out, stalled or failed: the job goes on
             self._pending = None
+            if pending.checkpoint_id in self._coordinator.pending:
+                # e.g. writing _metadata failed: abort it, or no checkpoint could follow.
+                self._coordinator.abort(pending.checkpoint_id)
+            self._summary.aborted += 1
             if pending.savepoint_request is not None:
                 self._answer(pending.savepoint_request, None, str(exc))
             return False
@@ -417,6 +447,38 @@ class StatefulJob:
             self._answer(pending.savepoint_request, result, None)
         return True
 
+    def _check_uploads(self, pending: _Pending) -> None:
+        """Abort the pending checkpoint (CheckpointError) if a keyed subtask's background
+        upload has neither acknowledged nor beaten its heartbeat for
+        ``upload_stall_seconds``: its Python worker died, so it never will. Reads the
+        heartbeats of missing subtasks at most every ``HEARTBEAT_SECONDS``."""
+        now = time.monotonic()
+        if pending.uploads_since is None or now < pending.next_check:
+            return
+        pending.next_check = now + HEARTBEAT_SECONDS
+        coordinator = self._coordinator
+        missing = coordinator.pending[pending.checkpoint_id].missing()
+        for operator_id, subtask in missing:
+            if operator_id != self.operator_id:
+                continue
+            path = heartbeat_path(self._storage, pending.checkpoint_id, operator_id, subtask)
+            try:
+                beat: bytes | None = self._storage.fs.read_file(path)
+            except CheckpointError:  # none written yet (or unreadable now): no beat seen
+                beat = None
+            seen = pending.beats.get(subtask)
+            if seen is None:  # no beat yet counts from the end of the batch
+                pending.beats[subtask] = (beat, now if beat else pending.uploads_since)
+            elif seen[0] != beat:
+                pending.beats[subtask] = (beat, now)
+            elif now - seen[1] > self.conf.upload_stall_seconds:
+                coordinator.abort(pending.checkpoint_id)
+                raise CheckpointError(
+                    f"checkpoint {pending.checkpoint_id}: the upload of {operator_id} subtask "
+                    f"{subtask} made no progress for {now - seen[1]:.0f} s (no ack, no "
+                    f"heartbeat; its Python worker has probably died); it was aborted"
+                )
+
     def _wait_pending(self) -> bool:
         """Wait until no checkpoint is pending; record the wait. True unless the pending
         checkpoint was aborted."""
@@ -424,10 +486,12 @@ class StatefulJob:
             return True
         started = time.perf_counter()
         completed = False
+        interval = _POLL_FIRST_SECONDS
         while self._pending is not None:
             completed = self._poll()
-            if not completed:
-                time.sleep(_POLL_SECONDS)
+            if not completed and self._pending is not None:
+                time.sleep(interval)
+                interval = min(2 * interval, _POLL_MAX_SECONDS)
         self._summary.checkpoint_waits.append(time.perf_counter() - started)
         return completed
 
@@ -466,6 +530,7 @@ class StatefulJob:
         conf, p = self.conf, self.parallelism
         plan = KeyedPlan(
             operator_id=self.operator_id,
+            backend=conf.backend,
             function=self.function,
             key_serializer=self.key_serializer,
             batch_id=batch_id,
@@ -475,6 +540,7 @@ class StatefulJob:
                 self._restore_point,
                 p,
                 self._max_parallelism,
+                self._covered_batch,
             ),
             storage=StorageSpec(
                 conf.require_checkpoint_dir(),
@@ -511,6 +577,8 @@ class StatefulJob:
         ).collect()
         self._apply(results, batch_id)
         if checkpoint_id is not None:
+            assert self._pending is not None
+            self._pending.uploads_since = time.monotonic()
             self._acknowledge_source(checkpoint_id)
 
     def _apply(self, results: list[KeyedResult], batch_id: int) -> None:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
@@ -95,6 +98,7 @@ class KeyedPlan:
     """What keyed subtasks do in one batch."""
 
     operator_id: str
+    backend: str
     function: KeyedFunction
     key_serializer: Serializer[Any]
     batch_id: int
@@ -126,11 +130,16 @@ def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any
     skipped = 0
     parallelism, max_parallelism = plan.parallelism, plan.max_parallelism
     serialize = plan.key_serializer.serialize
+    targets: dict[Any, int] = {}  # key -> keyed subtask, computed once per key and batch
     for partition, offset in plan.offsets[subtask]:
         batch = plan.source.read(partition, offset, plan.batch_size, plan.key_of)
         for key, record in batch.records:
-            key_group = assign_to_key_group(serialize(key), max_parallelism)
-            target = compute_operator_index_for_key_group(max_parallelism, parallelism, key_group)
+            target = targets.get(key)
+            if target is None:
+                key_group = assign_to_key_group(serialize(key), max_parallelism)
+                target = targets[key] = compute_operator_index_for_key_group(
+                    max_parallelism, parallelism, key_group
+                )
             yield target, (RECORD, key, record)
         new_offsets.append((partition, batch.offset))
         skipped += batch.skipped
@@ -154,6 +163,65 @@ def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:
     return count
 
 
+HEARTBEAT_SECONDS = 2.0
+"""How often a worker's pending upload says it is alive (see ``_Heartbeat``)."""
+
+
+def heartbeat_path(
+    storage: CheckpointStorage, checkpoint_id: int, operator_id: str, subtask: int
+) -> str:
+    """The heartbeat file of a subtask's background upload of checkpoint N: next to the
+    acks (not an ack name), so completing or aborting the checkpoint deletes it."""
+    return join(storage.layout.acks_dir(checkpoint_id), f"{operator_id}-{subtask}.alive")
+
+
+class _Heartbeat:
+    """While a background upload runs, a daemon thread of the worker writes a growing
+    counter to the upload's heartbeat file every ``HEARTBEAT_SECONDS`` (the first after
+    that long, so quick uploads write none). If the worker dies (e.g. Spark kills an idle
+    Python worker after 60 s), the counter stops, and the driver aborts the checkpoint
+    after ``checkpoint.upload-stall-timeout`` instead of ``checkpoint.timeout``.
+
+    The lock orders the last beat before the ack: no beat is written once the ack is,
+    so a completed checkpoint (whose acks directory is deleted) never gets one back."""
+
+    def __init__(self, storage: CheckpointStorage, path: str) -> None:
+        self._storage = storage
+        self._path = path
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        """Start beating in a daemon thread."""
+        threading.Thread(target=self._run, name="statebackend-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop beating."""
+        with self._lock:
+            self._stopped.set()
+
+    @contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Run the block (the ack) with no beat in flight, then stop beating."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._stopped.set()
+
+    def _run(self) -> None:
+        beat = 0
+        while not self._stopped.wait(HEARTBEAT_SECONDS):
+            beat += 1
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                try:
+                    self._storage.fs.write_atomic(self._path, str(beat).encode())
+                except Exception:  # a missed beat; the next one may get through
+                    _log.warning("could not write the upload heartbeat %s", self._path)
+
+
 def _acknowledge(storage: CheckpointStorage, checkpoint_id: int, ack: SubtaskAck) -> None:
     try:
         storage.write_ack(checkpoint_id, ack)
@@ -173,26 +241,32 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
     sync_seconds = time.perf_counter() - started
     parallelism = plan.version.parallelism
 
-    def uploaded(done: Any) -> None:
-        try:
-            handle = done.result()
-        except Exception:
-            _log.exception("the upload of checkpoint %s failed", checkpoint_id)
-            return
-        _acknowledge(
-            storage,
-            checkpoint_id,
-            SubtaskAck(plan.operator_id, subtask, parallelism, handle, None),
-        )
-
     if plan.wait_for_upload:
         uploaded_handle = future.result()
         storage.write_ack(
             checkpoint_id,
             SubtaskAck(plan.operator_id, subtask, parallelism, uploaded_handle, None),
         )
-    else:
-        future.add_done_callback(uploaded)
+        return sync_seconds
+    path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
+    heartbeat = _Heartbeat(storage, path)
+
+    def uploaded(done: Any) -> None:
+        try:
+            handle = done.result()
+        except Exception:
+            _log.exception("the upload of checkpoint %s failed", checkpoint_id)
+            heartbeat.stop()
+            return
+        with heartbeat.stopping():
+            _acknowledge(
+                storage,
+                checkpoint_id,
+                SubtaskAck(plan.operator_id, subtask, parallelism, handle, None),
+            )
+
+    future.add_done_callback(uploaded)
+    heartbeat.start()
     return sync_seconds
 
 
@@ -217,6 +291,7 @@ def keyed_task(
         plan.storage.open(),
         plan.operator_id,
         plan.key_serializer,
+        plan.backend,
     ) as local:
         backend = local.backend
         assert backend is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from statebackend.errors import (
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import KEY_FIELD, OPERATOR_ID, UserTotals, generate_events
 from statebackend.spark.runner import RunSummary, StatefulJob
-from statebackend.spark.source import LogSource, partition_path
+from statebackend.spark.source import LogSource, parse_line, partition_path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "user_totals.py"
 
@@ -142,6 +143,13 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
         StateBackendConf.from_pairs([("spark.statebackend.nope", "1")])
     with pytest.raises(ConfigurationError, match="spark.statebackend.checkpoint.interval='x'"):
         StateBackendConf.from_pairs([("spark.statebackend.checkpoint.interval", "x")])
+    pairs = [("spark.statebackend.backend", "heap")]
+    assert StateBackendConf.from_pairs(pairs).backend == "heap"
+    with pytest.raises(ConfigurationError, match=r"backend='memory' is invalid.*'heap'"):
+        StateBackendConf.from_pairs([("spark.statebackend.backend", "memory")])
+    stall = [("spark.statebackend.checkpoint.upload-stall-timeout", "0")]
+    with pytest.raises(ConfigurationError, match="upload-stall-timeout='0'"):
+        StateBackendConf.from_pairs(stall)
 
 
 def _properties(name: str) -> list[tuple[str, str]]:
@@ -176,3 +184,30 @@ def test_example_properties_files_parse(name: str, checkpoint_dir: str) -> None:
         for key, value in pairs
         if key.startswith("spark.statebackend.storage.")
     }
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"user": "a", "amount": 3}\n',
+        b'  {"user": "a"}  \r\n',
+        b"1\n",
+        b"1, 2\n",
+        b"[1,\n",
+        b'{"user": "\xc3\xa9"}\n',
+        b'{"user": "\xff"}\n',
+        b"\xef\xbb\xbf{}\n",
+        b"NaN\n",
+        b"\n",
+    ],
+)
+def test_parse_line_is_json_loads(line: bytes) -> None:
+    """The source's fast line parser gives json.loads's value, or its exception type."""
+    try:
+        expected: object = json.loads(line)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            parse_line(line)
+        return
+    got = parse_line(line)
+    assert got == expected or (got != got and expected != expected)  # NaN

@@ -13,6 +13,7 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
+from statebackend.spark import tasks
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
@@ -98,7 +99,8 @@ def test_driver_killed_after_checkpoint_then_restored(
     spark_local: SparkSession, tmp_path: Path
 ) -> None:
     generate_events(tmp_path / "input", 600, 40, 4, 12)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    submit_args = f"--conf spark.statebackend.local.dir={tmp_path / 'local'} pyspark-shell"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_SUBMIT_ARGS": submit_args}
     first = subprocess.Popen(
         _script(tmp_path),
         env=env,
@@ -130,3 +132,53 @@ def test_driver_killed_after_checkpoint_then_restored(
     expected = expected_totals(read_events(tmp_path / "input"))
     actual = checkpointed_totals(spark_local, str(latest.parent))
     assert compare_totals(expected, actual) == []
+
+
+def _dying_uploader(marker: Path, batch_id: int) -> KeyedFunction:
+    """UserTotals whose Python worker, in batch ``batch_id``, dies once while its
+    checkpoint upload is in the background: the upload's ack never gets written."""
+
+    class DieAfterTask(UserTotals):
+        def open(self, ctx: KeyedContext) -> None:
+            super().open(ctx)
+            if ctx.batch_id == batch_id and not marker.exists():
+                marker.touch()
+
+                def die(storage: Any, checkpoint_id: int, ack: Any) -> None:  # not acking
+                    time.sleep(1.0)  # long after the task has returned its result
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                tasks._acknowledge = die
+
+    return DieAfterTask()
+
+
+def test_dead_uploader_aborts_checkpoint_early(spark_local: SparkSession, tmp_path: Path) -> None:
+    """A worker dying with an upload in flight makes the driver abort that checkpoint after
+    the upload stall timeout (3 s here), not after checkpoint.timeout (600 s); the job goes
+    on and ends exactly-once."""
+    generate_events(tmp_path / "input", 600, 30, 2, 13)
+    marker = tmp_path / "died"
+    started = time.monotonic()
+    summary = StatefulJob(
+        spark_local,
+        job_id="dead-uploader",
+        source=LogSource(str(tmp_path / "input")),
+        operator_id=OPERATOR_ID,
+        key_by=KEY_FIELD,
+        function=_dying_uploader(marker, batch_id=1),
+        parallelism=1,
+        batch_size=100,
+        checkpoint_every=1,
+        conf=StateBackendConf(
+            checkpoint_dir=(tmp_path / "checkpoints").as_uri(),
+            local_dir=str(tmp_path / "local"),
+            upload_stall_seconds=3.0,
+        ),
+    ).run()
+    assert marker.exists()
+    assert summary.aborted == 1
+    assert time.monotonic() - started < 120
+    expected = expected_totals(read_events(tmp_path / "input"))
+    assert summary.last_checkpoint is not None
+    assert compare_totals(expected, checkpointed_totals(spark_local, summary.last_checkpoint)) == []
