@@ -56,6 +56,13 @@ def _choice(options: Iterable[str]) -> Callable[[str, str], str]:
     return parse
 
 
+def _boolean(key: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered not in ("true", "false"):
+        raise ConfigurationError(f"{key}={text!r} is invalid: give true or false")
+    return lowered == "true"
+
+
 def _text(key: str, text: str) -> str:
     return text
 
@@ -68,6 +75,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "backend": ("backend", _choice(BACKENDS)),
     "checkpoint.dir": ("checkpoint_dir", _text),
     "checkpoint.interval": ("checkpoint_interval", _positive_int),
+    "checkpoint.incremental": ("incremental", _boolean),
     "checkpoint.retained": ("retained", _positive_int),
     "checkpoint.timeout": ("timeout_seconds", _positive_float),
     "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
@@ -94,6 +102,7 @@ class StateBackendConf:
     checkpoint_dir: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     checkpoint_interval: int = 10
+    incremental: bool = False
     retained: int = DEFAULT_RETAINED
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     upload_stall_seconds: float = 30.0

@@ -548,6 +548,7 @@ class StatefulJob:
                 conf.storage_options,
                 conf.transfer_threads,
                 conf.compression,
+                conf.incremental,
             ),
             local_dir=conf.local_dir,
             output_dir=self.output_dir if read_source else None,

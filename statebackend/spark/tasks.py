@@ -47,6 +47,7 @@ class StorageSpec:
     storage_options: dict[str, Any]
     transfer_threads: int
     compression: str
+    incremental: bool = False
 
     def _cache_key(self) -> str:
         return json.dumps(
@@ -56,6 +57,7 @@ class StorageSpec:
                 self.storage_options,
                 self.transfer_threads,
                 self.compression,
+                self.incremental,
             ],
             sort_keys=True,
             default=str,
@@ -73,6 +75,7 @@ class StorageSpec:
                 storage_options=self.storage_options,
                 transfer_threads=self.transfer_threads,
                 compression=self.compression,
+                incremental=self.incremental,
             )
         return storage
 
