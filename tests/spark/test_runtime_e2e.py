@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from pyspark.sql import SparkSession
 
 from statebackend.spark.conf import StateBackendConf
@@ -100,10 +99,11 @@ def test_rerun_without_new_input_changes_nothing(spark_local: SparkSession, tmp_
     assert again.restored_from == first.last_checkpoint
 
 
-@pytest.mark.s3
-def test_rescale_cluster(spark_cluster: SparkSession, tmp_path: Path, s3_storage: Storage) -> None:
-    """P = 2 -> 3 on two executor JVMs, checkpoints on s3://."""
-    parallelisms = (2, 3)
-    summaries = _rescale(spark_cluster, tmp_path, s3_storage, parallelisms)
-    assert sum(s.records for s in summaries) == EVENTS_PER_RUN * 2
+def test_rescale_cluster(
+    spark_cluster: SparkSession, tmp_path: Path, checkpoint_url: Storage
+) -> None:
+    """P = 2 -> 4 -> 1 -> 3 on two executor JVMs, on file:// and on s3://."""
+    parallelisms = (2, 4, 1, 3)
+    summaries = _rescale(spark_cluster, tmp_path, checkpoint_url, parallelisms)
+    assert sum(s.records for s in summaries) == EVENTS_PER_RUN * len(parallelisms)
     assert all(s.failures == 0 for s in summaries)
