@@ -25,18 +25,15 @@ from typing import Any
 from statebackend.errors import StateBackendError
 from statebackend.spark.conf import StateBackendConf, parse_storage_options
 from statebackend.spark.example import (
-    KEY_FIELD,
-    OPERATOR_ID,
-    UserTotals,
     checkpointed_totals,
     compare_totals,
     expected_totals,
     generate_events,
     read_events,
+    user_totals_job,
 )
 from statebackend.spark.java import require_java
-from statebackend.spark.runner import RunSummary, StatefulJob
-from statebackend.spark.source import LogSource
+from statebackend.spark.runner import RunSummary
 
 PROG = "user_totals"
 
@@ -80,19 +77,17 @@ def _spark(master: str | None) -> Any:
 def run_job(spark: Any, args: argparse.Namespace, conf: StateBackendConf) -> RunSummary:
     """Run the job once over what is in ``args.input``."""
     restore = None if args.restore == "none" else args.restore
-    job = StatefulJob(
+    job = user_totals_job(
         spark,
         job_id=args.job_id,
-        source=LogSource(args.input, on_malformed=args.on_malformed),
-        operator_id=OPERATOR_ID,
-        key_by=KEY_FIELD,
-        function=UserTotals(),
+        input_dir=args.input,
         parallelism=args.parallelism,
+        conf=conf,
+        on_malformed=args.on_malformed,
         batch_size=args.batch_size,
         checkpoint_every=args.checkpoint_every,
         restore=restore,
         output_dir=args.output,
-        conf=conf,
     )
     return job.run()
 

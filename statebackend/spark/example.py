@@ -20,7 +20,9 @@ from typing import Any, cast
 
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
-from statebackend.spark.source import partition_path
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.runner import StatefulJob
+from statebackend.spark.source import LogSource, partition_path
 from statebackend.spark.state_reader import read_state
 from statebackend.state.descriptors import (
     ListStateDescriptor,
@@ -63,6 +65,32 @@ class UserTotals(KeyedFunction):
         recent = self.recent.get() + [event["amount"] for event in values]
         self.recent.update(recent[-RECENT:])
         yield {"user": key, "count": self.count.value(), "total": self.total.get()}
+
+
+def user_totals_job(
+    spark: Any,
+    *,
+    job_id: str,
+    input_dir: str | Path,
+    parallelism: int,
+    conf: StateBackendConf,
+    on_malformed: str = "fail",
+    key_by: Any = KEY_FIELD,
+    **options: Any,
+) -> StatefulJob:
+    """The example job over the event log in ``input_dir``; ``options`` are the other
+    ``StatefulJob`` arguments (batch_size, checkpoint_every, restore, output_dir)."""
+    return StatefulJob(
+        spark,
+        job_id=job_id,
+        source=LogSource(str(input_dir), on_malformed=on_malformed),
+        operator_id=OPERATOR_ID,
+        key_by=key_by,
+        function=UserTotals(),
+        parallelism=parallelism,
+        conf=conf,
+        **options,
+    )
 
 
 def generate_events(

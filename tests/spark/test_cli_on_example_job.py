@@ -39,15 +39,14 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
-    KEY_FIELD,
     OPERATOR_ID,
-    UserTotals,
     expected_totals,
     generate_events,
     read_events,
+    user_totals_job,
 )
-from statebackend.spark.runner import SOURCE_OPERATOR, RunSummary, StatefulJob
-from statebackend.spark.source import LogSource, offsets_state, partition_path
+from statebackend.spark.runner import SOURCE_OPERATOR, RunSummary
+from statebackend.spark.source import offsets_state, partition_path
 from statebackend.tools.location import open_location
 from tests.conftest import S3Endpoint, Storage
 from tests.spark.conftest import LOCAL_MASTER
@@ -110,18 +109,15 @@ def run_job(
         storage_options=storage.storage_options,
         local_dir=str(local_dir),
     )
-    return StatefulJob(
+    return user_totals_job(
         spark,
         job_id=JOB_ID,
-        source=LogSource(str(input_dir)),
-        operator_id=OPERATOR_ID,
-        key_by=KEY_FIELD,
-        function=UserTotals(),
+        input_dir=input_dir,
         parallelism=parallelism,
+        conf=conf,
         batch_size=BATCH_SIZE,
         checkpoint_every=1,
         restore=restore,
-        conf=conf,
     ).run()
 
 

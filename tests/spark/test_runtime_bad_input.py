@@ -18,9 +18,9 @@ from statebackend.errors import (
     SourceError,
 )
 from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import KEY_FIELD, OPERATOR_ID, UserTotals, generate_events
-from statebackend.spark.runner import RunSummary, StatefulJob
-from statebackend.spark.source import LogSource, parse_line, partition_path
+from statebackend.spark.example import KEY_FIELD, generate_events, user_totals_job
+from statebackend.spark.runner import RunSummary
+from statebackend.spark.source import parse_line, partition_path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "user_totals.py"
 
@@ -36,14 +36,13 @@ def _run(
     on_malformed: str = "fail",
     max_parallelism: int | None = None,
 ) -> RunSummary:
-    return StatefulJob(
+    return user_totals_job(
         spark,
         job_id=job_id,
-        source=LogSource(str(tmp_path / "input"), on_malformed=on_malformed),
-        operator_id=OPERATOR_ID,
-        key_by=key_by,
-        function=UserTotals(),
+        input_dir=tmp_path / "input",
         parallelism=parallelism,
+        on_malformed=on_malformed,
+        key_by=key_by,
         batch_size=100,
         checkpoint_every=2,
         restore=restore,

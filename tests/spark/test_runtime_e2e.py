@@ -10,17 +10,15 @@ from pyspark.sql import SparkSession
 
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
-    KEY_FIELD,
-    OPERATOR_ID,
-    UserTotals,
     checkpointed_totals,
     compare_totals,
     expected_totals,
     generate_events,
     read_events,
+    user_totals_job,
 )
-from statebackend.spark.runner import RunSummary, StatefulJob
-from statebackend.spark.source import LogSource, partition_path
+from statebackend.spark.runner import RunSummary
+from statebackend.spark.source import partition_path
 from tests.conftest import Storage
 
 EVENTS_PER_RUN = 1000
@@ -36,18 +34,15 @@ def _run(
         storage_options=storage.storage_options,
         local_dir=str(tmp_path / "local"),
     )
-    return StatefulJob(
+    return user_totals_job(
         spark,
         job_id=job_id,
-        source=LogSource(str(tmp_path / "input")),
-        operator_id=OPERATOR_ID,
-        key_by=KEY_FIELD,
-        function=UserTotals(),
+        input_dir=tmp_path / "input",
         parallelism=parallelism,
+        conf=conf,
         batch_size=100,
         checkpoint_every=2,
         output_dir=str(tmp_path / "output"),
-        conf=conf,
     ).run()
 
 

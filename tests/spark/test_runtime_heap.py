@@ -12,18 +12,14 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
-    KEY_FIELD,
-    OPERATOR_ID,
-    UserTotals,
     checkpointed_totals,
     compare_totals,
     expected_totals,
     generate_events,
     read_events,
+    user_totals_job,
 )
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion, StaleLocalStateError
-from statebackend.spark.runner import StatefulJob
-from statebackend.spark.source import LogSource
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 
@@ -43,17 +39,14 @@ def test_heap_rescale_matches_python(spark_local: SparkSession, tmp_path: Path) 
     for seed, parallelism in enumerate((2, 3)):
         generate_events(tmp_path / "input", 800, 40, 4, seed)
         summaries.append(
-            StatefulJob(
+            user_totals_job(
                 spark_local,
                 job_id="heap",
-                source=LogSource(str(tmp_path / "input")),
-                operator_id=OPERATOR_ID,
-                key_by=KEY_FIELD,
-                function=UserTotals(),
+                input_dir=tmp_path / "input",
                 parallelism=parallelism,
+                conf=conf,
                 batch_size=100,
                 checkpoint_every=5,  # heap checkpoints every batch regardless
-                conf=conf,
             ).run()
         )
     assert [s.records for s in summaries] == [800, 800]

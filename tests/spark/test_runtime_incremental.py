@@ -10,17 +10,13 @@ from pyspark.sql import SparkSession
 
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
-    KEY_FIELD,
-    OPERATOR_ID,
-    UserTotals,
     checkpointed_totals,
     compare_totals,
     expected_totals,
     generate_events,
     read_events,
+    user_totals_job,
 )
-from statebackend.spark.runner import StatefulJob
-from statebackend.spark.source import LogSource
 
 
 def test_incremental_rescale_matches_python(spark_local: SparkSession, tmp_path: Path) -> None:
@@ -35,17 +31,14 @@ def test_incremental_rescale_matches_python(spark_local: SparkSession, tmp_path:
     assert conf.incremental
     for seed, parallelism in enumerate((2, 3)):
         generate_events(tmp_path / "input", 600, 40, 4, seed)
-        summary = StatefulJob(
+        summary = user_totals_job(
             spark_local,
             job_id="incremental",
-            source=LogSource(str(tmp_path / "input")),
-            operator_id=OPERATOR_ID,
-            key_by=KEY_FIELD,
-            function=UserTotals(),
+            input_dir=tmp_path / "input",
             parallelism=parallelism,
+            conf=conf,
             batch_size=100,
             checkpoint_every=2,
-            conf=conf,
         ).run()
         assert summary.failures == 0
     shared = list((checkpoints / "incremental" / "shared").iterdir())
