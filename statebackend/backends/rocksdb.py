@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -151,17 +152,47 @@ def open_read_only(path: str | Path, names: list[str]) -> Rdict:
     )
 
 
-class RocksDBCheckpointView(StateStoreView):
-    """One column family of a native checkpoint, opened read-only."""
+class CheckpointReader:
+    """A native checkpoint opened read-only on first use, so that opening it is part of
+    the snapshot's asynchronous part, not of its synchronous pause (and an incremental
+    snapshot, which uploads the files as they are, never opens it)."""
 
-    def __init__(self, column: Any) -> None:
-        self._column = column
+    def __init__(self, path: str, names: list[str]) -> None:
+        self._path = path
+        self._names = names
+        self._db: Rdict | None = None
+        self._lock = threading.Lock()
+
+    def column(self, name: str) -> Any:
+        """The column family of state ``name``."""
+        with self._lock:
+            if self._db is None:
+                self._db = open_read_only(self._path, self._names)
+            return self._db.get_column_family(name)
+
+    def close(self) -> None:
+        """Close the instance if it was opened."""
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+class RocksDBCheckpointView(StateStoreView):
+    """One column family of a native checkpoint, opened read-only when first read."""
+
+    def __init__(self, reader: CheckpointReader, name: str) -> None:
+        self._reader = reader
+        self._name = name
+        self._column: Any = None
 
     def composite_items(self, key_group: int) -> Iterator[tuple[bytes, bytes]]:
         # One native iterator bounded to the key group: no per-entry check in Python. A
         # snapshot reads every block once, so it does not fill the block cache. A
         # generator, because the iterator uses the upper bound held by ``read_opt``
         # without keeping it alive (it reads freed memory once ``read_opt`` is dropped).
+        if self._column is None:
+            self._column = self._reader.column(self._name)
         prefix = KEY_GROUP_PREFIX.pack(key_group)
         read_opt = ReadOptions()
         read_opt.set_iterate_upper_bound(prefix_end(prefix))
@@ -265,9 +296,9 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         parent = tempfile.mkdtemp(prefix=f"cut-{self._checkpoints}-", dir=self.local_dir)
         path = str(Path(parent) / "checkpoint")
         Checkpoint(self._db).create_checkpoint(path)
-        reader = open_read_only(path, names)
+        reader = CheckpointReader(path, names)
         views: dict[str, StateStoreView] = {
-            name: RocksDBCheckpointView(reader.get_column_family(name)) for name in names
+            name: RocksDBCheckpointView(reader, name) for name in names
         }
 
         def release() -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMetaInfo
-from statebackend.backends.rocksdb import RocksDBCheckpointView, open_read_only
+from statebackend.backends.rocksdb import CheckpointReader, RocksDBCheckpointView
 from statebackend.backends.stores import Entry
 from statebackend.checksums import format_crc
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError
@@ -302,10 +302,10 @@ def read_incremental_entries(
     with tempfile.TemporaryDirectory(prefix="restore-", dir=local_dir) as temporary:
         for file in (*handle.shared, *handle.private):
             _download(fs, resolve_path(directory, file.path), file, Path(temporary) / file.name)
-        reader = open_read_only(temporary, [meta.name for meta in handle.states])
+        reader = CheckpointReader(temporary, [meta.name for meta in handle.states])
         try:
             for meta in handle.states:
-                view = RocksDBCheckpointView(reader.get_column_family(meta.name))
+                view = RocksDBCheckpointView(reader, meta.name)
                 for key_group in wanted:
                     for entry in view.entries(key_group):
                         yield meta.name, key_group, entry
