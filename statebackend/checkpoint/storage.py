@@ -87,6 +87,7 @@ class CheckpointStorage:
             self.executor,
             self.compression,
             self.shared_location() if self.incremental else None,
+            self._transfer_threads,
         )
 
     def shared_location(self) -> SharedLocation:

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -218,41 +220,64 @@ def upload_native_checkpoint(
     checkpoint_id: int,
     cut: KeyedStateCut,
     should_stop: Callable[[], bool],
+    threads: int = 4,
 ) -> IncrementalKeyedStateHandle:
     """Upload the files of ``cut``'s native checkpoint for checkpoint ``checkpoint_id``:
     new SST files to ``shared``, the others into ``directory`` (the checkpoint's), each
-    named after ``name`` (the subtask's unique prefix). Checks ``should_stop`` before
-    each file and chunk; on cancellation or failure deletes what it uploaded and raises.
+    named after ``name`` (the subtask's unique prefix), up to ``threads`` files at a time.
+    Checks ``should_stop`` before each file and chunk; on cancellation or failure deletes
+    what it uploaded and raises.
     """
     native = cut.native
     if native is None:
         raise ValueError("an incremental snapshot needs a cut with a native checkpoint")
     previous = reusable_files(native, checkpoint_id, shared)
     token = uuid.uuid4().hex[:12]
-    uploaded: list[str] = []
     shared_files: list[NativeFile] = []
-    private_files: list[NativeFile] = []
-    try:
-        for local in sorted(native.directory.iterdir()):
-            if should_stop():
+    pending: list[tuple[Path, str, str, bool]] = []
+    for local in sorted(native.directory.iterdir()):
+        is_sst = local.suffix == _SST_SUFFIX
+        reused = previous.get((local.name, local.stat().st_size)) if is_sst else None
+        if reused is not None:
+            shared_files.append(reused)
+            continue
+        stored = f"{name}-{token}-{local.name}"
+        remote = f"{shared.directory}/{stored}" if is_sst else f"{directory}/{stored}"
+        relative = f"{shared.relative}/{stored}" if is_sst else stored
+        pending.append((local, remote, relative, is_sst))
+
+    failed = threading.Event()
+    failures: list[BaseException] = []  # the first is the cause; later ones follow from it
+
+    def stop() -> bool:
+        return failed.is_set() or should_stop()
+
+    def upload(local: Path, remote: str, relative: str, is_sst: bool) -> NativeFile:
+        try:
+            if stop():
                 raise CheckpointCancelledError(f"the upload of {directory} was cancelled")
-            is_sst = local.suffix == _SST_SUFFIX
-            reused = previous.get((local.name, local.stat().st_size)) if is_sst else None
-            if reused is not None:
-                shared_files.append(reused)
-                continue
-            stored = f"{name}-{token}-{local.name}"
-            remote = f"{shared.directory}/{stored}" if is_sst else f"{directory}/{stored}"
-            uploaded.append(remote)
-            written = fs.write_file(remote, _local_chunks(local), should_stop=should_stop)
-            relative = f"{shared.relative}/{stored}" if is_sst else stored
-            entry = NativeFile(local.name, relative, written.size, written.checksum)
-            (shared_files if is_sst else private_files).append(entry)
-    except BaseException:
-        for remote in uploaded:
-            with suppress(Exception):
-                fs.delete(remote)
-        raise
+            written = fs.write_file(remote, _local_chunks(local), should_stop=stop)
+        except BaseException as exc:
+            failures.append(exc)
+            failed.set()  # the other files stop at their next chunk
+            raise
+        return NativeFile(local.name, relative, written.size, written.checksum)
+
+    # The files are independent: checksumming and writing them release the GIL, so
+    # several at a time use more than one core and overlap object-store round trips.
+    with ThreadPoolExecutor(max(1, min(threads, len(pending))), "statebackend-file") as pool:
+        futures = [pool.submit(upload, *item) for item in pending]
+        wait(futures)
+    if failures:
+        # write_file leaves nothing of a file it did not finish; delete the finished ones.
+        for (_, remote, _, _), future in zip(pending, futures, strict=True):
+            if future.exception() is None:
+                with suppress(Exception):
+                    fs.delete(remote)
+        raise failures[0]
+    written = [future.result() for future in futures]
+    shared_files += [file for file, item in zip(written, pending, strict=True) if item[3]]
+    private_files = [file for file, item in zip(written, pending, strict=True) if not item[3]]
     record_uploads(native, checkpoint_id, shared, shared_files)
     return IncrementalKeyedStateHandle(
         key_group_range=cut.key_group_range,

@@ -52,7 +52,8 @@ class SnapshotDirectory:
     File names are ``<name>-<kind>-<random>``, relative to ``directory``, so that a
     retried or concurrent snapshot never overwrites another's file. With ``shared`` set,
     keyed snapshots of cuts that have a native checkpoint (RocksDB) are incremental
-    (``snapshot/incremental.py``); other cuts are written in the full format.
+    (``snapshot/incremental.py``), uploading up to ``upload_threads`` files at a time;
+    other cuts are written in the full format.
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class SnapshotDirectory:
         executor: Executor,
         compression: str = "none",
         shared: SharedLocation | None = None,
+        upload_threads: int = 4,
     ) -> None:
         self.filesystem = filesystem
         self.directory = directory.rstrip("/")
@@ -70,6 +72,7 @@ class SnapshotDirectory:
         self.executor = executor
         self.codec = check_codec(compression)
         self.shared = shared
+        self.upload_threads = upload_threads
 
     def _new_file(self, kind: str) -> str:
         return f"{self.name}-{kind}-{uuid.uuid4().hex[:12]}"
@@ -114,7 +117,14 @@ class SnapshotDirectory:
     ) -> SnapshotFuture[KeyedHandle]:
         def work(should_stop: ShouldStop) -> KeyedHandle:
             return upload_native_checkpoint(
-                self.filesystem, self.directory, self.name, shared, checkpoint_id, cut, should_stop
+                self.filesystem,
+                self.directory,
+                self.name,
+                shared,
+                checkpoint_id,
+                cut,
+                should_stop,
+                self.upload_threads,
             )
 
         return SnapshotFuture(
