@@ -478,6 +478,19 @@ def print_table(results: list[Result]) -> None:
         )
 
 
+def storage_kinds(text: str) -> list[str]:
+    """The storage kinds named by ``--storage``: ``both`` is file and s3; anything else
+    than file, s3 and both is an argparse error naming it."""
+    kinds: list[str] = []
+    for name in (part.strip() for part in text.split(",") if part.strip()):
+        if name not in ("file", "s3", "both"):
+            raise argparse.ArgumentTypeError(f"unknown storage {name!r}: use file, s3 or both")
+        kinds += ["file", "s3"] if name == "both" else [name]
+    if not kinds:
+        raise argparse.ArgumentTypeError("no storage given: use file, s3 or both")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table, or with ``--json`` one JSON object per result."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -485,12 +498,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--value-bytes", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=5, help="snapshots per size for (a)")
     parser.add_argument("--compression", default="none", choices=["none", "lz4", "zstd"])
-    parser.add_argument("--storage", default="file,s3", help="file, s3 or both")
+    parser.add_argument(
+        "--storage",
+        default="both",
+        type=storage_kinds,
+        help="where to write: file, s3, both, or a comma-separated list (default both)",
+    )
     parser.add_argument("--workdir", default=None, help="local scratch directory")
     parser.add_argument("--json", action="store_true", help="one JSON object per result")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    kinds = [k for k in args.storage.split(",") if k]
+    kinds = args.storage
     values = Values(args.value_bytes)
     workdir = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=args.workdir))
     results: list[Result] = []
