@@ -199,6 +199,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 ),
                 "    ",
             )
+        if op["raw_keyed_bytes"]:
+            groups = sum(sub.get("raw_keyed_key_groups", 0) for sub in op["subtasks"])
+            _out(f"  raw keyed state: {_size(op['raw_keyed_bytes'])} in {groups} key groups")
         _out("  subtasks:")
         rows = []
         for sub in op["subtasks"]:
