@@ -145,10 +145,12 @@ def _key_bytes(serializer: Serializer[Any], key: Any, operator_id: str, state: s
     try:
         return serializer.serialize(key)
     except SerializationError as exc:
+        # ``from None`` here and below: a Spark driver reports the first statebackend
+        # error of a task's traceback, which must be this one, not its cause.
         raise SerializationError(
             f"state {state!r} of operator {operator_id!r}: key {key!r} does not fit the key "
             f"serializer {serializer.identity} ({exc}): give keys of the job's key type"
-        ) from exc
+        ) from None
 
 
 class _AccumulatorAsIs(AggregateFunction[Any, Any, Any]):
@@ -204,12 +206,12 @@ def fill_keyed_states(
             else:
                 state.add(value)
         except SerializationError as exc:
-            raise SerializationError(f"{where}, key {key!r}: {exc}") from exc
+            raise SerializationError(f"{where}, key {key!r}: {exc}") from None
         except (TypeError, AttributeError) as exc:
             raise ConfigurationError(
                 f"{where}, key {key!r}: value {value!r} does not fit "
                 f"{descriptor.kind.value} state: {exc}"
-            ) from exc
+            ) from None
 
 
 def _renamed_keyed(cut: KeyedStateCut, rewrite: OperatorRewrite) -> KeyedStateCut:

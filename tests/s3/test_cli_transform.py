@@ -339,3 +339,38 @@ def test_bootstrap_rejects_bad_rows(
     assert status == 1
     assert message in err
     assert not (tmp_path / "sp" / "_metadata").exists()
+
+
+def test_transform_operator_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Operator states are dropped and renamed like keyed ones; other operators stay."""
+    storage = Storage(tmp_path.as_uri())
+    source, model = build(storage, 2)
+    target = target_of(storage, "ops")
+    status, _, err = cli(
+        storage,
+        capsys,
+        "savepoint",
+        "transform",
+        "--from",
+        source,
+        "--to",
+        target,
+        "--rename-state",
+        f"enrich/{OFFSETS}=positions",
+        "--drop-state",
+        "source/positions",
+        "-p",
+        "3",
+    )
+    assert status == 0, err
+    checkpoints = CheckpointStorage(target, "x")
+    metadata = checkpoints.load(target)
+    assert sorted(metadata.operators) == ["enrich", "source"]
+    positions = []
+    for i in range(3):
+        enrich = restore_operator_state(checkpoints.fs, target, metadata, "enrich", i, 3)
+        positions += enrich.get_list_state("positions", IntSerializer()).get()
+        assert enrich.get_list_state(OFFSETS, IntSerializer()).get() == []
+        restored_source = restore_operator_state(checkpoints.fs, target, metadata, "source", i, 3)
+        assert restored_source.get_list_state("positions", IntSerializer()).get() == []
+    assert sorted(positions) == sorted(model["offsets"])
