@@ -19,6 +19,9 @@ from typing import Any, TextIO
 from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.errors import CheckpointCorruptedError, ConfigurationError, StateBackendError
+from statebackend.serializers import serializer_from_config
+from statebackend.snapshot.frames import CODECS
+from statebackend.tools.bootstrap import KINDS, bootstrap_from_files, parse_state_file
 from statebackend.tools.gc import delete_garbage, find_garbage
 from statebackend.tools.listing import (
     COMPLETED,
@@ -42,6 +45,7 @@ from statebackend.tools.reader import (
     select_state,
     to_jsonable,
 )
+from statebackend.tools.transform import parse_state_ref, plan_transform, transform_savepoint
 from statebackend.tools.verify import referenced_bytes, verify_checkpoint
 
 PROG = "statebackend"
@@ -199,6 +203,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 ),
                 "    ",
             )
+        if op["raw_keyed_bytes"]:
+            groups = sum(sub.get("raw_keyed_key_groups", 0) for sub in op["subtasks"])
+            _out(f"  raw keyed state: {_size(op['raw_keyed_bytes'])} in {groups} key groups")
         _out("  subtasks:")
         rows = []
         for sub in op["subtasks"]:
@@ -320,6 +327,58 @@ def cmd_savepoint_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rename(text: str) -> tuple[str, str, str]:
+    ref, sep, new = text.partition("=")
+    if not sep or not new:
+        raise ConfigurationError(f"{text!r} is not OPERATOR/STATE=NEW: e.g. user-totals/count=n")
+    return (*parse_state_ref(ref), new)
+
+
+def cmd_savepoint_transform(args: argparse.Namespace) -> int:
+    """``statebackend savepoint transform``."""
+    source = open_checkpoint(args.source, _options(args))
+    rewrites = plan_transform(
+        source,
+        drop_operators=args.drop_operator,
+        drop_states=[parse_state_ref(text) for text in args.drop_state],
+        rename_states=[_rename(text) for text in args.rename_state],
+        parallelism=args.parallelism,
+    )
+    _out(
+        transform_savepoint(
+            source,
+            args.target,
+            rewrites,
+            storage_options=_options(args),
+            compression=args.compression,
+        )
+    )
+    return 0
+
+
+def cmd_savepoint_bootstrap(args: argparse.Namespace) -> int:
+    """``statebackend savepoint bootstrap``."""
+
+    def serializer(identity: str) -> Any:
+        return serializer_from_config({"identity": identity})
+
+    _out(
+        bootstrap_from_files(
+            args.target,
+            args.operator,
+            [parse_state_file(text) for text in args.state],
+            parallelism=args.parallelism,
+            max_parallelism=args.max_parallelism,
+            key_serializer=serializer(args.key_serializer),
+            value_serializer=serializer(args.value_serializer),
+            map_key_serializer=serializer(args.map_key_serializer),
+            job_id=args.job_id,
+            storage_options=_options(args),
+        )
+    )
+    return 0
+
+
 def cmd_savepoint_trigger(args: argparse.Namespace) -> int:
     """``statebackend savepoint trigger``."""
     job_dir = args.job_dir.rstrip("/")
@@ -388,12 +447,31 @@ exit status 1 and the failing files named when a file is missing, truncated or c
 (e.g. '["alice", 3]' for a tuple key)""",
     "savepoint": f"""examples:
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
-  {PROG} savepoint trigger s3://bucket/checkpoints/my-job --wait 300 {_S3}""",
+  {PROG} savepoint trigger s3://bucket/checkpoints/my-job --wait 300 {_S3}
+  {PROG} savepoint transform --from /data/savepoints/v1 --to /data/savepoints/v2 \\
+      --drop-state user-totals/recent
+  {PROG} savepoint bootstrap --to /data/savepoints/initial --operator user-totals \\
+      --state count:value=counts.jsonl --value-serializer int -p 4""",
     "savepoint create": f"""examples:
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint create --from s3://bucket/ckpt/my-job/chk-42 --to file:///backup/sp-42 \\
       {_S3}
 the copy is checked file by file; _metadata is written last""",
+    "savepoint transform": f"""examples:
+  {PROG} savepoint transform --from /data/savepoints/v1 --to /data/savepoints/v2 \\
+      --drop-state user-totals/recent --rename-state user-totals/count=events
+  {PROG} savepoint transform --from s3://bucket/ckpt/my-job/chk-42 --to s3://bucket/sp/v2 \\
+      --drop-operator old-enricher --parallelism 8 {_S3}
+the source is only read; each subtask is restored (at --parallelism, default the
+operator's), changed and written, _metadata last. Other changes (mapping values, a new
+serializer, added state): statebackend.spark.state_writer.StateWriter""",
+    "savepoint bootstrap": f"""examples:
+  {PROG} savepoint bootstrap --to /data/savepoints/initial --operator user-totals \\
+      --state count:value=counts.jsonl --state categories:map=categories.jsonl \\
+      --value-serializer int --parallelism 4
+each line of a FILE is {{"key": ..., "value": ...}}: a value, a list (list state) or an
+object (map state). Reducing and aggregating state, and DataFrames as input:
+statebackend.spark.state_writer.StateWriter""",
     "savepoint trigger": f"""examples:
   {PROG} savepoint trigger /data/checkpoints/my-job
   {PROG} savepoint trigger s3://bucket/ckpt/my-job --to s3://bucket/savepoints/v2 --wait 300 \\
@@ -408,6 +486,9 @@ files of aborted checkpoints older than the newest completed one, stray files in
 checkpoints, unused files in shared/. Directories newer than the newest completed
 checkpoint may be pending and are never touched.""",
 }
+
+
+_SIMPLE_SERIALIZERS = ("str", "int", "float", "bool", "json", "pickle")
 
 
 def _storage_parent() -> argparse.ArgumentParser:
@@ -485,8 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     savepoint = commands.add_parser(
         "savepoint",
-        help="create a savepoint from a checkpoint, or ask a running job for one",
-        description="Create a savepoint from a checkpoint, or ask a running job for one.",
+        help="create, trigger, transform or bootstrap a savepoint",
+        description="Create a savepoint from a checkpoint, ask a running job for one, write "
+        "a changed copy of one, or bootstrap one from data.",
         epilog=_EXAMPLES["savepoint"],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -499,6 +581,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
     p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p = command(
+        "savepoint transform",
+        "write a new savepoint with operators or states dropped or states renamed",
+        cmd_savepoint_transform,
+        actions,
+    )
+    p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
+    p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p.add_argument("--drop-operator", action="append", default=[], metavar="OP", help="repeatable")
+    p.add_argument(
+        "--drop-state", action="append", default=[], metavar="OP/STATE", help="repeatable"
+    )
+    p.add_argument(
+        "--rename-state", action="append", default=[], metavar="OP/STATE=NEW", help="repeatable"
+    )
+    p.add_argument("--parallelism", "-p", type=int, metavar="P", help="default: unchanged")
+    p.add_argument("--compression", choices=CODECS, default="none")
+    p = command(
+        "savepoint bootstrap",
+        "write a new savepoint of one operator's keyed state from JSON Lines files",
+        cmd_savepoint_bootstrap,
+        actions,
+    )
+    p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p.add_argument("--operator", required=True, metavar="OP")
+    p.add_argument(
+        "--state",
+        action="append",
+        required=True,
+        metavar="NAME:KIND=FILE",
+        help=f"a state, KIND one of {', '.join(KINDS)} (repeatable)",
+    )
+    p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P")
+    p.add_argument("--max-parallelism", type=int, metavar="M", help="default: from P")
+    for flag, default in (("--key-serializer", "str"), ("--value-serializer", "json")):
+        p.add_argument(flag, choices=_SIMPLE_SERIALIZERS, default=default)
+    p.add_argument(
+        "--map-key-serializer", choices=_SIMPLE_SERIALIZERS, default="str", help="for map state"
+    )
+    p.add_argument("--job-id", default="bootstrap", metavar="ID")
     p = command(
         "savepoint trigger",
         "ask the running job in JOBDIR to take a savepoint",

@@ -19,6 +19,7 @@ from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
 from statebackend.snapshot.handles import StoredFile
 from statebackend.snapshot.keyed_handles import KeyedHandle, keyed_handle_from_json
 from statebackend.snapshot.operator_format import OperatorStateHandle
+from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 
 FORMAT_VERSION = 1
 
@@ -32,6 +33,7 @@ class SubtaskAck:
     parallelism: int
     keyed: KeyedHandle | None
     operator_state: OperatorStateHandle | None
+    raw_keyed: RawKeyedStateHandle | None = None
 
     def files(self) -> list[StoredFile]:
         """Every file the subtask's handles reference."""
@@ -39,11 +41,14 @@ class SubtaskAck:
         handle = self.operator_state
         if handle is not None and handle.path is not None:
             found.append(StoredFile(handle.path, handle.size, handle.checksum))
+        if self.raw_keyed is not None:
+            found += self.raw_keyed.files()
         return found
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict (an ack file's content and part of ``_metadata``)."""
-        return {
+        """A JSON-able dict (an ack file's content and part of ``_metadata``); ``raw_keyed``
+        only when the subtask has raw keyed state, so older readers load the rest."""
+        document: dict[str, Any] = {
             "operator": self.operator_id,
             "subtask": self.subtask,
             "parallelism": self.parallelism,
@@ -52,11 +57,15 @@ class SubtaskAck:
                 None if self.operator_state is None else self.operator_state.to_json()
             ),
         }
+        if self.raw_keyed is not None:
+            document["raw_keyed"] = self.raw_keyed.to_json()
+        return document
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SubtaskAck:
         """The inverse of ``to_json``."""
         keyed, operator_state = data.get("keyed"), data.get("operator_state")
+        raw_keyed = data.get("raw_keyed")
         return cls(
             operator_id=data["operator"],
             subtask=int(data["subtask"]),
@@ -65,6 +74,7 @@ class SubtaskAck:
             operator_state=(
                 None if operator_state is None else OperatorStateHandle.from_json(operator_state)
             ),
+            raw_keyed=None if raw_keyed is None else RawKeyedStateHandle.from_json(raw_keyed),
         )
 
 
@@ -84,12 +94,20 @@ class OperatorSnapshot:
         """Each subtask's operator-state handle, by subtask index."""
         return [ack.operator_state for ack in self.subtasks]
 
+    def raw_keyed_handles(self) -> list[RawKeyedStateHandle]:
+        """The raw keyed handles of all subtasks that have raw keyed state."""
+        return [ack.raw_keyed for ack in self.subtasks if ack.raw_keyed is not None]
+
     def state_bytes(self) -> int:
         """Bytes of all files of this operator."""
-        return sum(ack.keyed.size for ack in self.subtasks if ack.keyed is not None) + sum(
-            ack.operator_state.stored_size()
-            for ack in self.subtasks
-            if ack.operator_state is not None
+        return (
+            sum(ack.keyed.size for ack in self.subtasks if ack.keyed is not None)
+            + sum(
+                ack.operator_state.stored_size()
+                for ack in self.subtasks
+                if ack.operator_state is not None
+            )
+            + sum(handle.size for handle in self.raw_keyed_handles())
         )
 
 
@@ -112,14 +130,19 @@ class CheckpointMetadata:
         return [f for op in self.operators.values() for ack in op.subtasks for f in ack.files()]
 
     def with_keyed_paths(self, relocate: Callable[[str], str]) -> CheckpointMetadata:
-        """The same metadata with the keyed handles' file paths mapped by ``relocate``."""
+        """The same metadata with the keyed and raw keyed handles' file paths mapped by
+        ``relocate``."""
         operators = {
             operator_id: dataclasses.replace(
                 op,
                 subtasks=tuple(
-                    ack
-                    if ack.keyed is None
-                    else dataclasses.replace(ack, keyed=ack.keyed.with_paths(relocate))
+                    dataclasses.replace(
+                        ack,
+                        keyed=None if ack.keyed is None else ack.keyed.with_paths(relocate),
+                        raw_keyed=(
+                            None if ack.raw_keyed is None else ack.raw_keyed.with_paths(relocate)
+                        ),
+                    )
                     for ack in op.subtasks
                 ),
             )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.backends.raw_keyed import RawKeyedState, RawKeyedStateCut
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.backends.stores import Entry
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
@@ -27,8 +28,10 @@ from statebackend.redistribution import (
     assign_key_group_ranges,
     plan_operator_state,
 )
+from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.snapshot.operator_format import OperatorStateReader
+from statebackend.snapshot.raw_keyed_format import read_raw_keyed_streams
 
 
 def check_max_parallelism(metadata: CheckpointMetadata, requested: int | None) -> int:
@@ -187,3 +190,27 @@ def restore_operator_state(
         return OperatorStateBackend()
     reader = OperatorStateReader(snapshot.operator_handles(), checkpoint_dir, fs.read_range)
     return OperatorStateBackend(reader.restore_cut(subtask, new_parallelism))
+
+
+def restore_raw_keyed_state(
+    fs: CheckpointFileSystem,
+    checkpoint_dir: str,
+    metadata: CheckpointMetadata,
+    operator_id: str,
+    key_group_range: KeyGroupRange,
+) -> RawKeyedState:
+    """The raw keyed state of the subtask owning ``key_group_range``: the streams of
+    exactly those key groups, read by ranged reads from every old subtask that held some.
+
+    An operator absent from the checkpoint starts empty (and not restored).
+    """
+    snapshot = operator_snapshot(metadata, operator_id)
+    if snapshot is None:
+        return RawKeyedState(key_group_range)
+    streams: dict[int, bytes] = {}
+    for handle in snapshot.raw_keyed_handles():
+        key_groups = handle.key_group_range.intersection(key_group_range)
+        if key_groups:
+            path = resolve_path(checkpoint_dir, handle.path)
+            streams.update(read_raw_keyed_streams(fs.read_range, path, handle, key_groups))
+    return RawKeyedState(key_group_range, RawKeyedStateCut(key_group_range, streams))

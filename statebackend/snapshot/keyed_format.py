@@ -179,16 +179,19 @@ def _decode_entries(payload: bytes, where: str) -> Iterator[tuple[int, Entry]]:
         raise CheckpointCorruptedError(f"{where}: malformed entry at byte {position}") from exc
 
 
-def read_keyed_entries(
-    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
-) -> Iterator[tuple[str, int, Entry]]:
-    """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``.
+def read_key_group_blocks(
+    read_range: Any,
+    path: str,
+    index: tuple[tuple[int, int, int], ...],
+    key_groups: KeyGroupRange,
+) -> Iterator[tuple[int, Iterator[bytes]]]:
+    """(key group, its frames' payloads) for the key groups of ``index`` (``[key group,
+    offset, length]``) in ``key_groups``, each frame checked as it is decoded.
 
     ``read_range(path, start, length)`` fetches bytes; consecutive key groups are read
     together, up to ``READ_BYTES`` at a time. Only the needed bytes are read.
     """
-    names = [meta.name for meta in handle.states]
-    wanted = [item for item in handle.key_groups if item[0] in key_groups]
+    wanted = [item for item in index if item[0] in key_groups]
     position = 0
     while position < len(wanted):
         batch = [wanted[position]]
@@ -206,8 +209,21 @@ def read_keyed_entries(
             block = data[offset - start : offset - start + length]
             if len(block) != length:
                 raise CheckpointCorruptedError(f"{where}: file is truncated")
-            for payload in decode_frames(block, where):
-                for state, entry in _decode_entries(payload, where):
-                    if state >= len(names):
-                        raise CheckpointCorruptedError(f"{where}: unknown state index {state}")
-                    yield names[state], key_group, entry
+            yield key_group, decode_frames(block, where)
+
+
+def read_keyed_entries(
+    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+) -> Iterator[tuple[str, int, Entry]]:
+    """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``,
+    read as ``read_key_group_blocks`` does."""
+    names = [meta.name for meta in handle.states]
+    for key_group, payloads in read_key_group_blocks(
+        read_range, path, handle.key_groups, key_groups
+    ):
+        where = f"{path} (key group {key_group})"
+        for payload in payloads:
+            for state, entry in _decode_entries(payload, where):
+                if state >= len(names):
+                    raise CheckpointCorruptedError(f"{where}: unknown state index {state}")
+                yield names[state], key_group, entry

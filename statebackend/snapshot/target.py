@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from statebackend.backends.keyed import KeyedStateCut
 from statebackend.backends.operator import OperatorStateCut
+from statebackend.backends.raw_keyed import RawKeyedStateCut
 from statebackend.checksums import checksum
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.future import ShouldStop, SnapshotFuture
@@ -21,6 +22,7 @@ from statebackend.snapshot.operator_format import (
     encode_operator_cut,
 )
 from statebackend.snapshot.pipeline import prefetched
+from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle, encode_raw_keyed_cut
 
 PREFETCH_FRAMES = 16
 """Frames (``keyed_format.FRAME_BYTES`` each, before compression) a keyed snapshot
@@ -132,6 +134,35 @@ class SnapshotDirectory:
             work,
             cut.release,
             f"incremental keyed snapshot {self.name} of checkpoint {checkpoint_id}",
+        )
+
+    def write_raw_keyed_snapshot(
+        self, checkpoint_id: int, cut: RawKeyedStateCut
+    ) -> SnapshotFuture[RawKeyedStateHandle]:
+        """Write ``cut`` (a stream per key group, indexed) in the background."""
+        relative = self._new_file("raw-keyed")
+
+        def work(should_stop: ShouldStop) -> RawKeyedStateHandle:
+            index: list[tuple[int, int, int]] = []
+            written = self.filesystem.write_file(
+                f"{self.directory}/{relative}",
+                encode_raw_keyed_cut(cut, self.codec, index),
+                should_stop=should_stop,
+            )
+            return RawKeyedStateHandle(
+                path=relative,
+                size=written.size,
+                checksum=written.checksum,
+                key_group_range=cut.key_group_range,
+                key_groups=tuple(index),
+                compression=CODECS[self.codec],
+            )
+
+        return SnapshotFuture(
+            self.executor,
+            work,
+            lambda: None,
+            f"raw keyed snapshot {self.name} of checkpoint {checkpoint_id}",
         )
 
     def write_operator_snapshot(

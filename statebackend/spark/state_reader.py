@@ -58,9 +58,11 @@ def _json(value: Any) -> str:
         return json.dumps([[k, v] for k, v in value.items()], default=str)
 
 
-def _serializer_type(config: dict[str, Any]) -> DataType | None:
+def column_type(config: dict[str, Any]) -> DataType | None:
+    """The Spark type of a column of values of serializer ``config`` (TTL unwrapped), or
+    None when values are shown as JSON strings."""
     if config.get("identity") == "ttl":
-        return _serializer_type(config.get("inner", {}))
+        return column_type(config.get("inner", {}))
     return _SPARK_TYPES.get(str(config.get("identity")))
 
 
@@ -76,8 +78,8 @@ class _Decoder:
             if meta.kind is StateKind.MAP
             else None
         )
-        self.key_type = _serializer_type(key_config)
-        value_type = _serializer_type(meta.serializers["value"])
+        self.key_type = column_type(key_config)
+        value_type = column_type(meta.serializers["value"])
         self.value_type = value_type if meta.kind in _VALUE_KINDS else None
 
     def schema(self) -> StructType:

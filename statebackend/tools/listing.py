@@ -134,8 +134,10 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
 
     With the job's ``properties`` (e.g. the example job's source directory). Per
     operator: its keyed states (kind, serializers), its operator states (mode,
-    serializers, element count), and per subtask its key-group range, keyed bytes, keyed
-    file (``keyed_files`` for an incremental snapshot) and operator-state elements.
+    serializers, element count), its raw keyed bytes, and per subtask its key-group range,
+    keyed bytes, keyed file (``keyed_files`` for an incremental snapshot), operator-state
+    elements and, when it has raw keyed state, its ``raw_keyed_*`` range, key groups with
+    a stream, bytes and file.
     """
     md = ref.metadata
     operators: dict[str, Any] = {}
@@ -163,6 +165,12 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
                     row["keyed_file"] = ack.keyed.path
                 else:
                     row["keyed_files"] = [f.path for f in ack.keyed.files()]
+            raw = ack.raw_keyed
+            if raw is not None:
+                row["raw_keyed_key_group_range"] = raw.key_group_range.to_json()
+                row["raw_keyed_key_groups"] = len(raw.key_groups)
+                row["raw_keyed_bytes"] = raw.size
+                row["raw_keyed_file"] = raw.path
             handle = ack.operator_state
             row["operator_state_elements"] = (
                 {} if handle is None else {n: len(i.elements) for n, i in handle.states.items()}
@@ -187,6 +195,7 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
             "state_bytes": snapshot.state_bytes(),
             "keyed_states": dict(sorted(keyed.items())),
             "operator_states": dict(sorted(operator_states.items())),
+            "raw_keyed_bytes": sum(h.size for h in snapshot.raw_keyed_handles()),
             "subtasks": subtasks,
         }
     return {

@@ -12,6 +12,7 @@ from statebackend.errors import CheckpointError
 from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.keyed_format import KeyedStateHandle
 from statebackend.snapshot.operator_format import OperatorStateHandle, Span
+from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 from statebackend.tools.location import CheckpointRef
 
 
@@ -28,7 +29,9 @@ def referenced_bytes(ref: CheckpointRef) -> int:
     return sum(size for _, size, _ in ref.metadata.files())
 
 
-def _keyed_index_problems(where: str, handle: KeyedStateHandle) -> list[Problem]:
+def _keyed_index_problems(
+    where: str, handle: KeyedStateHandle | RawKeyedStateHandle
+) -> list[Problem]:
     return [
         Problem(where, f"{where}: key group {group} lies beyond the end of the file")
         for group, offset, length in handle.key_groups
@@ -56,9 +59,9 @@ def _span_problems(where: str, handle: OperatorStateHandle) -> list[Problem]:
 
 def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> list[Problem]:
     """The problems of the checkpoint: missing, truncated or corrupted files, shared ones
-    included (checked by
-    size and checksum, reading each file whole), state-handle indexes pointing beyond
-    their files, and inline operator state failing its checksums. Empty if all is well."""
+    included (checked by size and checksum, reading each file whole), state-handle
+    indexes (keyed and raw keyed) pointing beyond their files, and inline operator state
+    failing its checksums. Empty if all is well."""
     problems: list[Problem] = []
     for relative, size, expected in ref.metadata.files():
         path = resolve_path(ref.directory, relative)
@@ -73,6 +76,9 @@ def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> l
             if isinstance(ack.keyed, KeyedStateHandle):
                 where = join(ref.directory, ack.keyed.path)
                 problems += _keyed_index_problems(where, ack.keyed)
+            if ack.raw_keyed is not None:
+                where = join(ref.directory, ack.raw_keyed.path)
+                problems += _keyed_index_problems(where, ack.raw_keyed)
             handle = ack.operator_state
             if handle is not None:
                 where = (

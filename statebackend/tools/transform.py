@@ -1,0 +1,102 @@
+"""``statebackend savepoint transform``: a new savepoint with operators or states dropped
+or states renamed, without Spark.
+
+Each operator's subtasks are rewritten one after the other in this process by
+``checkpoint.writer.SavepointWriter`` (the writer ``spark/state_writer.py`` runs on
+executors), optionally at another parallelism; the source is only read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter, check_rewrites
+from statebackend.errors import ConfigurationError
+from statebackend.tools.location import CheckpointRef, checkpoint_directory
+
+Written = Callable[[str, int], None]
+"""Called with (operator id, subtask) after each subtask is written."""
+
+
+def parse_state_ref(text: str) -> tuple[str, str]:
+    """``OPERATOR/STATE`` as (operator, state); ConfigurationError if malformed."""
+    operator_id, sep, state = text.partition("/")
+    if not sep or not operator_id or not state:
+        raise ConfigurationError(f"{text!r} is not OPERATOR/STATE: e.g. user-totals/count")
+    return operator_id, state
+
+
+def plan_transform(
+    ref: CheckpointRef,
+    *,
+    drop_operators: Sequence[str] = (),
+    drop_states: Sequence[tuple[str, str]] = (),
+    rename_states: Sequence[tuple[str, str, str]] = (),
+    parallelism: int | None = None,
+) -> list[OperatorRewrite]:
+    """The rewrite of every operator of ``ref`` that is kept: (operator, state) pairs
+    dropped, (operator, old, new) renamed, at ``parallelism`` (default: the operator's).
+
+    ConfigurationError names an unknown operator or state.
+    """
+    operators = ref.metadata.operators
+    for operator_id in [*drop_operators, *(op for op, _ in drop_states)] + [
+        op for op, _, _ in rename_states
+    ]:
+        if operator_id not in operators:
+            raise ConfigurationError(
+                f"{ref.directory} has no operator {operator_id!r}; "
+                f"it has {', '.join(sorted(operators)) or 'none'}"
+            )
+    drops: dict[str, set[str]] = {}
+    for operator_id, state in drop_states:
+        drops.setdefault(operator_id, set()).add(state)
+    renames: dict[str, dict[str, str]] = {}
+    for operator_id, old, new in rename_states:
+        renames.setdefault(operator_id, {})[old] = new
+    rewrites = [
+        OperatorRewrite(
+            operator_id,
+            parallelism or snapshot.parallelism,
+            drop_states=frozenset(drops.get(operator_id, ())),
+            rename_states=renames.get(operator_id, {}),
+        )
+        for operator_id, snapshot in sorted(operators.items())
+        if operator_id not in drop_operators
+    ]
+    check_rewrites(ref.metadata, rewrites)
+    return rewrites
+
+
+def transform_savepoint(
+    ref: CheckpointRef,
+    target: str,
+    rewrites: Sequence[OperatorRewrite],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    compression: str = "none",
+    written: Written | None = None,
+) -> str:
+    """Write the savepoint of ``rewrites`` (``plan_transform``) of ``ref`` to ``target``,
+    ``_metadata`` last; returns the target directory."""
+    writer = SavepointWriter(
+        checkpoint_directory(target),
+        ref.metadata.max_parallelism,
+        source=ref.directory,
+        storage_options=storage_options,
+        compression=compression,
+    )
+    writer.check_target()
+    acks = []
+    for rewrite in rewrites:
+        for subtask in range(rewrite.parallelism):
+            acks.append(writer.write_subtask(rewrite, subtask, ()))
+            if written is not None:
+                written(rewrite.operator_id, subtask)
+    return writer.complete(
+        acks,
+        job_id=ref.metadata.job_id,
+        checkpoint_id=ref.metadata.checkpoint_id,
+        properties=ref.metadata.properties,
+    )

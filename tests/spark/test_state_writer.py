@@ -1,0 +1,203 @@
+"""``statebackend.spark.state_writer``: bootstrap a savepoint from DataFrames, transform one.
+
+The example job's ``user-totals`` state is bootstrapped from DataFrames computed in plain
+Python over half of the input; the job then runs on the other half from that savepoint
+at another parallelism and must end with the plain-Python totals over all of it.
+Transforms (a state mapped with a serializer change, one renamed, one removed, operator
+state added) round trip at P -> P', and bad bootstrap data is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import (
+    ArrayType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.restore import restore_operator_state
+from statebackend.checkpoint.storage import load_metadata
+from statebackend.errors import ConfigurationError, SerializationError, StateAccessError
+from statebackend.redistribution import DistributionMode
+from statebackend.serializers import FloatSerializer, StrSerializer
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.example import (
+    CATEGORY_COUNTS,
+    COUNT,
+    OPERATOR_ID,
+    RECENT_AMOUNTS,
+    TOTAL,
+    checkpointed_totals,
+    compare_totals,
+    expected_totals,
+    generate_events,
+    read_events,
+    user_totals_job,
+)
+from statebackend.spark.state_reader import read_state
+from statebackend.spark.state_writer import StateWriter
+from statebackend.state.descriptors import ValueStateDescriptor
+from tests.conftest import Storage
+
+USERS = 40
+PARTITIONS = 4
+
+
+def totals_frames(spark: SparkSession, totals: dict[str, dict[str, Any]]) -> dict[str, DataFrame]:
+    """One (key, value) DataFrame per state of the example job, from plain-Python totals."""
+
+    def frame(name: str, value_type: Any) -> DataFrame:
+        schema = StructType(
+            [StructField("key", StringType(), False), StructField("value", value_type)]
+        )
+        return spark.createDataFrame([(u, t[name]) for u, t in totals.items()], schema)
+
+    return {
+        "count": frame("count", LongType()),
+        "total": frame("total", LongType()),
+        "categories": frame("categories", MapType(StringType(), LongType())),
+        "recent": frame("recent", ArrayType(LongType())),
+    }
+
+
+def bootstrap(
+    spark: SparkSession, totals: dict[str, dict[str, Any]], target: str, storage: Storage, p: int
+) -> str:
+    frames = totals_frames(spark, totals)
+    writer = StateWriter.new(spark, max_parallelism=64, storage_options=storage.storage_options)
+    for descriptor in (COUNT, TOTAL, CATEGORY_COUNTS, RECENT_AMOUNTS):
+        writer.with_keyed_state(OPERATOR_ID, descriptor, frames[descriptor.name])
+    return writer.write(target, parallelism=p)
+
+
+def test_bootstrap_then_run_on_the_rest(
+    spark_local: SparkSession, tmp_path: Path, checkpoint_url: Storage
+) -> None:
+    """Bootstrap from half the input at P=2, run on the other half at P=3: the job ends
+    with the totals over all of it."""
+    generate_events(tmp_path / "first", 400, USERS, PARTITIONS, seed=1)
+    generate_events(tmp_path / "second", 400, USERS, PARTITIONS, seed=2)
+    first = list(read_events(tmp_path / "first"))
+    savepoint = bootstrap(
+        spark_local,
+        expected_totals(first),
+        f"{checkpoint_url.url}/savepoints/bootstrap",
+        checkpoint_url,
+        2,
+    )
+    conf = StateBackendConf(
+        checkpoint_dir=checkpoint_url.url,
+        storage_options=checkpoint_url.storage_options,
+        local_dir=str(tmp_path / "local"),
+    )
+    summary = user_totals_job(
+        spark_local,
+        job_id="from-bootstrap",
+        input_dir=tmp_path / "second",
+        parallelism=3,
+        conf=conf,
+        batch_size=200,
+        checkpoint_every=1,
+        restore=savepoint,
+        output_dir=str(tmp_path / "output"),
+    ).run()
+    assert summary.restored_from == savepoint
+    assert summary.records == 400
+    expected = expected_totals(first + list(read_events(tmp_path / "second")))
+    last = summary.last_checkpoint
+    assert last is not None
+    actual = checkpointed_totals(spark_local, last, checkpoint_url.storage_options)
+    assert compare_totals(expected, actual) == []
+
+
+def state_rows(spark: SparkSession, savepoint: str, name: str) -> dict[str, Any]:
+    rows = read_state(spark, savepoint, OPERATOR_ID, name).collect()
+    return {
+        row["key"]: json.loads(row["value"]) if isinstance(row["value"], str) else row["value"]
+        for row in rows
+    }
+
+
+@pytest.mark.parametrize(("parallelism", "new_parallelism"), [(2, 3), (3, 1)])
+def test_transform_round_trip(
+    spark_local: SparkSession, tmp_path: Path, parallelism: int, new_parallelism: int
+) -> None:
+    """count mapped to count / 2 as floats (a serializer change), total renamed, recent
+    removed, categories rewritten from ``read_state`` unchanged, operator state added."""
+    generate_events(tmp_path / "input", 300, USERS, PARTITIONS, seed=3)
+    totals = expected_totals(read_events(tmp_path / "input"))
+    storage = Storage(tmp_path.as_uri())
+    source = bootstrap(spark_local, totals, f"{storage.url}/v1", storage, parallelism)
+    source_metadata = (tmp_path / "v1" / "_metadata").read_bytes()
+
+    counts = read_state(spark_local, source, OPERATOR_ID, "count")
+    halves = counts.selectExpr("key", "CAST(value AS DOUBLE) / 2 AS value")
+    categories = read_state(spark_local, source, OPERATOR_ID, "categories")
+    notes = [f"note-{n}" for n in range(7)]
+    target = (
+        StateWriter.from_savepoint(spark_local, source)
+        .with_keyed_state(OPERATOR_ID, ValueStateDescriptor("count", FloatSerializer()), halves)
+        .with_keyed_state(OPERATOR_ID, CATEGORY_COUNTS, categories)
+        .rename_state(OPERATOR_ID, "total", "sum")
+        .remove_state(OPERATOR_ID, "recent")
+        .with_operator_state(
+            OPERATOR_ID, "notes", notes, mode=DistributionMode.UNION, serializer=StrSerializer()
+        )
+        .write(f"{storage.url}/v2", parallelism=new_parallelism)
+    )
+    assert (tmp_path / "v1" / "_metadata").read_bytes() == source_metadata
+
+    metadata = load_metadata(open_filesystem(target), target)
+    assert metadata.is_savepoint
+    assert metadata.operators[OPERATOR_ID].parallelism == new_parallelism
+    assert state_rows(spark_local, target, "count") == {
+        user: t["count"] / 2 for user, t in totals.items()
+    }
+    assert state_rows(spark_local, target, "sum") == {u: t["total"] for u, t in totals.items()}
+    assert state_rows(spark_local, target, "categories") == {
+        u: t["categories"] for u, t in totals.items()
+    }
+    with pytest.raises(StateAccessError, match="no keyed state 'recent'"):
+        read_state(spark_local, target, OPERATOR_ID, "recent")
+    fs = open_filesystem(target)
+    for subtask in range(2):
+        restored = restore_operator_state(fs, target, metadata, OPERATOR_ID, subtask, 2)
+        assert sorted(restored.get_union_list_state("notes", StrSerializer()).get()) == notes
+
+
+@pytest.mark.parametrize(
+    ("rows", "key_type", "error", "message"),
+    [
+        (
+            [("a", 1), ("b", 2), ("a", 3)],
+            StringType(),
+            ConfigurationError,
+            "key 'a' is given twice",
+        ),
+        ([(1, 1)], LongType(), SerializationError, "key 1 does not fit the key serializer str"),
+    ],
+)
+def test_bad_bootstrap_data_is_a_clear_error(
+    spark_local: SparkSession,
+    tmp_path: Path,
+    rows: list[tuple[Any, Any]],
+    key_type: Any,
+    error: type[Exception],
+    message: str,
+) -> None:
+    schema = StructType([StructField("key", key_type), StructField("value", LongType())])
+    frame = spark_local.createDataFrame(rows, schema)
+    writer = StateWriter.new(spark_local).with_keyed_state(OPERATOR_ID, COUNT, frame)
+    with pytest.raises(error, match=message):
+        writer.write(str(tmp_path / "sp"), parallelism=2)
+    assert not (tmp_path / "sp" / "_metadata").exists()
