@@ -19,7 +19,9 @@ garbage only if all of these hold:
      retried task's upload, a left-over ``acks/``);
    - a file of a ``chk-<N>`` without ``_metadata`` older than the newest completed
      checkpoint (an aborted attempt, a late upload): checkpoints are triggered in id order
-     and one at a time, so it will never complete;
+     and one at a time, so it will never complete (with concurrent checkpoints, which the
+     Spark runtime does not take, only the grace period protects an older one still
+     pending);
    - a file in ``shared/`` written before the newest completed checkpoint was triggered.
      An incremental snapshot uploads its SST files to ``shared/`` before anything of its
      ``chk-<N>`` exists, so a pending checkpoint may be invisible; but it was triggered
