@@ -22,7 +22,7 @@ from statebackend.errors import CheckpointCorruptedError, ConfigurationError, St
 from statebackend.serializers import serializer_from_config
 from statebackend.snapshot.frames import CODECS
 from statebackend.tools.bootstrap import KINDS, bootstrap_from_files, parse_state_file
-from statebackend.tools.gc import delete_garbage, find_garbage
+from statebackend.tools.gc import DEFAULT_GRACE_SECONDS, delete_garbage, find_garbage
 from statebackend.tools.listing import (
     COMPLETED,
     CheckpointSummary,
@@ -401,11 +401,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     fs = open_location(args.directory, _options(args))
     total_files = total_bytes = 0
     for job_dir in find_job_dirs(fs, args.directory):
-        garbage = find_garbage(fs, job_dir)
+        garbage = find_garbage(fs, job_dir, grace_seconds=args.grace)
+        if args.apply:
+            garbage = delete_garbage(fs, job_dir, garbage, grace_seconds=args.grace)
         for item in garbage:
             _out(f"{item.size:>12}  {item.path}  ({item.reason})")
-        if args.apply:
-            delete_garbage(fs, garbage)
         total_files += len(garbage)
         total_bytes += sum(item.size for item in garbage)
     if args.apply:
@@ -481,10 +481,13 @@ savepoint's path is printed once it is complete""",
     "gc": f"""examples:
   {PROG} gc /data/checkpoints/my-job
   {PROG} gc s3://bucket/checkpoints --apply {_S3}
-lists (or with --apply deletes) files no completed checkpoint or savepoint references:
-files of aborted checkpoints older than the newest completed one, stray files in completed
-checkpoints, unused files in shared/. Directories newer than the newest completed
-checkpoint may be pending and are never touched.""",
+lists (or with --apply deletes) files no checkpoint or savepoint references: files of
+aborted checkpoints older than the newest completed one, stray files in completed
+checkpoints, unused files in shared/. Safe while the job runs: files modified within the
+grace period, referenced by a pending checkpoint's acknowledgements, or in shared/ and
+written since the newest completed checkpoint was triggered are kept, directories newer
+than the newest completed checkpoint are never touched, and --apply decides again from a
+fresh listing before it deletes. Keep the grace period above the checkpoint timeout.""",
 }
 
 
@@ -636,6 +639,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("gc", "list or delete files no checkpoint or savepoint uses", cmd_gc)
     p.add_argument("directory", metavar="DIR", help="a job's directory, or the directory of jobs")
     p.add_argument("--apply", action="store_true", help="delete them (default: only list)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        metavar="SECONDS",
+        help=f"keep files modified less than this long ago (default {DEFAULT_GRACE_SECONDS:g})",
+    )
     return parser
 
 

@@ -265,6 +265,13 @@ class CheckpointFileSystem:
         with _io_errors("get the size of", path):
             return int(self._fs.size(path))
 
+    def modified(self, path: str) -> float:
+        """When the file at ``path`` was last written, as a POSIX timestamp of the storage's
+        clock (on s3 the ``LastModified`` of the object, in whole seconds)."""
+        self._fs.invalidate_cache(path)
+        with _io_errors("get the modification time of", path):
+            return float(self._fs.modified(path).timestamp())
+
     def exists(self, path: str) -> bool:
         """Whether a file or directory (on object stores: any key under it) is at ``path``."""
         self._fs.invalidate_cache(path)

@@ -1,19 +1,46 @@
-"""``statebackend gc``: files of a job that no completed checkpoint or savepoint uses.
+"""``statebackend gc``: files of a job that no checkpoint can use any more, safe to run
+while the job is running.
 
-Garbage is: files in a completed ``chk-<N>`` that its ``_metadata`` does not reference
-(crashed or retried uploads, temp files, a left-over ``acks/``); every file of a
-``chk-<N>`` without ``_metadata`` older than the newest completed checkpoint (aborted
-attempts, late uploads); files in ``shared/`` that no completed checkpoint or savepoint
-of the job references. A ``chk-<N>`` newer than the newest completed one may be pending
-and is never touched; while one exists ``shared/`` is left alone too, since a pending
-checkpoint may have uploaded shared files it does not reference yet. Savepoints and
-savepoint requests are never garbage.
+In Flink only the job deletes its own files. gc is a separate process that cannot see what
+a running job is about to do, so it deletes only what it can prove unused. A file is
+garbage only if all of these hold:
+
+1. it was last modified longer than the grace period ago (on the storage's clock; default
+   one hour: keep it above the checkpoint timeout and any clock difference between this
+   machine and the storage);
+2. no ``_metadata`` of the job references it (its completed checkpoints, and the
+   savepoints in its ``savepoints/`` directory);
+3. no acknowledgement of a checkpoint without ``_metadata`` references it (read with
+   ``CheckpointStorage.read_acks``; if one cannot be read, ``shared/`` is left alone). So
+   an aborted checkpoint whose acknowledgements remain goes in two runs: its
+   acknowledgements first, then the files they referenced;
+4. it is one of
+   - a file in a completed ``chk-<N>`` that its ``_metadata`` does not reference (a
+     retried task's upload, a left-over ``acks/``);
+   - a file of a ``chk-<N>`` without ``_metadata`` older than the newest completed
+     checkpoint (an aborted attempt, a late upload): checkpoints are triggered in id order
+     and one at a time, so it will never complete (with concurrent checkpoints, which the
+     Spark runtime does not take, only the grace period protects an older one still
+     pending);
+   - a file in ``shared/`` written before the newest completed checkpoint was triggered.
+     An incremental snapshot uploads its SST files to ``shared/`` before anything of its
+     ``chk-<N>`` exists, so a pending checkpoint may be invisible; but it was triggered
+     after the newest completed one, and the shared files it did not upload itself it
+     reuses from a completed checkpoint, whose ``_metadata`` references them. The trigger
+     time on the storage's clock is the modification time of that checkpoint's
+     ``_metadata`` less its duration (``completed_at - triggered_at``). Without a
+     completed checkpoint no shared file is garbage.
+
+``delete_garbage`` decides again from a fresh listing just before deleting and deletes only
+files both decisions found, unchanged. Never touched: ``_metadata`` files, a ``chk-<N>``
+newer than the newest completed checkpoint (it may be pending), ``savepoints/`` (complete or
+being written), ``requests/``, and every other file or directory in the job's directory.
 """
 
 from __future__ import annotations
 
 import posixpath
-from contextlib import suppress
+import time
 from dataclasses import dataclass
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
@@ -22,26 +49,49 @@ from statebackend.checkpoint.layout import (
     METADATA_FILE,
     SAVEPOINTS_DIR,
     SHARED_DIR,
+    checkpoint_id_of,
     checkpoint_ids,
     join,
+    metadata_path,
 )
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import CheckpointNotFoundError
-from statebackend.snapshot.handles import normalize_path, resolve_path
+from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    StateBackendError,
+)
+from statebackend.snapshot.handles import StoredFile, normalize_path, resolve_path
+
+DEFAULT_GRACE_SECONDS = 3600.0
+"""Files modified less than this long ago are never garbage."""
 
 
 @dataclass(frozen=True)
 class Garbage:
-    """An unreferenced file: its path, size in bytes, and why it is garbage."""
+    """An unused file: its path, size in bytes, modification time (POSIX seconds, the
+    storage's clock), and why it is garbage."""
 
     path: str
     size: int
+    modified: float
     reason: str
 
 
-def _references(directory: str, metadata: CheckpointMetadata) -> set[str]:
-    return {resolve_path(directory, relative) for relative, _, _ in metadata.files()}
+@dataclass
+class _JobView:
+    """What one reading of a job's directory found."""
+
+    completed: dict[int, CheckpointMetadata]
+    incomplete: list[int]
+    in_use: set[str]
+    shared_before: float | None
+    """Shared files modified at or after this may belong to a pending checkpoint."""
+
+
+def _references(directory: str, files: list[StoredFile]) -> set[str]:
+    return {resolve_path(directory, file.path) for file in files}
 
 
 def _files(fs: CheckpointFileSystem, directory: str) -> list[str]:
@@ -53,58 +103,145 @@ def _files(fs: CheckpointFileSystem, directory: str) -> list[str]:
     return paths
 
 
-def find_garbage(fs: CheckpointFileSystem, job_dir: str) -> list[Garbage]:
-    """The garbage files of the job in ``job_dir`` (see the module docstring)."""
-    job_dir = job_dir.rstrip("/")
-    ids = checkpoint_ids(fs.list_dir(job_dir))
-    completed: dict[int, CheckpointMetadata] = {}
-    for checkpoint_id in ids:
-        with suppress(CheckpointNotFoundError):
-            completed[checkpoint_id] = load_metadata(fs, join(job_dir, f"chk-{checkpoint_id}"))
-    newest = max(completed, default=0)
-    referenced: set[str] = set()
-    for checkpoint_id, metadata in completed.items():
-        referenced |= _references(join(job_dir, f"chk-{checkpoint_id}"), metadata)
+def _load_completed(fs: CheckpointFileSystem, directory: str) -> CheckpointMetadata | None:
+    """The ``_metadata`` of a checkpoint or savepoint listed with one; None if it was
+    deleted since.
+
+    A ``_metadata`` that exists but cannot be read is an error: what it references is
+    unknown, so nothing may be deleted.
+    """
+    try:
+        return load_metadata(fs, directory)
+    except CheckpointNotFoundError:
+        if fs.exists(metadata_path(directory)):
+            raise
+        return None
+
+
+def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
+    parent, _, job_id = job_dir.rpartition("/")
+    storage = CheckpointStorage(parent or ".", job_id, filesystem=fs)
+    view = _JobView({}, [], set(), None)
+    for checkpoint_id in checkpoint_ids(fs.list_dir(job_dir)):
+        directory = join(job_dir, f"chk-{checkpoint_id}")
+        if METADATA_FILE not in fs.list_dir(directory):
+            view.incomplete.append(checkpoint_id)
+        elif (metadata := _load_completed(fs, directory)) is not None:
+            view.completed[checkpoint_id] = metadata
+            view.in_use |= _references(directory, metadata.files())
     savepoints_dir = join(job_dir, SAVEPOINTS_DIR)
     for name in fs.list_dir(savepoints_dir):
         savepoint = join(savepoints_dir, name)
-        with suppress(CheckpointNotFoundError):
-            referenced |= _references(savepoint, load_metadata(fs, savepoint))
-    candidates: list[tuple[str, str]] = []
-    for checkpoint_id in ids:
+        metadata = (
+            _load_completed(fs, savepoint) if METADATA_FILE in fs.list_dir(savepoint) else None
+        )
+        if metadata is not None:
+            view.in_use |= _references(savepoint, metadata.files())
+    acks_readable = True
+    for checkpoint_id in view.incomplete:
+        try:
+            acks = storage.read_acks(checkpoint_id).values()
+        except (StateBackendError, ValueError, KeyError, TypeError):
+            acks_readable = False  # being completed or aborted right now, or unknown
+            continue
         directory = join(job_dir, f"chk-{checkpoint_id}")
-        if checkpoint_id in completed:
-            keep = referenced | {join(directory, METADATA_FILE)}
-            candidates += [
-                (path, f"not referenced by chk-{checkpoint_id}/{METADATA_FILE}")
-                for path in _files(fs, directory)
-                if normalize_path(path) not in keep
-            ]
-        elif checkpoint_id < newest:
+        view.in_use |= {ref for ack in acks for ref in _references(directory, ack.files())}
+    if view.completed and acks_readable:
+        newest = max(view.completed)
+        metadata = view.completed[newest]
+        completed_at = fs.modified(metadata_path(join(job_dir, f"chk-{newest}")))
+        duration = max(0.0, metadata.completed_at - metadata.triggered_at)
+        view.shared_before = completed_at - duration
+    return view
+
+
+def _candidates(fs: CheckpointFileSystem, job_dir: str, view: _JobView) -> list[tuple[str, str]]:
+    """(path, reason) of the files rules 2 to 4 of the module docstring allow deleting,
+    except the time limit of shared files, which needs their modification times."""
+    newest = max(view.completed, default=0)
+    candidates: list[tuple[str, str]] = []
+    for checkpoint_id in view.completed:
+        directory = join(job_dir, f"chk-{checkpoint_id}")
+        candidates += [
+            (path, f"not referenced by chk-{checkpoint_id}/{METADATA_FILE}")
+            for path in _files(fs, directory)
+            if posixpath.basename(path) != METADATA_FILE
+        ]
+    for checkpoint_id in view.incomplete:
+        if checkpoint_id < newest:
             candidates += [
                 (path, f"chk-{checkpoint_id} never completed and chk-{newest} is newer")
-                for path in _files(fs, directory)
+                for path in _files(fs, join(job_dir, f"chk-{checkpoint_id}"))
             ]
-    if not any(checkpoint_id > newest for checkpoint_id in ids):
+    if view.shared_before is not None:
         shared = join(job_dir, SHARED_DIR)
         candidates += [
-            (join(shared, name), "shared file no completed checkpoint or savepoint uses")
+            (join(shared, name), "shared file no checkpoint or savepoint uses")
             for name in fs.list_dir(shared)
-            if normalize_path(join(shared, name)) not in referenced
         ]
-    return [Garbage(path, fs.size(path), reason) for path, reason in candidates]
+    return [(path, why) for path, why in candidates if normalize_path(path) not in view.in_use]
 
 
-def delete_garbage(fs: CheckpointFileSystem, garbage: list[Garbage]) -> None:
-    """Delete the given files, and the directories of never-completed checkpoints that
-    are left empty."""
+def find_garbage(
+    fs: CheckpointFileSystem,
+    job_dir: str,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    now: float | None = None,
+) -> list[Garbage]:
+    """The garbage files of the job in ``job_dir`` (see the module docstring): none
+    modified within ``grace_seconds`` before ``now`` (default: the current time).
+
+    Raises ConfigurationError if ``grace_seconds`` is negative, and CheckpointError if a
+    ``_metadata`` of the job cannot be read.
+    """
+    if not grace_seconds >= 0:  # also refuses NaN, which would make every file old
+        raise ConfigurationError(
+            f"grace period {grace_seconds!r} is invalid: give a number of seconds >= 0"
+        )
+    job_dir = job_dir.rstrip("/")
+    view = _read_job(fs, job_dir)
+    oldest_young = (time.time() if now is None else now) - grace_seconds
+    shared_prefix = join(job_dir, SHARED_DIR) + "/"
+    garbage = []
+    for path, reason in _candidates(fs, job_dir, view):
+        try:
+            modified = fs.modified(path)
+            size = fs.size(path)
+        except CheckpointCorruptedError:
+            continue  # deleted meanwhile
+        too_young = modified > oldest_young
+        if path.startswith(shared_prefix):
+            assert view.shared_before is not None
+            too_young |= modified >= view.shared_before
+        if not too_young:
+            garbage.append(Garbage(path, size, modified, reason))
+    return garbage
+
+
+def delete_garbage(
+    fs: CheckpointFileSystem,
+    job_dir: str,
+    garbage: list[Garbage],
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+) -> list[Garbage]:
+    """Delete those of ``garbage`` (from ``find_garbage`` of ``job_dir``) that a fresh
+    ``find_garbage`` finds again with the same modification time, and the directories of
+    never-completed checkpoints that are left empty. Returns what it deleted."""
+    again = find_garbage(fs, job_dir, grace_seconds=grace_seconds)
+    confirmed = {(item.path, item.modified) for item in again}
+    deleted = [item for item in garbage if (item.path, item.modified) in confirmed]
     directories = set()
-    for item in garbage:
+    for item in deleted:
         fs.delete(item.path)
         directory = posixpath.dirname(item.path)
-        directories.add(directory)
         if posixpath.basename(directory) == ACKS_DIR:
-            directories.add(posixpath.dirname(directory))
+            directories.add(directory)
+            directory = posixpath.dirname(directory)
+        if checkpoint_id_of(directory) is not None:
+            directories.add(directory)
     for directory in sorted(directories, reverse=True):
         if not fs.list_dir(directory):
             fs.delete(directory, recursive=True)
+    return deleted

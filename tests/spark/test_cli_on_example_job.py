@@ -397,15 +397,16 @@ def test_gc_lists_an_aborted_checkpoint_and_never_a_referenced_file(
     fs.write_file(stray, [b"the upload of a task attempt that was retried"])
     referenced = referenced_files(storage)
 
-    status, out, err = cli(capsys, storage, "gc", job_dir)
+    assert cli(capsys, storage, "gc", job_dir)[1].strip() == "0 unreferenced files, 0 B"
+    status, out, err = cli(capsys, storage, "gc", job_dir, "--grace", "0")  # all are young
     assert status == 0, err
     listed = {line.split()[1] for line in out.splitlines()[:-1]}
     assert listed == stale_files | {stray}
     assert not listed & referenced
     assert out.splitlines()[-1].startswith(f"{len(listed)} unreferenced files")
-    status, out, _ = cli(capsys, storage, "gc", job_dir, "--apply")
+    status, out, _ = cli(capsys, storage, "gc", job_dir, "--apply", "--grace", "0")
     assert status == 0 and out.splitlines()[-1].startswith(f"deleted {len(listed)} files")
-    status, out, _ = cli(capsys, storage, "gc", job_dir)
+    status, out, _ = cli(capsys, storage, "gc", job_dir, "--grace", "0")
     assert out.strip() == "0 unreferenced files, 0 B"
     assert referenced_files(storage) == referenced
     assert cli(capsys, storage, "verify", newest_dir)[0] == 0

@@ -1,0 +1,371 @@
+"""``statebackend gc`` against a job that is checkpointing, one rule at a time, on file://
+and s3://.
+
+Real RocksDB backends checkpoint incrementally through a real coordinator and storage
+(the harness of ``test_incremental_checkpoints``); gc must keep every file a completed,
+pending or future checkpoint uses: files younger than the grace period, files a pending
+checkpoint's acknowledgements reference, shared files written since the newest completed
+checkpoint was triggered (an incremental snapshot uploads those before its ``chk-<N>``
+exists), and anything that changed between deciding and deleting. Expectations come from
+the plain-Python model of the state and from the files the test itself wrote.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fsspec.utils import get_protocol
+
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
+from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.requests import request_savepoint
+from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.cli import main
+from statebackend.errors import CheckpointCorruptedError
+from statebackend.keygroups import compute_key_group_range_for_operator_index
+from statebackend.snapshot.handles import resolve_path
+from statebackend.tools.gc import DEFAULT_GRACE_SECONDS, delete_garbage, find_garbage
+from statebackend.tools.location import CheckpointRef
+from statebackend.tools.verify import verify_checkpoint
+from tests.conftest import Storage
+from tests.s3.test_incremental_checkpoints import (
+    OPERATOR,
+    WAIT,
+    Job,
+    M,
+    raw_fs,
+    restore,
+)
+
+FAR_FUTURE = 10.0**10
+"""A ``now`` at which every file is older than any grace period used here."""
+
+
+def settle(location: Storage) -> None:
+    """Wait until a file written now has a later modification time than one written
+    before (s3 keeps whole seconds)."""
+    time.sleep(1.1 if get_protocol(location.url) == "s3" else 0.02)
+
+
+class PrivateGateFileSystem(CheckpointFileSystem):
+    """A checkpoint file system that, once ``closed`` is set, holds every write into a
+    ``chk-<N>`` directory until ``gate`` is set (``holding`` says one waits), and counts
+    the shared files it wrote."""
+
+    def __init__(self, location: Storage) -> None:
+        super().__init__(raw_fs(location))
+        self.closed = threading.Event()
+        self.gate = threading.Event()
+        self.holding = threading.Event()
+        self.shared_written = 0
+
+    def write_file(
+        self,
+        path: str,
+        chunks: Iterable[bytes],
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> WrittenFile:
+        """``CheckpointFileSystem.write_file``, held as configured."""
+        if "/chk-" in path and self.closed.is_set():
+            self.holding.set()
+            assert self.gate.wait(WAIT), "the test never opened the gate"
+        written = super().write_file(path, chunks, should_stop=should_stop)
+        if "/shared/" in path:
+            self.shared_written += 1
+        return written
+
+
+def make_job(
+    location: Storage,
+    local: Path,
+    fs: CheckpointFileSystem | None = None,
+    max_concurrent: int = 1,
+) -> Job:
+    """One RocksDB subtask checkpointing incrementally through ``fs``."""
+    storage = CheckpointStorage(
+        location.url,
+        "job",
+        storage_options=location.storage_options,
+        incremental=True,
+        filesystem=fs,
+    )
+    coordinator = CheckpointCoordinator(storage, max_parallelism=M, max_concurrent=max_concurrent)
+    backend = RocksDBKeyedStateBackend(
+        local / "subtask-0",
+        max_parallelism=M,
+        key_group_range=compute_key_group_range_for_operator_index(M, 1, 0),
+    )
+    return Job(location, storage, coordinator, [backend])
+
+
+@pytest.fixture
+def job(checkpoint_url: Storage, tmp_path: Path) -> Iterator[Job]:
+    """The one-subtask job on file:// and on s3://."""
+    created = make_job(checkpoint_url, tmp_path / "local")
+    yield created
+    created.close()
+
+
+def job_dir(job: Job) -> str:
+    """The job's directory."""
+    return job.storage.layout.job_dir
+
+
+def shared_file(job: Job, name: str) -> str:
+    """Write a shared file no checkpoint references (a crashed upload's); its path."""
+    path = job.storage.layout.shared_path(name)
+    job.storage.fs.write_atomic(path, b"left behind by a crashed upload")
+    return path
+
+
+def listed(job: Job, **options: float) -> set[str]:
+    """The paths ``find_garbage`` lists for the job."""
+    return {g.path for g in find_garbage(job.storage.fs, job_dir(job), **options)}
+
+
+def new_shared_files(job: Job, before: set[str]) -> set[str]:
+    """The paths in ``shared/`` that are not in ``before``."""
+    shared = job.storage.layout.shared_dir
+    return {join(shared, n) for n in job.storage.fs.list_dir(shared)} - before
+
+
+def shared_paths(job: Job) -> set[str]:
+    """The paths in ``shared/``."""
+    return new_shared_files(job, set())
+
+
+def acknowledge(job: Job, checkpoint_id: int, futures: list[Any]) -> None:
+    """Write the acknowledgements of the finished snapshots of checkpoint N."""
+    for i, future in enumerate(futures):
+        ack = SubtaskAck(OPERATOR, i, len(job.backends), future.result(WAIT), None)
+        job.storage.write_ack(checkpoint_id, ack)
+
+
+def assert_restores(job: Job, checkpoint_id: int, local: Path) -> None:
+    """Checkpoint N verifies and restores to the model of its time."""
+    directory = job.storage.resolve(checkpoint_id)
+    fs = job.storage.fs
+    assert verify_checkpoint(CheckpointRef(fs, directory, load_metadata(fs, directory))) == []
+    assert restore(fs, directory, 1, local) == job.models[checkpoint_id]
+
+
+def cli_gc(capsys: pytest.CaptureFixture[str], job: Job, *argv: str) -> tuple[int, list[str]]:
+    """``statebackend gc JOBDIR ARGV``: (status, the listed paths)."""
+    capsys.readouterr()
+    options = [f"--storage-option={k}={v}" for k, v in job.location.storage_options.items()]
+    status = main(["gc", job_dir(job), *argv, *options])
+    out = capsys.readouterr().out.splitlines()
+    return status, [line.split()[1] for line in out[:-1]]
+
+
+# -- the rules ----------------------------------------------------------------------------
+
+
+def test_a_young_file_is_never_garbage(
+    capsys: pytest.CaptureFixture[str], job: Job, tmp_path: Path
+) -> None:
+    """Every kind of garbage is kept while younger than the grace period (by its
+    modification time on the storage), and listed once older; the CLI's default grace
+    period keeps files just written, ``--grace 0`` lists them."""
+    orphan = shared_file(job, "op-0-orphan-000001.sst")
+    settle(job.location)
+    job.write(500)
+    job.checkpoint()
+    aborted = job.coordinator.trigger({OPERATOR: 1})
+    job.coordinator.abort(aborted)
+    job.write(500)
+    completed = job.checkpoint()
+    late = join(job.storage.resolve(aborted), "op-0-late-upload")
+    stray = join(job.storage.resolve(completed), "op-0-retried-upload")
+    for path in (late, stray):
+        job.storage.fs.write_atomic(path, b"an upload after its checkpoint ended")
+    garbage = {orphan, late, stray}
+
+    times = {path: job.storage.fs.modified(path) for path in garbage}
+    youngest, oldest = max(times.values()), min(times.values())
+    assert listed(job, grace_seconds=0) == garbage
+    assert listed(job, grace_seconds=100, now=oldest + 50) == set()
+    assert listed(job, grace_seconds=100, now=youngest + 150) == garbage
+
+    assert DEFAULT_GRACE_SECONDS == 3600
+    assert cli_gc(capsys, job) == (0, [])
+    assert cli_gc(capsys, job, "--apply") == (0, [])
+    assert all(job.storage.fs.exists(path) for path in garbage)
+    status, paths = cli_gc(capsys, job, "--grace", "0", "--apply")
+    assert status == 0 and set(paths) == garbage
+    assert not any(job.storage.fs.exists(path) for path in garbage)
+    for checkpoint_id in job.storage.completed_checkpoint_ids():
+        assert_restores(job, checkpoint_id, tmp_path / f"restore-{checkpoint_id}")
+
+
+def test_shared_files_of_a_pending_checkpoint_are_kept_before_its_directory_exists(
+    capsys: pytest.CaptureFixture[str], checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """The data loss of issue 8: an incremental snapshot has uploaded an SST file to
+    ``shared/`` and nothing of its ``chk-<N>`` exists yet. gc (grace 0, ``--apply``) keeps
+    that file, since it was written after the newest completed checkpoint was triggered,
+    and still deletes an older unreferenced one; the checkpoint completes, verifies and
+    restores, and so does the next one, which reuses the file."""
+    fs = PrivateGateFileSystem(checkpoint_url)
+    job = make_job(checkpoint_url, tmp_path / "local", fs)
+    try:
+        orphan = shared_file(job, "op-0-orphan-000001.sst")
+        settle(checkpoint_url)
+        job.write(2000)
+        job.checkpoint()
+        before = shared_paths(job)
+        job.write(2000)
+        shared_written = fs.shared_written
+        fs.closed.set()  # the files of chk-2 wait; its SST files upload
+        checkpoint_id = job.coordinator.trigger({OPERATOR: 1})
+        futures = job.snapshot(checkpoint_id)
+        model = {k: (c, dict(t)) for k, (c, t) in job.model.items()}
+        deadline = time.monotonic() + WAIT
+        while fs.shared_written == shared_written or not fs.holding.is_set():
+            assert time.monotonic() < deadline, "no SST file of chk-2 was uploaded"
+            time.sleep(0.01)
+        uploaded = new_shared_files(job, before)
+        assert uploaded
+        assert fs.list_dir(job.storage.resolve(checkpoint_id)) == []
+
+        assert listed(job, grace_seconds=0, now=FAR_FUTURE) == {orphan}
+        status, deleted = cli_gc(capsys, job, "--grace", "0", "--apply")
+        assert status == 0 and deleted == [orphan]
+        assert uploaded <= shared_paths(job)
+
+        fs.gate.set()
+        acknowledge(job, checkpoint_id, futures)
+        assert job.coordinator.poll(checkpoint_id) is not None
+        job.models[checkpoint_id] = model
+        directory = job.storage.resolve(checkpoint_id)
+        metadata = job.storage.load(checkpoint_id)
+        assert uploaded <= {resolve_path(directory, f.path) for f in metadata.files()}
+        following = job.checkpoint()  # reuses the SST files of checkpoint N
+        assert cli_gc(capsys, job, "--grace", "0", "--apply") == (0, [])
+        for completed in (checkpoint_id, following):
+            assert_restores(job, completed, tmp_path / f"restore-{completed}")
+    finally:
+        fs.gate.set()
+        job.close()
+
+
+def test_shared_files_a_pending_acknowledgement_references_are_kept(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """With concurrent checkpoints, checkpoint 2 is acknowledged but not complete when
+    checkpoint 3 completes: gc keeps the files 2's acknowledgement references (its SST
+    files, though older than 3's trigger, and its private files) and deletes an
+    unreferenced file of the same age. gc takes 2 for aborted (3 is newer): once its
+    acknowledgement is deleted, the files it referenced are garbage."""
+    job = make_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
+    try:
+        job.write(2000)
+        job.checkpoint()
+        before = shared_paths(job)
+        job.write(2000)
+        pending = job.coordinator.trigger({OPERATOR: 1})
+        acknowledge(job, pending, job.snapshot(pending))
+        acknowledged = new_shared_files(job, before)
+        orphan = shared_file(job, "op-0-orphan-000001.sst")
+        assert acknowledged
+        settle(checkpoint_url)
+        job.write(500)
+        newest = job.checkpoint()
+        assert job.storage.completed_checkpoint_ids() == [1, newest]
+        pending_dir = job.storage.resolve(pending)
+        ack_dir = job.storage.layout.acks_dir(pending)
+        acks = {join(ack_dir, name) for name in job.storage.fs.list_dir(ack_dir)}
+        private = {join(pending_dir, name) for name in job.storage.fs.list_dir(pending_dir)}
+        private -= {ack_dir}
+        assert acks and private
+
+        garbage = find_garbage(job.storage.fs, job_dir(job), grace_seconds=0)
+        assert {g.path for g in garbage} == {orphan} | acks
+        deleted = delete_garbage(job.storage.fs, job_dir(job), garbage, grace_seconds=0)
+        assert deleted == garbage
+        assert acknowledged <= shared_paths(job)
+        assert listed(job, grace_seconds=0) == acknowledged | private
+        assert_restores(job, newest, tmp_path / "restore")
+    finally:
+        job.close()
+
+
+def test_deleting_decides_again_from_a_fresh_listing(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """Between ``find_garbage`` and ``delete_garbage``, checkpoint 2 (pending while the
+    newer 3 completed) completes and a stray file is written again: neither is deleted,
+    and checkpoint 2 verifies and restores."""
+    job = make_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
+    try:
+        job.write(2000)
+        job.checkpoint()
+        job.write(2000)
+        pending = job.coordinator.trigger({OPERATOR: 1})
+        acknowledge(job, pending, job.snapshot(pending))
+        job.models[pending] = {k: (c, dict(t)) for k, (c, t) in job.model.items()}
+        job.write(500)
+        newest = job.checkpoint()
+        stray = join(job.storage.resolve(newest), "op-0-retried-upload")
+        job.storage.fs.write_atomic(stray, b"first attempt")
+
+        garbage = find_garbage(job.storage.fs, job_dir(job), grace_seconds=0)
+        pending_dir = job.storage.resolve(pending)
+        assert stray in {g.path for g in garbage}
+        assert any(g.path.startswith(pending_dir + "/") for g in garbage)
+        assert job.coordinator.poll(pending) is not None
+        settle(checkpoint_url)
+        job.storage.fs.write_atomic(stray, b"second attempt")
+
+        assert delete_garbage(job.storage.fs, job_dir(job), garbage, grace_seconds=0) == []
+        assert job.storage.fs.read_file(stray) == b"second attempt"
+        for checkpoint_id in (pending, newest):
+            assert_restores(job, checkpoint_id, tmp_path / f"restore-{checkpoint_id}")
+    finally:
+        job.close()
+
+
+def test_savepoints_requests_pending_checkpoints_and_unknown_files_are_never_garbage(
+    job: Job,
+) -> None:
+    """However old: a savepoint being written (no ``_metadata`` yet), savepoint requests,
+    a ``chk-<N>`` newer than the newest completed one, and files gc does not know in the
+    job's directory (such as the job's own bookkeeping)."""
+    job.write(500)
+    job.checkpoint()
+    fs, layout = job.storage.fs, job.storage.layout
+    in_progress = join(layout.savepoint_path(1), "shared", "op-0-abc-000009.sst")
+    fs.write_atomic(in_progress, b"a savepoint's copy, its _metadata not written yet")
+    request_savepoint(fs, layout.job_dir)
+    pending = join(layout.checkpoint_path(9), "op-0-private-file")
+    fs.write_atomic(pending, b"an upload of a checkpoint not complete yet")
+    for name in ("checkpoint-id", "_fence", "unknown/file"):
+        fs.write_atomic(join(layout.job_dir, name), b"something gc does not know")
+    assert listed(job, grace_seconds=0, now=FAR_FUTURE) == set()
+
+
+def test_modified_is_the_storage_write_time(checkpoint_url: Storage) -> None:
+    """``CheckpointFileSystem.modified``: when a file was written, later after a rewrite;
+    a missing file is reported as missing."""
+    storage = CheckpointStorage(
+        checkpoint_url.url, "job", storage_options=checkpoint_url.storage_options
+    )
+    path = storage.layout.shared_path("file")
+    start = time.time()
+    storage.fs.write_atomic(path, b"one")
+    first = storage.fs.modified(path)
+    assert start - 2 <= first <= time.time() + 2
+    settle(checkpoint_url)
+    storage.fs.write_atomic(path, b"two")
+    assert storage.fs.modified(path) > first
+    with pytest.raises(CheckpointCorruptedError, match="missing"):
+        storage.fs.modified(storage.layout.shared_path("nothing"))
