@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from statebackend.backends.changelog import ChangeSet
-from statebackend.checkpoint.layout import batch_ids, join
+from statebackend.checkpoint.layout import batch_ids, join, metadata_path
 from statebackend.checkpoint.manifest import BatchManifest, ManifestBase, next_manifest
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import checksum
@@ -65,6 +65,8 @@ class ChangelogStorage:
         self.clock = clock
         self._codec = check_codec(storage.compression)
         self._base: ManifestBase | None = None
+        self._manifests: dict[int, BatchManifest] = {}
+        """Manifests read or written so far: a manifest never changes once written."""
 
     # -- subtasks -------------------------------------------------------------------------
 
@@ -139,13 +141,15 @@ class ChangelogStorage:
             committed_at=self.clock(),
         )
         self.fs.write_atomic(path, manifest.to_bytes())
+        self._manifests[batch_id] = manifest
         if cleanup:
             self.cleanup()
         return manifest
 
     def materialized(self, checkpoint_id: int, batch_id: int, directory: str | None = None) -> None:
-        """Checkpoint N, taken at the end of batch b (its state is state(b)), completed:
-        later manifests build on it. ``directory`` defaults to the job's ``chk-<N>``.
+        """Checkpoint N, taken at the end of batch b, completed: later manifests build on
+        it. Its subtasks must have cut the state of the attempts manifest b accepted, after
+        their batch (state(b)). ``directory`` defaults to the job's ``chk-<N>``.
 
         Raises CheckpointError if batch b is not committed yet or N is not complete.
         """
@@ -157,7 +161,7 @@ class ChangelogStorage:
             )
         own = self.layout.checkpoint_path(checkpoint_id)
         directory = own if directory is None else directory.rstrip("/")
-        if not self.fs.exists(join(directory, "_metadata")):
+        if not self.fs.exists(metadata_path(directory)):
             raise CheckpointError(f"{directory} is not a completed checkpoint: no _metadata")
         path = self._relative(own) if directory == own else directory
         if self._base is None or self._base.batch_id < batch_id:
@@ -173,6 +177,7 @@ class ChangelogStorage:
         for old in ids[: -self.retained]:
             path = self.layout.manifest_path(old)
             self.fs.delete(path)
+            self._manifests.pop(old, None)
             deleted.append(path)
         kept = [self.load_manifest(batch_id) for batch_id in ids[-self.retained :]]
         referenced = {
@@ -203,6 +208,9 @@ class ChangelogStorage:
     def load_manifest(self, batch_id: int) -> BatchManifest:
         """Manifest B, validated; CheckpointCorruptedError naming it if it is missing,
         malformed or of another job or batch."""
+        cached = self._manifests.get(batch_id)
+        if cached is not None:
+            return cached
         path = self.layout.manifest_path(batch_id)
         manifest = BatchManifest.from_bytes(self.fs.read_file(path), path)
         if manifest.job_id != self.storage.job_id or manifest.batch_id != batch_id:
@@ -210,6 +218,7 @@ class ChangelogStorage:
                 f"{path} commits batch {manifest.batch_id} of job {manifest.job_id!r}, not "
                 f"batch {batch_id} of job {self.storage.job_id!r}"
             )
+        self._manifests[batch_id] = manifest
         return manifest
 
     def latest_manifest(self) -> BatchManifest | None:

@@ -19,6 +19,7 @@ import pytest
 
 from statebackend.backends.changelog import ChangeOp, ChangeSet
 from statebackend.backends.keyed import KeyedStateBackend, StateMetaInfo
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import FloatSerializer, IntSerializer, StrSerializer
@@ -346,3 +347,37 @@ def test_damaged_record_is_reported_with_its_path(backends: Backends) -> None:
     damaged[len(data) // 2] ^= 0xFF
     with pytest.raises(CheckpointCorruptedError, match="record"):
         list(read_changes(lambda p, s, n: bytes(damaged[s : s + n]), "record", handle, FULL_RANGE))
+
+
+def test_a_reopened_rocksdb_records_its_changes(backends: Backends, tmp_path: Path) -> None:
+    # The runtime reuses a subtask's local RocksDB across batches (close, reopen): the
+    # reopened stores are recorded like new ones.
+    descriptor = MapStateDescriptor("m", StrSerializer(), IntSerializer())
+    first = RocksDBKeyedStateBackend(
+        tmp_path / "local", max_parallelism=M, key_group_range=FULL_RANGE
+    )
+    entries = first.get_state(descriptor)
+    assert isinstance(entries, MapState)
+    for i, key in enumerate(KEYS):
+        first.set_current_key(key)
+        entries.put_all({"a": i, "b": -i})
+    replica = backends.make("heap")
+    restore_from_cut(first, replica)
+    first.close()
+    reopened = RocksDBKeyedStateBackend(
+        tmp_path / "local", open_existing=True, max_parallelism=M, key_group_range=FULL_RANGE
+    )
+    try:
+        reopened.enable_changelog()
+        entries = reopened.get_state(descriptor)
+        assert isinstance(entries, MapState)
+        for key in KEYS[:5]:
+            reopened.set_current_key(key)
+            entries.remove("a")
+            entries.put("c", 1)
+        change_set = reopened.drain_changelog()
+        assert len(change_set) == 10
+        replay_record(replica, change_set)
+        assert entries_of(replica) == entries_of(reopened)
+    finally:
+        reopened.dispose()
