@@ -296,6 +296,7 @@ class KeyedStateBackend(ABC):
         the range are skipped. The key serializer must match the stored one exactly
         (keys decide key groups), else IncompatibleStateError.
         """
+        states = list(states)
         self._check_restorable(key_serializer, states)
         for meta in states:
             self._restored[meta.name] = meta
