@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, NamedTuple
 
-from statebackend.backends.stores import CurrentKey, Entry, StateStore, split_composite_key
+from statebackend.backends.stores import CurrentKey, Entry, StateStore
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 
@@ -121,34 +121,28 @@ class LoggingStateStore(StateStore):
     def transform_values(self, function: Callable[[bytes], bytes]) -> None:
         self.inner.transform_values(function)
 
-    def take_changes(self) -> dict[int, list[Change]]:
-        """The batch's changes by key group, in composite-key order; starts a new batch."""
-        values, self.values = self.values, {}
-        maps, self.maps = self.maps, {}
-        by_group: dict[int, list[Change]] = {}
-        for prefix in sorted(values):
-            key_group, key, _ = split_composite_key(prefix)
-            value = values[prefix]
-            change = (
-                Change(ChangeOp.DELETE, key, b"", b"")
-                if value is None
-                else Change(ChangeOp.PUT, key, b"", value)
-            )
-            by_group.setdefault(key_group, []).append(change)
-        for prefix in sorted(maps):
-            key_group, key, _ = split_composite_key(prefix)
-            group = by_group.setdefault(key_group, [])
-            changes = maps[prefix]
-            if changes.cleared:
-                group.append(Change(ChangeOp.DELETE, key, b"", b""))
-            for user_key in sorted(changes.entries):
-                value = changes.entries[user_key]
-                group.append(
-                    Change(ChangeOp.MAP_REMOVE, key, user_key, b"")
-                    if value is None
-                    else Change(ChangeOp.MAP_PUT, key, user_key, value)
-                )
-        return by_group
+    def take_changes(self) -> StateChanges:
+        """The batch's changes; the next batch starts empty."""
+        changes = StateChanges(self.values, self.maps)
+        self.values, self.maps = {}, {}
+        return changes
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """One state's changes of a batch, by composite prefix (``CurrentKey.prefix``, which
+    starts with the key group): value-kind changes (None: deleted) or map-kind ones."""
+
+    values: dict[bytes, bytes | None]
+    maps: dict[bytes, MapKeyChanges]
+
+    def __len__(self) -> int:
+        return len(self.values) + sum(
+            change.cleared + len(change.entries) for change in self.maps.values()
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.values or self.maps)
 
 
 def apply_change(store: StateStore, key_group: int, change: Change) -> None:
@@ -169,17 +163,13 @@ def apply_change(store: StateStore, key_group: int, change: Change) -> None:
 class ChangeSet:
     """One batch's changes of one keyed backend, as ``KeyedStateBackend.drain_changelog``
     returns them: the backend's key serializer, key groups and states' meta info at the
-    end of the batch, and per state (by name) its changes by key group."""
+    end of the batch, and the changes of each state that has any, by name."""
 
     key_serializer: SerializerConfig
     max_parallelism: int
     key_group_range: KeyGroupRange
     states: list[StateMetaInfo]
-    changes: dict[str, dict[int, list[Change]]]
+    changes: dict[str, StateChanges]
 
     def __len__(self) -> int:
-        return sum(len(group) for groups in self.changes.values() for group in groups.values())
-
-    def key_groups(self) -> list[int]:
-        """The key groups that have changes, ascending."""
-        return sorted({g for groups in self.changes.values() for g in groups})
+        return sum(len(changes) for changes in self.changes.values())

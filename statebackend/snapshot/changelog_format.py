@@ -27,6 +27,7 @@ from typing import Any
 
 from statebackend.backends.changelog import Change, ChangeOp, ChangeSet
 from statebackend.backends.keyed import StateMetaInfo
+from statebackend.backends.stores import KEY_GROUP_PREFIX
 from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
@@ -36,6 +37,12 @@ from statebackend.snapshot.keyed_format import FRAME_BYTES, LENGTH
 
 CHANGE_HEAD = Struct(">BHI")
 """``[op][state index][key length]`` of a change."""
+_OP_STATE = Struct(">BH")
+_LENGTHS = Struct(">II")
+_KEY_FROM = KEY_GROUP_PREFIX.size
+"""Where ``[key length][key]`` starts in a composite prefix."""
+_EMPTY = LENGTH.pack(0)
+_NO_VALUE = _LENGTHS.pack(0, 0)
 
 HANDLE_TYPE = "changelog"
 
@@ -105,7 +112,12 @@ class ChangelogHandle:
 
 
 def encode_changes(change_set: ChangeSet, codec: int) -> tuple[bytes, list[tuple[int, int, int]]]:
-    """The record's bytes and its key-group index ``[(key group, offset, length)]``."""
+    """The record's bytes and its key-group index ``[(key group, offset, length)]``.
+
+    The hot path of a batch's end: each change is built from its composite prefix
+    ``[key group][key length][key]`` by slicing (the change's ``[key length][key]`` is the
+    prefix's own), with one ``pack`` per change; frames are cut between changes.
+    """
     index = {meta.name: i for i, meta in enumerate(change_set.states)}
     missing = sorted(set(change_set.changes) - set(index))
     if missing:
@@ -113,36 +125,57 @@ def encode_changes(change_set: ChangeSet, codec: int) -> tuple[bytes, list[tuple
             f"states {missing} have changes but no meta info: a backend's stores must "
             f"belong to registered or restored states"
         )
-    states = sorted(change_set.changes, key=index.__getitem__)
-    pack_head, pack_length = CHANGE_HEAD.pack, LENGTH.pack
+    groups: dict[bytes, list[bytes]] = {}
+    pack_lengths = _LENGTHS.pack
+    for name in sorted(change_set.changes, key=index.__getitem__):
+        changes = change_set.changes[name]
+        heads = [_OP_STATE.pack(op, index[name]) for op in ChangeOp]
+        put, delete, map_put, map_remove = heads
+        for prefix in sorted(changes.values):
+            value = changes.values[prefix]
+            parts = groups.setdefault(prefix[:_KEY_FROM], [])
+            if value is None:
+                parts.append(delete + prefix[_KEY_FROM:] + _NO_VALUE)
+            else:
+                parts.append(put + prefix[_KEY_FROM:] + pack_lengths(0, len(value)) + value)
+        for prefix in sorted(changes.maps):
+            key_changes = changes.maps[prefix]
+            parts = groups.setdefault(prefix[:_KEY_FROM], [])
+            key = prefix[_KEY_FROM:]
+            if key_changes.cleared:
+                parts.append(delete + key + _NO_VALUE)
+            for user_key in sorted(key_changes.entries):
+                value = key_changes.entries[user_key]
+                if value is None:
+                    parts.append(map_remove + key + LENGTH.pack(len(user_key)) + user_key + _EMPTY)
+                else:
+                    lengths = pack_lengths(len(user_key), len(value))
+                    parts.append(map_put + key + lengths[:4] + user_key + lengths[4:] + value)
     frames: list[bytes] = []
     key_groups: list[tuple[int, int, int]] = []
     offset = 0
-    for key_group in change_set.key_groups():
+    for group in sorted(groups):
         start = offset
-        parts: list[bytes] = []
-        size = 0
-        for name in states:
-            for change in change_set.changes[name].get(key_group, ()):
-                parts += (
-                    pack_head(change.op, index[name], len(change.key)),
-                    change.key,
-                    pack_length(len(change.user_key)),
-                    change.user_key,
-                    pack_length(len(change.value)),
-                    change.value,
-                )
-                size += CHANGE_HEAD.size + 8 + len(change.key) + len(change.user_key)
-                size += len(change.value)
-                if size >= FRAME_BYTES:
-                    frames.append(encode_frame(b"".join(parts), codec))
-                    offset += len(frames[-1])
-                    parts, size = [], 0
-        if parts:
-            frames.append(encode_frame(b"".join(parts), codec))
-            offset += len(frames[-1])
+        for frame in _frames(groups.pop(group), codec):
+            frames.append(frame)
+            offset += len(frame)
+        (key_group,) = KEY_GROUP_PREFIX.unpack(group)
         key_groups.append((key_group, start, offset - start))
     return b"".join(frames), key_groups
+
+
+def _frames(changes: list[bytes], codec: int) -> Iterator[bytes]:
+    """The encoded ``changes`` of one key group in frames of about ``FRAME_BYTES``."""
+    chunk: list[bytes] = []
+    size = 0
+    for change in changes:
+        chunk.append(change)
+        size += len(change)
+        if size >= FRAME_BYTES:
+            yield encode_frame(b"".join(chunk), codec)
+            chunk, size = [], 0
+    if chunk:
+        yield encode_frame(b"".join(chunk), codec)
 
 
 def _decode_changes(payload: bytes, where: str) -> Iterator[tuple[int, Change]]:

@@ -17,14 +17,19 @@ from typing import Any
 
 import pytest
 
-from statebackend.backends.changelog import ChangeOp, ChangeSet
+from statebackend.backends.changelog import Change, ChangeOp, ChangeSet
 from statebackend.backends.keyed import KeyedStateBackend, StateMetaInfo
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
-from statebackend.serializers import FloatSerializer, IntSerializer, StrSerializer
+from statebackend.serializers import (
+    BytesSerializer,
+    FloatSerializer,
+    IntSerializer,
+    StrSerializer,
+)
 from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes, read_changes
-from statebackend.snapshot.frames import check_codec
+from statebackend.snapshot.frames import check_codec, decode_frames
 from statebackend.state.descriptors import MapStateDescriptor, StateKind, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
 from statebackend.state.ttl import StateTtlConfig, TtlUpdateType
@@ -96,6 +101,12 @@ def replay_record(
     changes = list(read_changes(read_range, "record", handle, key_groups))
     replica.replay(handle.key_serializer, handle.states, changes)
     return reads
+
+
+def decoded(change_set: ChangeSet) -> list[tuple[str, int, Change]]:
+    """The changes of a record of ``change_set``, as a rebuild reads them."""
+    data, handle = to_handle(change_set)
+    return list(read_changes(lambda p, s, n: data[s : s + n], "record", handle, FULL_RANGE))
 
 
 def restore_from_cut(source: KeyedStateBackend, replica: KeyedStateBackend) -> None:
@@ -222,12 +233,7 @@ def test_map_clear_is_a_prefix_delete_before_later_entries(backends: Backends, k
     entries.remove("e")
     entries.put("a", 5)
     change_set = live.drain_changelog()
-    ops = [
-        (c.op, c.user_key)
-        for groups in change_set.changes.values()
-        for g in groups.values()
-        for c in g
-    ]
+    ops = [(c.op, c.user_key) for _, _, c in decoded(change_set)]
     assert ops == [(ChangeOp.DELETE, b""), (ChangeOp.MAP_PUT, b"a"), (ChangeOp.MAP_PUT, b"d")]
     replay_record(replica, change_set)
     assert entries_of(replica) == entries_of(live)
@@ -252,7 +258,7 @@ def test_repeated_writes_coalesce_and_drain_starts_a_new_batch(
     value.clear()
     change_set = live.drain_changelog()
     assert len(change_set) == 2
-    ops = sorted(c.op for g in change_set.changes["v"].values() for c in g)
+    ops = sorted(c.op for _, _, c in decoded(change_set))
     assert ops == [ChangeOp.PUT, ChangeOp.DELETE]
     assert len(live.drain_changelog()) == 0
 
@@ -381,3 +387,25 @@ def test_a_reopened_rocksdb_records_its_changes(backends: Backends, tmp_path: Pa
         assert entries_of(replica) == entries_of(reopened)
     finally:
         reopened.dispose()
+
+
+def test_a_large_key_group_spans_several_frames(backends: Backends) -> None:
+    live = backends.make("heap")
+    live.enable_changelog()
+    value = live.get_state(ValueStateDescriptor("v", BytesSerializer()))
+    assert isinstance(value, ValueState)
+    group = key_group("k0")
+    keys = [k for k in (f"k{n}" for n in range(5000)) if key_group(k) == group][:4]
+    payloads = {key: bytes([n]) * 400_000 for n, key in enumerate(keys)}
+    for key, payload in payloads.items():
+        live.set_current_key(key)
+        value.update(payload)
+    data, handle = to_handle(live.drain_changelog())
+    ((only, start, length),) = handle.key_groups
+    assert (only, start, length) == (group, 0, len(data))
+    assert len(list(decode_frames(data, "record"))) == 2  # 1.6 MB: cut once past 1 MB
+    found = {
+        StrSerializer().deserialize(c.key): c.value
+        for _, _, c in read_changes(lambda p, s, n: data[s : s + n], "record", handle, FULL_RANGE)
+    }
+    assert found == payloads
