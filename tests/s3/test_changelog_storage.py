@@ -393,3 +393,24 @@ def test_rebuild_needs_the_manifests_max_parallelism(checkpoint_url: Storage) ->
     backend = HeapKeyedStateBackend(max_parallelism=256, key_group_range=KeyGroupRange(0, 255))
     with pytest.raises(IncompatibleStateError, match="max parallelism 128"):
         rebuild_keyed_state(backend, changelog, manifest, OPERATOR)
+
+
+def test_a_batch_without_changes_writes_no_file_but_keeps_its_meta(
+    checkpoint_url: Storage,
+) -> None:
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    first = record_of(changelog, 1, "a", "user-1", 10)
+    backend = enabled(make_backend("heap", Path("unused"), 1, 0))
+    backend.get_state(descriptors()["events"])  # registered in batch 2, never written
+    empty = changelog.write_record(2, OPERATOR, 0, "a", backend.drain_changelog())
+    backend.dispose()
+    assert empty.path is None and empty.changes == 0 and empty.files() == []
+    assert changelog.fs.list_dir(changelog.layout.changelog_dir) == ["1"]
+    changelog.commit(1, {OPERATOR: [first]}, max_parallelism=MAX_PARALLELISM)
+    manifest = changelog.commit(2, {OPERATOR: [empty]}, max_parallelism=MAX_PARALLELISM)
+    (rebuilt,) = rebuild("heap", changelog, manifest, 1, Path("unused"))
+    try:
+        assert [meta.name for meta in rebuilt.state_meta()] == ["count", "events"]
+        assert {k: s["count"] for k, s in read_keyed(rebuilt).items()} == {"user-1": 10}
+    finally:
+        rebuilt.dispose()
