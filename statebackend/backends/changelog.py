@@ -3,10 +3,10 @@
 Once ``KeyedStateBackend.enable_changelog()`` is called, every ``StateStore`` the backend
 hands out is wrapped in a ``LoggingStateStore``: it passes each call to the store and
 records the four mutations (``put``, ``delete``, ``map_put``, ``map_remove``) with the key
-group, key, user key and value bytes. Whatever mutates state through a store is captured with no code
-of its own (TTL clean-up on read, timers kept in map-kind stores), provided it takes its
-store from ``KeyedStateBackend._store_for`` and its state has meta info (``state_meta``).
-With the changelog off nothing is wrapped: it costs nothing.
+group, key, user key and value bytes. Whatever mutates state through a store is captured
+with no code of its own (TTL clean-up on read, timers kept in map-kind stores), provided
+it takes its store from ``KeyedStateBackend._store_for`` and its state has meta info
+(``state_meta``). With the changelog off nothing is wrapped: it costs nothing.
 
 Within a batch the last write of a (state, key, user key) wins, so a batch's record is
 proportional to the distinct entries it changed. ``delete`` of a map-kind state's key
