@@ -17,6 +17,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from statebackend.backends.changelog import Change, ChangeSet, LoggingStateStore, apply_change
 from statebackend.backends.keyed_states import (
     STATE_IMPLEMENTATIONS,
     KeyedStateImpl,
@@ -33,6 +34,7 @@ from statebackend.serializers import (
     SerializerConfig,
     StrSerializer,
     resolve_serializer,
+    serializer_from_config,
 )
 from statebackend.state.descriptors import MapStateDescriptor, StateDescriptor, StateKind
 from statebackend.state.interfaces import State
@@ -149,6 +151,7 @@ class KeyedStateBackend(ABC):
         self._stores: dict[str, StateStore] = {}
         self._states: dict[str, KeyedStateImpl] = {}
         self._restored: dict[str, StateMetaInfo] = {}
+        self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
 
     # -- keys ---------------------------------------------------------------------------
@@ -212,11 +215,7 @@ class KeyedStateBackend(ABC):
                     f"state and cannot also be {descriptor.kind.value} state: use another name"
                 )
             return existing
-        store = self._stores.get(descriptor.name)
-        if store is None:
-            store = self._stores[descriptor.name] = self._create_store(
-                descriptor.name, descriptor.kind is StateKind.MAP
-            )
+        store = self._store_for(descriptor.name, descriptor.kind is StateKind.MAP)
         restored = self._restored.get(descriptor.name)
         if restored is not None:
             self._take_over(restored, descriptor, store)
@@ -247,16 +246,8 @@ class KeyedStateBackend(ABC):
                 )
         new_value = stored_value_serializer(descriptor)
         old_value = resolve_serializer(descriptor.name, new_value, restored.serializers["value"])
-        if old_value is None:
-            return
-        if descriptor.kind is StateKind.LIST:
-            store.transform_values(
-                lambda data: encode_list(
-                    new_value.serialize(old_value.deserialize(e)) for e in decode_list(data)
-                )
-            )
-        else:
-            store.transform_values(lambda data: new_value.serialize(old_value.deserialize(data)))
+        if old_value is not None:
+            migrate_values(store, descriptor.kind, old_value, new_value)
 
     def state_meta(self) -> list[StateMetaInfo]:
         """Meta info of every state this backend holds (registered or restored), by name."""
@@ -305,22 +296,11 @@ class KeyedStateBackend(ABC):
         the range are skipped. The key serializer must match the stored one exactly
         (keys decide key groups), else IncompatibleStateError.
         """
-        self._check_open()
-        if self.key_serializer.compatibility_with(key_serializer) is not (
-            Compatibility.COMPATIBLE_AS_IS
-        ):
-            raise IncompatibleStateError(
-                f"the state was keyed with key serializer {key_serializer}, not "
-                f"{self.key_serializer.config()}: restore with the same key serializer"
-            )
+        states = list(states)
+        self._check_restorable(key_serializer, states)
         for meta in states:
-            if meta.name in self._states:
-                raise StateAccessError(
-                    f"state {meta.name!r} is already in use: restore before get_state"
-                )
             self._restored[meta.name] = meta
-            if meta.name not in self._stores:
-                self._stores[meta.name] = self._create_store(meta.name, meta.kind is StateKind.MAP)
+            self._store_for(meta.name, meta.kind is StateKind.MAP)
         in_range = (
             (name, (key_group, entry))
             for name, key_group, entry in entries
@@ -334,12 +314,109 @@ class KeyedStateBackend(ABC):
                 )
             store.write_entries(item for _, item in run)
 
+    def _check_restorable(
+        self, key_serializer: SerializerConfig, states: Iterable[StateMetaInfo]
+    ) -> None:
+        self._check_open()
+        if self.key_serializer.compatibility_with(key_serializer) is not (
+            Compatibility.COMPATIBLE_AS_IS
+        ):
+            raise IncompatibleStateError(
+                f"the state was keyed with key serializer {key_serializer}, not "
+                f"{self.key_serializer.config()}: restore with the same key serializer"
+            )
+        for meta in states:
+            if meta.name in self._states:
+                raise StateAccessError(
+                    f"state {meta.name!r} is already in use: restore before get_state"
+                )
+
+    def _store_for(self, name: str, is_map: bool) -> StateStore:
+        """The store through which state ``name`` is used, created on first use; with the
+        changelog on, a ``LoggingStateStore`` around it. Whatever mutates state must
+        take its store here, so that the changelog sees the change."""
+        store = self._stores.get(name)
+        if store is None:
+            store = self._stores[name] = self._create_store(name, is_map)
+        if self._changelog is None:
+            return store
+        logged = self._changelog.get(name)
+        if logged is None:
+            logged = self._changelog[name] = LoggingStateStore(store, is_map)
+        return logged
+
+    # -- changelog (``backends/changelog.py``) ----------------------------------------------
+
+    def enable_changelog(self) -> None:
+        """Record every change to this backend's state from now on, per batch, for
+        ``drain_changelog``. Call it before the first ``get_state`` (after a restore or
+        replay, which are not changes)."""
+        self._check_open()
+        if self._changelog is not None:
+            return
+        if self._states:
+            raise StateAccessError(
+                "the changelog must be enabled before the first get_state, or changes made "
+                "through the states taken so far would not be recorded"
+            )
+        self._changelog = {}
+
+    def drain_changelog(self) -> ChangeSet:
+        """The changes since ``enable_changelog`` or the previous drain, coalesced per
+        entry, with the states' meta info now; the next batch starts empty."""
+        self._check_open()
+        if self._changelog is None:
+            raise StateAccessError(
+                "this backend does not record changes: call enable_changelog() first"
+            )
+        changes = {name: store.take_changes() for name, store in self._changelog.items()}
+        return ChangeSet(
+            self.key_serializer.config(),
+            self.max_parallelism,
+            self.key_group_range,
+            self.state_meta(),
+            {name: groups for name, groups in changes.items() if groups},
+        )
+
+    def replay(
+        self,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        changes: Iterable[tuple[str, int, Change]],
+    ) -> None:
+        """Apply the changes (state name, key group, change) of one changelog record to
+        the key groups of this backend's range, after ``restore``, before ``get_state``.
+
+        ``states`` is the meta info the record was written with: a state whose value
+        serializer differs from the one restored so far is migrated to it first, as the
+        live backend did when the state was registered with the new serializer.
+        """
+        states = list(states)
+        self._check_restorable(key_serializer, states)
+        for meta in states:
+            self._store_for(meta.name, meta.kind is StateKind.MAP)
+            previous = self._restored.get(meta.name)
+            if previous is not None:
+                _migrate_restored(previous, meta, self._stores[meta.name])
+            self._restored[meta.name] = meta
+        stores = self._stores  # not through the changelog: a replay is no change
+        owned = self.key_group_range
+        for name, key_group, change in changes:
+            if key_group in owned:
+                target = stores.get(name)
+                if target is None:
+                    raise IncompatibleStateError(
+                        f"changelog record has changes of state {name!r} but no meta info for it"
+                    )
+                apply_change(target, key_group, change)
+
     def dispose(self) -> None:
         """Release everything the backend holds; it cannot be used afterwards."""
         if not self._disposed:
             self._disposed = True
             self._states.clear()
             self._stores.clear()
+            self._changelog = None
             self._close()
 
     def _check_open(self) -> None:
@@ -360,3 +437,32 @@ class KeyedStateBackend(ABC):
     @abstractmethod
     def _close(self) -> None:
         """Free the backend's resources."""
+
+
+def migrate_values(
+    store: StateStore, kind: StateKind, old: Serializer[Any], new: Serializer[Any]
+) -> None:
+    """Re-encode every value of ``store`` (each element of a list state) from ``old`` to
+    ``new``: a serializer migration."""
+    if kind is StateKind.LIST:
+        store.transform_values(
+            lambda data: encode_list(new.serialize(old.deserialize(e)) for e in decode_list(data))
+        )
+    else:
+        store.transform_values(lambda data: new.serialize(old.deserialize(data)))
+
+
+def _migrate_restored(previous: StateMetaInfo, meta: StateMetaInfo, store: StateStore) -> None:
+    """Bring ``store``'s values, stored as ``previous`` says, to the serializer of ``meta``."""
+    if previous.kind is not meta.kind:
+        raise IncompatibleStateError(
+            f"state {meta.name!r} was stored as {previous.kind.value} state and later as "
+            f"{meta.kind.value} state: the changelog cannot be replayed"
+        )
+    stored = previous.serializers["value"]
+    if stored == meta.serializers["value"]:
+        return
+    new = serializer_from_config(meta.serializers["value"])
+    old = resolve_serializer(meta.name, new, stored)
+    if old is not None:
+        migrate_values(store, meta.kind, old, new)

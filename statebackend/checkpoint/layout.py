@@ -6,6 +6,8 @@
 <dir>/<job_id>/chk-<N>/acks/<operator>-<i>.json   subtask i's acknowledgement
 <dir>/<job_id>/shared/<file>                      files several checkpoints use
 <dir>/<job_id>/savepoints/savepoint-<N>-<suffix>/_metadata   (or a user-given dir)
+<dir>/<job_id>/changelog/<B>/<operator>-<i>-<attempt>   an attempt's state changes of batch B
+<dir>/<job_id>/manifests/<B>                       batch B's manifest: B is committed
 ```
 ``<dir>`` is any URL or path the checkpoint file system accepts; the layout only appends
 ``/``-separated names to it.
@@ -24,6 +26,8 @@ METADATA_FILE = "_metadata"
 SHARED_DIR = "shared"
 SAVEPOINTS_DIR = "savepoints"
 ACKS_DIR = "acks"
+CHANGELOG_DIR = "changelog"
+MANIFESTS_DIR = "manifests"
 
 _CHECKPOINT_PREFIX = "chk-"
 _SAVEPOINT_PREFIX = "savepoint-"
@@ -32,6 +36,7 @@ _ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 _CHECKPOINT_NAME = re.compile(r"chk-(0|[1-9][0-9]*)")
 _SAVEPOINT_NAME = re.compile(r"savepoint-(0|[1-9][0-9]*)-[A-Za-z0-9._-]+")
 _ACK_NAME = re.compile(r"([A-Za-z0-9._-]+)-(0|[1-9][0-9]*)\.json")
+_BATCH_NAME = re.compile(r"0|[1-9][0-9]*")
 
 
 def validate_id(value: str, what: str) -> str:
@@ -86,6 +91,11 @@ def savepoint_id_of(path: str) -> int | None:
 def checkpoint_ids(names: Iterable[str]) -> list[int]:
     """The ids of the ``chk-<N>`` names among ``names`` (e.g. a job dir listing), ascending."""
     return sorted(n for n in map(checkpoint_id_of, names) if n is not None)
+
+
+def batch_ids(names: Iterable[str]) -> list[int]:
+    """The batch ids among ``names`` (a ``manifests/`` or ``changelog/`` listing), ascending."""
+    return sorted(int(n) for n in names if _BATCH_NAME.fullmatch(_last_name(n)))
 
 
 def parse_ack_name(name: str) -> tuple[str, int] | None:
@@ -160,3 +170,33 @@ class JobLayout:
         number = _check_number(checkpoint_id, "checkpoint id")
         tag = uuid.uuid4().hex[:12] if suffix is None else validate_id(suffix, "savepoint suffix")
         return join(self.savepoints_dir, f"{_SAVEPOINT_PREFIX}{number}-{tag}")
+
+    @property
+    def changelog_dir(self) -> str:
+        """``<dir>/<job_id>/changelog``: the subtasks' per-batch change records."""
+        return join(self.job_dir, CHANGELOG_DIR)
+
+    @property
+    def manifests_dir(self) -> str:
+        """``<dir>/<job_id>/manifests``: one manifest per committed batch."""
+        return join(self.job_dir, MANIFESTS_DIR)
+
+    def batch_changelog_dir(self, batch_id: int) -> str:
+        """``<dir>/<job_id>/changelog/<B>``."""
+        return join(self.changelog_dir, str(_check_number(batch_id, "batch id")))
+
+    def changelog_name(self, operator_id: str, subtask: int, attempt: str) -> str:
+        """``<operator>-<subtask>-<attempt>``: a record's file name in its batch directory."""
+        operator = validate_id(operator_id, "operator id")
+        index = _check_number(subtask, "subtask index")
+        return f"{operator}-{index}-{validate_id(attempt, 'attempt id')}"
+
+    def changelog_path(self, batch_id: int, operator_id: str, subtask: int, attempt: str) -> str:
+        """``<dir>/<job_id>/changelog/<B>/<operator>-<subtask>-<attempt>``."""
+        return join(
+            self.batch_changelog_dir(batch_id), self.changelog_name(operator_id, subtask, attempt)
+        )
+
+    def manifest_path(self, batch_id: int) -> str:
+        """``<dir>/<job_id>/manifests/<B>``."""
+        return join(self.manifests_dir, str(_check_number(batch_id, "batch id")))

@@ -1,0 +1,83 @@
+"""Rebuild a subtask's keyed state from a batch manifest: base checkpoint + changelog.
+
+A subtask whose local copy is missing or stale loads exactly the key groups of its range:
+those of the manifest's base checkpoint (``restore.restore_keyed_state``: ranged reads or
+the incremental download), then, batch by batch in ascending order, the changes of every
+accepted record whose key-group range intersects its own, read with one ranged read per
+record. The old and the new parallelism may differ, and may have changed between
+batches: each record carries its own key-group range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.restore import restore_keyed_state
+from statebackend.checkpoint.storage import load_metadata
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    IncompatibleStateError,
+)
+from statebackend.snapshot.changelog_format import read_changes
+
+
+@dataclass(frozen=True)
+class RebuildResult:
+    """What a rebuild read: entries of the base checkpoint, changes replayed, and records
+    read (those that intersect the subtask's key groups and have changes)."""
+
+    base_entries: int
+    changes: int
+    records: int
+
+
+def rebuild_keyed_state(
+    backend: KeyedStateBackend,
+    changelog: ChangelogStorage,
+    manifest: BatchManifest,
+    operator_id: str,
+) -> RebuildResult:
+    """Load into ``backend`` (empty, before ``get_state``) the state of ``operator_id``
+    at the end of ``manifest``'s batch, for the backend's key-group range.
+
+    Raises IncompatibleStateError if the backend's max parallelism is not the
+    manifest's, CheckpointCorruptedError naming the path of a missing or damaged base
+    checkpoint or record.
+    """
+    if backend.max_parallelism != manifest.max_parallelism:
+        raise IncompatibleStateError(
+            f"manifest {manifest.batch_id} has max parallelism {manifest.max_parallelism} but "
+            f"the backend {backend.max_parallelism}: rebuild with max parallelism "
+            f"{manifest.max_parallelism}"
+        )
+    base_entries = 0
+    directory = changelog.base_directory(manifest)
+    if directory is not None:
+        try:
+            metadata = load_metadata(changelog.fs, directory)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointCorruptedError(
+                f"the base checkpoint {directory} of manifest {manifest.batch_id} is gone: {exc}"
+            ) from exc
+        base_entries = restore_keyed_state(backend, changelog.fs, directory, metadata, operator_id)
+    changes = records = 0
+    owned = backend.key_group_range
+    for batch in manifest.operators.get(operator_id, ()):
+        for handle in batch.subtasks:
+            key_groups = handle.key_group_range.intersection(owned)
+            if not key_groups:
+                continue
+            path = changelog.record_path(handle)
+            read = (
+                ()
+                if path is None
+                else list(read_changes(changelog.fs.read_range, path, handle, key_groups))
+            )
+            backend.replay(handle.key_serializer, handle.states, read)
+            changes += len(read)
+            records += path is not None
+    return RebuildResult(base_entries, changes, records)

@@ -1,0 +1,253 @@
+"""A job's per-batch changelog in its checkpoint storage: records, manifests, truncation.
+
+Protocol (one micro-batch B; DESIGN.md "Structured Streaming and the changelog"):
+
+- each keyed subtask attempt, at the end of its batch, drains its backend's changes and
+  ``write_record``s them: one file, written synchronously with one PUT (a temp file and a
+  rename on file systems that rename atomically), ``changelog/<B>/<op>-<i>-<attempt>``;
+  it returns the record's handle to the driver (e.g. in its result row);
+- the driver accepts one attempt per subtask and ``commit``s manifest B, which is written
+  once: committing B again with the same content is a no-op, with other content an error;
+- when a materialized checkpoint N, taken at the end of batch b, has completed, the driver
+  calls ``materialized(N, b)``: the next manifests build on N and drop the records of
+  batches <= b;
+- ``cleanup`` (run by ``commit``, or on its own off the critical path) keeps the newest
+  ``retained`` manifests and deletes every record of a committed batch that none of them
+  references: records at or below their bases, and the attempts the driver did not accept.
+  Records of batches newer than the newest manifest are never touched (they may be in
+  flight). ``statebackend gc`` leaves ``changelog/`` and ``manifests/`` alone: only the
+  job deletes them.
+
+The checkpoints that retained manifests build on must outlive them:
+``referenced_checkpoints`` names them for the checkpoint retention.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from statebackend.backends.changelog import ChangeSet
+from statebackend.checkpoint.layout import batch_ids, join, metadata_path
+from statebackend.checkpoint.manifest import BatchManifest, ManifestBase, next_manifest
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checksums import checksum
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
+from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes
+from statebackend.snapshot.frames import CODECS, check_codec
+from statebackend.snapshot.handles import normalize_path, resolve_path
+from statebackend.state.ttl import Clock
+
+DEFAULT_RETAINED_MANIFESTS = 3
+
+
+class ChangelogStorage:
+    """The changelog records and batch manifests of the job of ``storage``.
+
+    Records are compressed with the storage's ``compression``. ``retained`` manifests
+    are kept (at least 1).
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        *,
+        retained: int = DEFAULT_RETAINED_MANIFESTS,
+        clock: Clock = time.time,
+    ) -> None:
+        if retained < 1:
+            raise ConfigurationError(f"retained manifests {retained!r} is invalid: keep >= 1")
+        self.storage = storage
+        self.fs = storage.fs
+        self.layout = storage.layout
+        self.retained = retained
+        self.clock = clock
+        self._codec = check_codec(storage.compression)
+        self._base: ManifestBase | None = None
+        self._manifests: dict[int, BatchManifest] = {}
+        """Manifests read or written so far: a manifest never changes once written."""
+
+    # -- subtasks -------------------------------------------------------------------------
+
+    def write_record(
+        self, batch_id: int, operator_id: str, subtask: int, attempt: str, changes: ChangeSet
+    ) -> ChangelogHandle:
+        """Write one subtask attempt's changes of batch B durably; its handle.
+
+        A batch without changes writes no file. Each attempt writes its own file, so a
+        retried or speculative attempt never overwrites another's.
+        """
+        path = self.layout.changelog_path(batch_id, operator_id, subtask, attempt)
+        data, key_groups = encode_changes(changes, self._codec)
+        if data:
+            self.fs.write_atomic(path, data)
+        return ChangelogHandle(
+            batch_id=batch_id,
+            operator_id=operator_id,
+            subtask=subtask,
+            attempt=attempt,
+            path=self._relative(path) if data else None,
+            size=len(data),
+            checksum=checksum(data),
+            changes=len(changes),
+            key_group_range=changes.key_group_range,
+            key_groups=tuple(key_groups),
+            states=tuple(changes.states),
+            key_serializer=changes.key_serializer,
+            compression=CODECS[self._codec],
+        )
+
+    # -- the driver -----------------------------------------------------------------------
+
+    def commit(
+        self,
+        batch_id: int,
+        accepted: Mapping[str, Sequence[ChangelogHandle]],
+        *,
+        max_parallelism: int,
+        properties: Mapping[str, Any] | None = None,
+        cleanup: bool = True,
+    ) -> BatchManifest:
+        """Write manifest B: the newest manifest's records (after the base set by
+        ``materialized``) plus ``accepted`` (per operator, one record per subtask in
+        subtask order). Then ``cleanup`` unless told not to.
+
+        If manifest B exists already with the same content, returns it (a re-run of a
+        committed batch); with other content raises CheckpointError. Manifests are
+        written atomically and never overwritten.
+        """
+        path = self.layout.manifest_path(batch_id)
+        if self.fs.exists(path):
+            existing = self.load_manifest(batch_id)
+            if existing.accepted(accepted) and existing.properties == dict(properties or {}):
+                return existing
+            raise CheckpointError(
+                f"{path} already commits batch {batch_id} with other records or "
+                f"properties: a batch is committed once (is another driver running?)"
+            )
+        previous = self.latest_manifest()
+        base = None if previous is None else previous.base
+        if self._base is not None and (base is None or base.batch_id < self._base.batch_id):
+            base = self._base
+        manifest = next_manifest(
+            previous,
+            job_id=self.storage.job_id,
+            batch_id=batch_id,
+            max_parallelism=max_parallelism,
+            accepted=accepted,
+            base=base,
+            properties=properties,
+            committed_at=self.clock(),
+        )
+        self.fs.write_atomic(path, manifest.to_bytes())
+        self._manifests[batch_id] = manifest
+        if cleanup:
+            self.cleanup()
+        return manifest
+
+    def materialized(self, checkpoint_id: int, batch_id: int, directory: str | None = None) -> None:
+        """Checkpoint N, taken at the end of batch b, completed: later manifests build on
+        it. Its subtasks must have cut the state of the attempts manifest b accepted, after
+        their batch (state(b)). ``directory`` defaults to the job's ``chk-<N>``.
+
+        Raises CheckpointError if batch b is not committed yet or N is not complete.
+        """
+        latest = self.manifest_ids()
+        if not latest or latest[-1] < batch_id:
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id} of batch {batch_id} cannot become the base "
+                f"before manifest {batch_id} is committed: commit the batch first"
+            )
+        own = self.layout.checkpoint_path(checkpoint_id)
+        directory = own if directory is None else directory.rstrip("/")
+        if not self.fs.exists(metadata_path(directory)):
+            raise CheckpointError(f"{directory} is not a completed checkpoint: no _metadata")
+        path = self._relative(own) if directory == own else directory
+        if self._base is None or self._base.batch_id < batch_id:
+            self._base = ManifestBase(checkpoint_id, batch_id, path)
+
+    def cleanup(self) -> list[str]:
+        """Keep the newest ``retained`` manifests; delete the records of committed
+        batches that none of them references. Returns the deleted paths."""
+        ids = self.manifest_ids()
+        if not ids:
+            return []
+        deleted = []
+        for old in ids[: -self.retained]:
+            path = self.layout.manifest_path(old)
+            self.fs.delete(path)
+            self._manifests.pop(old, None)
+            deleted.append(path)
+        kept = [self.load_manifest(batch_id) for batch_id in ids[-self.retained :]]
+        referenced = {
+            resolve_path(self.layout.manifests_dir, f.path) for m in kept for f in m.files()
+        }
+        referenced_batches = {h.batch_id for m in kept for h in m.handles()}
+        for batch_id in batch_ids(self.fs.list_dir(self.layout.changelog_dir)):
+            if batch_id > ids[-1]:
+                continue
+            directory = self.layout.batch_changelog_dir(batch_id)
+            if batch_id not in referenced_batches:
+                self.fs.delete(directory, recursive=True)
+                deleted.append(directory)
+                continue
+            for name in self.fs.list_dir(directory):
+                path = join(directory, name)
+                if normalize_path(path) not in referenced:
+                    self.fs.delete(path)
+                    deleted.append(path)
+        return deleted
+
+    # -- reading --------------------------------------------------------------------------
+
+    def manifest_ids(self) -> list[int]:
+        """The committed batches that have a manifest, ascending."""
+        return batch_ids(self.fs.list_dir(self.layout.manifests_dir))
+
+    def load_manifest(self, batch_id: int) -> BatchManifest:
+        """Manifest B, validated; CheckpointCorruptedError naming it if it is missing,
+        malformed or of another job or batch."""
+        cached = self._manifests.get(batch_id)
+        if cached is not None:
+            return cached
+        path = self.layout.manifest_path(batch_id)
+        manifest = BatchManifest.from_bytes(self.fs.read_file(path), path)
+        if manifest.job_id != self.storage.job_id or manifest.batch_id != batch_id:
+            raise CheckpointCorruptedError(
+                f"{path} commits batch {manifest.batch_id} of job {manifest.job_id!r}, not "
+                f"batch {batch_id} of job {self.storage.job_id!r}"
+            )
+        self._manifests[batch_id] = manifest
+        return manifest
+
+    def latest_manifest(self) -> BatchManifest | None:
+        """The newest manifest (what a restore after a crash starts from), or None."""
+        ids = self.manifest_ids()
+        return self.load_manifest(ids[-1]) if ids else None
+
+    def _relative(self, path: str) -> str:
+        """``path`` in the job directory, relative to the manifests directory."""
+        return "../" + path[len(self.layout.job_dir) :].lstrip("/")
+
+    def base_directory(self, manifest: BatchManifest) -> str | None:
+        """The directory of ``manifest``'s base checkpoint, or None."""
+        if manifest.base is None:
+            return None
+        path = manifest.base.path
+        if path.startswith("../"):
+            return resolve_path(self.layout.manifests_dir, path)
+        return path
+
+    def record_path(self, handle: ChangelogHandle) -> str | None:
+        """The path of a record's file (None for a batch without changes)."""
+        if handle.path is None:
+            return None
+        return resolve_path(self.layout.manifests_dir, handle.path)
+
+    def referenced_checkpoints(self) -> set[int]:
+        """Ids of the checkpoints the retained manifests build on: retention of
+        checkpoints must keep them."""
+        ids = self.manifest_ids()[-self.retained :]
+        bases = (self.load_manifest(batch_id).base for batch_id in ids)
+        return {base.checkpoint_id for base in bases if base is not None}

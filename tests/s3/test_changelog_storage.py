@@ -1,0 +1,416 @@
+"""The per-batch changelog in checkpoint storage: records, manifests, rebuild, truncation.
+
+The rescale matrix runs one operator (the five keyed state kinds of
+``test_checkpoint_matrix``) for batches 1-4 at parallelism P, with a materialized
+checkpoint taken at the end of batch 2 and completed during batch 3 (it becomes the base);
+then its subtasks are rebuilt from manifest 4 at another parallelism and run batches 5-6;
+finally each new subtask of every P' in {1, 2, 3, 4, 7} is rebuilt from manifest 6 (base +
+records written at two parallelisms). Every key's state must come back exactly once and
+equal a plain-Python model of all operations. On ``file://`` with both backends, on the
+local S3 with one backend per P.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
+from statebackend.keygroups import KeyGroupRange
+from statebackend.snapshot.changelog_format import ChangelogHandle
+from statebackend.tools.gc import find_garbage
+from tests.conftest import Storage
+from tests.s3.test_checkpoint_matrix import (
+    KEYS,
+    MAX_PARALLELISM,
+    OPERATOR,
+    PARALLELISMS,
+    KeyModel,
+    apply_random_operations,
+    descriptors,
+    make_backend,
+    read_keyed,
+    subtask_of,
+)
+
+JOB = "job"
+
+
+def open_storage(storage: Storage, compression: str = "none") -> CheckpointStorage:
+    return CheckpointStorage(
+        storage.url, JOB, storage_options=storage.storage_options, compression=compression
+    )
+
+
+def enabled(backend: KeyedStateBackend) -> KeyedStateBackend:
+    backend.enable_changelog()
+    return backend
+
+
+def run_batch(
+    changelog: ChangelogStorage,
+    backends: list[KeyedStateBackend],
+    batch_id: int,
+    rng: random.Random,
+    models: dict[str, KeyModel],
+) -> BatchManifest:
+    """Process one batch on every subtask, write each subtask's record, commit."""
+    apply_random_operations(rng, backends, models, 150)
+    handles = [
+        changelog.write_record(batch_id, OPERATOR, i, f"attempt-{batch_id}", b.drain_changelog())
+        for i, b in enumerate(backends)
+    ]
+    return changelog.commit(
+        batch_id, {OPERATOR: handles}, max_parallelism=MAX_PARALLELISM, properties={"n": batch_id}
+    )
+
+
+def rebuild(
+    kind: str,
+    changelog: ChangelogStorage,
+    manifest: BatchManifest,
+    parallelism: int,
+    local_root: Path,
+) -> list[KeyedStateBackend]:
+    """Every subtask of ``parallelism`` rebuilt from ``manifest``."""
+    backends = []
+    for i in range(parallelism):
+        backend = make_backend(kind, local_root / f"{kind}-{parallelism}-{i}", parallelism, i)
+        rebuild_keyed_state(backend, changelog, manifest, OPERATOR)
+        backends.append(backend)
+    return backends
+
+
+@dataclass
+class History:
+    """A job's changelog history and the model of the state at its newest manifest."""
+
+    storage: Storage
+    expected: dict[str, dict[str, Any]]
+    middle: int
+
+
+_CACHE: dict[tuple[str, str, int], History] = {}
+
+
+def build_history(kind: str, storage: Storage, parallelism: int, local_root: Path) -> History:
+    rng = random.Random(parallelism * 17 + len(kind))
+    checkpoints = open_storage(storage, ("none", "lz4", "zstd")[parallelism % 3])
+    changelog = ChangelogStorage(checkpoints, retained=1)
+    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=MAX_PARALLELISM)
+    models: dict[str, KeyModel] = {}
+    backends = [
+        enabled(make_backend(kind, local_root / f"{kind}-{parallelism}-first-{i}", parallelism, i))
+        for i in range(parallelism)
+    ]
+    try:
+        run_batch(changelog, backends, 1, rng, models)
+        run_batch(changelog, backends, 2, rng, models)
+        # Batch 2's materialization: the cut now, the upload in the background while
+        # batch 3 runs; it becomes the base once complete.
+        checkpoint_id = coordinator.trigger({OPERATOR: parallelism}, properties={"batch_id": 2})
+        futures = [
+            b.snapshot(checkpoint_id, checkpoints.snapshot_target(checkpoint_id, OPERATOR, i))
+            for i, b in enumerate(backends)
+        ]
+        run_batch(changelog, backends, 3, rng, models)
+        for i, future in enumerate(futures):
+            ack = SubtaskAck(OPERATOR, i, parallelism, future.result(), None)
+            coordinator.acknowledge(checkpoint_id, ack)
+        changelog.materialized(checkpoint_id, 2)
+        manifest = run_batch(changelog, backends, 4, rng, models)
+        assert manifest.base is not None and manifest.base.checkpoint_id == checkpoint_id
+        assert [b.batch_id for b in manifest.operators[OPERATOR]] == [3, 4]
+        # Records at or below the base that no retained manifest references are gone.
+        assert changelog.fs.list_dir(changelog.layout.changelog_dir) == ["3", "4"]
+    finally:
+        for backend in backends:
+            backend.dispose()
+    middle = PARALLELISMS[(PARALLELISMS.index(parallelism) + 1) % len(PARALLELISMS)]
+    backends = [
+        enabled(b)
+        for b in rebuild(kind, changelog, manifest, middle, local_root / f"middle-{parallelism}")
+    ]
+    try:
+        run_batch(changelog, backends, 5, rng, models)
+        run_batch(changelog, backends, 6, rng, models)
+    finally:
+        for backend in backends:
+            backend.dispose()
+        checkpoints.close()
+    return History(storage, live_states(models), middle)
+
+
+def live_states(models: dict[str, KeyModel]) -> dict[str, dict[str, Any]]:
+    """The model's keys that have any state, with their states."""
+    snapshots = {key: model.snapshot() for key, model in models.items()}
+    return {k: s for k, s in snapshots.items() if any(v is not None for v in s.values())}
+
+
+@pytest.fixture(scope="module")
+def local_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("changelog-local")
+
+
+@pytest.mark.parametrize("new_parallelism", PARALLELISMS)
+@pytest.mark.parametrize("parallelism", PARALLELISMS)
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+def test_rescale_from_a_manifest(
+    kind: str, parallelism: int, new_parallelism: int, checkpoint_url: Storage, local_root: Path
+) -> None:
+    scheme = checkpoint_url.url.split("://", 1)[0]
+    if scheme == "s3" and kind != ("rocksdb" if parallelism % 2 else "heap"):
+        pytest.skip("on S3 one backend per P keeps the suite fast; file:// runs both")
+    cache_key = (kind, scheme, parallelism)
+    if cache_key not in _CACHE:
+        _CACHE[cache_key] = build_history(kind, checkpoint_url, parallelism, local_root / scheme)
+    history = _CACHE[cache_key]
+    target_kind = kind if new_parallelism % 2 == 0 else {"heap": "rocksdb", "rocksdb": "heap"}[kind]
+    changelog = ChangelogStorage(open_storage(history.storage))
+    manifest = changelog.latest_manifest()
+    assert manifest is not None and manifest.batch_id == 6
+    assert manifest.properties == {"n": 6}
+    assert [b.parallelism for b in manifest.operators[OPERATOR]] == [parallelism] * 2 + [
+        history.middle
+    ] * 2
+    root = local_root / f"final-{scheme}-{kind}-{parallelism}-{new_parallelism}"
+    backends = rebuild(target_kind, changelog, manifest, new_parallelism, root)
+    try:
+        found: dict[str, dict[str, Any]] = {}
+        for i, backend in enumerate(backends):
+            mine = read_keyed(backend)
+            assert all(subtask_of(key, new_parallelism) == i for key in mine)
+            assert not set(mine) & set(found), "a key was restored by two subtasks"
+            found.update(mine)
+    finally:
+        for backend in backends:
+            backend.dispose()
+    assert found == history.expected
+    assert set(found) <= set(KEYS)
+
+
+# -- attempts, manifests, truncation ---------------------------------------------------------
+
+
+def record_of(
+    changelog: ChangelogStorage, batch_id: int, attempt: str, key: str, count: int
+) -> ChangelogHandle:
+    """Subtask 0 (of 1) attempt ``attempt`` of batch B, which set ``key``'s count."""
+    backend = enabled(make_backend("heap", Path("unused"), 1, 0))
+    state = backend.get_state(descriptors()["count"])
+    backend.set_current_key(key)
+    state.update(count)
+    handle = changelog.write_record(batch_id, OPERATOR, 0, attempt, backend.drain_changelog())
+    backend.dispose()
+    return handle
+
+
+def counts_after_rebuild(changelog: ChangelogStorage, manifest: BatchManifest) -> dict[str, Any]:
+    (backend,) = rebuild("heap", changelog, manifest, 1, Path("unused"))
+    try:
+        return {key: state["count"] for key, state in read_keyed(backend).items()}
+    finally:
+        backend.dispose()
+
+
+def test_the_accepted_attempt_is_rebuilt_and_the_other_deleted(checkpoint_url: Storage) -> None:
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    first = record_of(changelog, 1, "a", "user-1", 10)
+    second = record_of(changelog, 1, "b", "user-1", 20)
+    first_path, second_path = changelog.record_path(first), changelog.record_path(second)
+    assert first_path is not None and second_path is not None
+    assert changelog.fs.exists(first_path) and changelog.fs.exists(second_path)
+    manifest = changelog.commit(1, {OPERATOR: [second]}, max_parallelism=MAX_PARALLELISM)
+    assert counts_after_rebuild(changelog, manifest) == {"user-1": 20}
+    assert not changelog.fs.exists(first_path)
+    assert changelog.fs.exists(second_path)
+    # A late straggler of a committed batch goes at the next cleanup.
+    late = changelog.record_path(record_of(changelog, 1, "c", "user-1", 30))
+    assert late is not None and changelog.fs.exists(late)
+    changelog.commit(
+        2, {OPERATOR: [record_of(changelog, 2, "a", "user-2", 1)]}, max_parallelism=MAX_PARALLELISM
+    )
+    assert not changelog.fs.exists(late)
+    latest = changelog.latest_manifest()
+    assert latest is not None
+    assert counts_after_rebuild(changelog, latest) == {"user-1": 20, "user-2": 1}
+
+
+def test_a_manifest_is_written_once(checkpoint_url: Storage) -> None:
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    accepted = record_of(changelog, 1, "a", "user-1", 10)
+    other = record_of(changelog, 1, "b", "user-1", 20)
+    manifest = changelog.commit(
+        1, {OPERATOR: [accepted]}, max_parallelism=MAX_PARALLELISM, properties={"wm": 5}
+    )
+    path = changelog.layout.manifest_path(1)
+    written = changelog.fs.read_file(path)
+    again = changelog.commit(
+        1, {OPERATOR: [accepted]}, max_parallelism=MAX_PARALLELISM, properties={"wm": 5}
+    )
+    assert again == manifest
+    with pytest.raises(CheckpointError, match="already commits batch 1"):
+        changelog.commit(1, {OPERATOR: [other]}, max_parallelism=MAX_PARALLELISM)
+    with pytest.raises(CheckpointError, match="already commits batch 1"):
+        changelog.commit(
+            1, {OPERATOR: [accepted]}, max_parallelism=MAX_PARALLELISM, properties={"wm": 6}
+        )
+    with pytest.raises(CheckpointError, match="ascending"):
+        changelog.commit(0, {OPERATOR: [accepted]}, max_parallelism=MAX_PARALLELISM)
+    assert changelog.fs.read_file(path) == written
+    assert changelog.manifest_ids() == [1]
+
+
+def test_a_manifest_is_validated_on_load(checkpoint_url: Storage) -> None:
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handle = record_of(changelog, 1, "a", "user-1", 10)
+    manifest = changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+    document = manifest.to_json()
+    path = changelog.layout.manifest_path(2)
+
+    def load(data: bytes) -> None:
+        changelog.fs.write_atomic(path, data)
+        changelog.load_manifest(2)
+
+    with pytest.raises(CheckpointCorruptedError, match=f"{path}: not a batch manifest"):
+        load(b"{not json")
+    with pytest.raises(IncompatibleStateError, match="format version 99"):
+        load(json.dumps({**document, "format_version": 99}).encode())
+    with pytest.raises(CheckpointCorruptedError, match="batch 1 of job 'job', not batch 2"):
+        load(json.dumps(document).encode())
+    wrong_range = json.loads(json.dumps({**document, "batch_id": 2}))
+    wrong_range["operators"][OPERATOR]["batches"][0]["subtasks"][0]["key_group_range"] = [0, 5]
+    with pytest.raises(CheckpointCorruptedError, match="inconsistent batch manifest"):
+        load(json.dumps(wrong_range).encode())
+    missing = json.loads(json.dumps({**document, "batch_id": 2}))
+    del missing["operators"][OPERATOR]["batches"][0]["subtasks"][0]["checksum"]
+    with pytest.raises(CheckpointCorruptedError, match="malformed batch manifest"):
+        load(json.dumps(missing).encode())
+
+
+def test_retention_truncation_and_base(checkpoint_url: Storage, tmp_path: Path) -> None:
+    checkpoints = open_storage(checkpoint_url)
+    changelog = ChangelogStorage(checkpoints, retained=2)
+    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=MAX_PARALLELISM)
+    backend = enabled(make_backend("rocksdb", tmp_path / "db", 1, 0))
+    rng = random.Random(5)
+    models: dict[str, KeyModel] = {}
+    try:
+        for batch_id in range(1, 5):
+            run_batch(changelog, [backend], batch_id, rng, models)
+        assert changelog.manifest_ids() == [3, 4]
+        # Without a base every retained manifest needs every record.
+        assert changelog.fs.list_dir(changelog.layout.changelog_dir) == ["1", "2", "3", "4"]
+        with pytest.raises(CheckpointError, match="commit the batch first"):
+            changelog.materialized(1, 5)
+        checkpoint_id = coordinator.trigger({OPERATOR: 1})
+        target = checkpoints.snapshot_target(checkpoint_id, OPERATOR, 0)
+        handle = backend.snapshot(checkpoint_id, target).result()
+        with pytest.raises(CheckpointError, match="not a completed checkpoint"):
+            changelog.materialized(checkpoint_id, 4)
+        coordinator.acknowledge(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None))
+        changelog.materialized(checkpoint_id, 4)
+        manifest = run_batch(changelog, [backend], 5, rng, models)
+        assert manifest.base is not None and manifest.base.batch_id == 4
+        assert [b.batch_id for b in manifest.operators[OPERATOR]] == [5]
+        assert changelog.referenced_checkpoints() == {checkpoint_id}
+        # Manifest 4 is still retained and needs batches 1-4.
+        assert changelog.fs.list_dir(changelog.layout.changelog_dir) == [
+            str(n) for n in range(1, 6)
+        ]
+        run_batch(changelog, [backend], 6, rng, models)
+        assert changelog.manifest_ids() == [5, 6]
+        assert changelog.fs.list_dir(changelog.layout.changelog_dir) == ["5", "6"]
+        # gc never touches the changelog or the manifests.
+        garbage = find_garbage(checkpoints.fs, checkpoints.layout.job_dir)
+        assert not [g for g in garbage if "/changelog/" in g.path or "/manifests/" in g.path]
+    finally:
+        backend.dispose()
+    latest = changelog.latest_manifest()
+    assert latest is not None
+    (rebuilt,) = rebuild("heap", changelog, latest, 1, tmp_path)
+    try:
+        found = read_keyed(rebuilt)
+    finally:
+        rebuilt.dispose()
+    assert found == live_states(models)
+
+
+def test_a_damaged_or_missing_record_or_base_is_reported(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    checkpoints = open_storage(checkpoint_url)
+    changelog = ChangelogStorage(checkpoints)
+    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=MAX_PARALLELISM)
+    backend = enabled(make_backend("heap", tmp_path, 1, 0))
+    rng = random.Random(9)
+    try:
+        run_batch(changelog, [backend], 1, rng, {})
+        checkpoint_id = coordinator.trigger({OPERATOR: 1})
+        handle = backend.snapshot(
+            checkpoint_id, checkpoints.snapshot_target(checkpoint_id, OPERATOR, 0)
+        ).result()
+        coordinator.acknowledge(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None))
+        changelog.materialized(checkpoint_id, 1)
+        manifest = run_batch(changelog, [backend], 2, rng, {})
+    finally:
+        backend.dispose()
+    (record,) = manifest.operators[OPERATOR][-1].subtasks
+    path = changelog.record_path(record)
+    assert path is not None
+    data = changelog.fs.read_file(path)
+    changelog.fs.write_atomic(path, data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(CheckpointCorruptedError, match=path.split("://")[-1]):
+        rebuild("heap", changelog, manifest, 1, tmp_path)
+    changelog.fs.delete(path)
+    with pytest.raises(CheckpointCorruptedError, match=f"{path.split('://')[-1]}.* missing"):
+        rebuild("heap", changelog, manifest, 1, tmp_path)
+    checkpoints.discard(checkpoint_id)
+    with pytest.raises(CheckpointCorruptedError, match=f"chk-{checkpoint_id} of manifest 2"):
+        rebuild("heap", changelog, manifest, 1, tmp_path)
+
+
+def test_rebuild_needs_the_manifests_max_parallelism(checkpoint_url: Storage) -> None:
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    manifest = changelog.commit(
+        1,
+        {OPERATOR: [record_of(changelog, 1, "a", "user-1", 1)]},
+        max_parallelism=MAX_PARALLELISM,
+    )
+    backend = HeapKeyedStateBackend(max_parallelism=256, key_group_range=KeyGroupRange(0, 255))
+    with pytest.raises(IncompatibleStateError, match="max parallelism 128"):
+        rebuild_keyed_state(backend, changelog, manifest, OPERATOR)
+
+
+def test_a_batch_without_changes_writes_no_file_but_keeps_its_meta(
+    checkpoint_url: Storage,
+) -> None:
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    first = record_of(changelog, 1, "a", "user-1", 10)
+    backend = enabled(make_backend("heap", Path("unused"), 1, 0))
+    backend.get_state(descriptors()["events"])  # registered in batch 2, never written
+    empty = changelog.write_record(2, OPERATOR, 0, "a", backend.drain_changelog())
+    backend.dispose()
+    assert empty.path is None and empty.changes == 0 and empty.files() == []
+    assert changelog.fs.list_dir(changelog.layout.changelog_dir) == ["1"]
+    changelog.commit(1, {OPERATOR: [first]}, max_parallelism=MAX_PARALLELISM)
+    manifest = changelog.commit(2, {OPERATOR: [empty]}, max_parallelism=MAX_PARALLELISM)
+    (rebuilt,) = rebuild("heap", changelog, manifest, 1, Path("unused"))
+    try:
+        assert [meta.name for meta in rebuilt.state_meta()] == ["count", "events"]
+        assert {k: s["count"] for k, s in read_keyed(rebuilt).items()} == {"user-1": 10}
+    finally:
+        rebuilt.dispose()
