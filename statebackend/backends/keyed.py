@@ -25,6 +25,12 @@ from statebackend.backends.keyed_states import (
     stored_value_serializer,
 )
 from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
+from statebackend.backends.timers import (
+    KeyedTimerService,
+    TimerClocks,
+    TimerSnapshotInfo,
+    timer_state_metas,
+)
 from statebackend.errors import IncompatibleStateError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group, check_max_parallelism
 from statebackend.serializers import (
@@ -36,6 +42,7 @@ from statebackend.serializers import (
 )
 from statebackend.state.descriptors import MapStateDescriptor, StateDescriptor, StateKind
 from statebackend.state.interfaces import State
+from statebackend.state.timers import TimerService, is_timer_state
 from statebackend.state.ttl import Clock
 
 
@@ -103,6 +110,7 @@ class KeyedStateCut:
     views: dict[str, StateStoreView]
     _release: Any = field(default=None, repr=False)
     native: NativeCheckpoint | None = None
+    timers: TimerSnapshotInfo | None = None
 
     def entries(self, key_group: int) -> Iterator[tuple[str, Entry]]:
         """(state name, entry) pairs of one key group, state by state in ``states`` order."""
@@ -125,7 +133,11 @@ class SnapshotTarget(Protocol):
 
 
 class KeyedStateBackend(ABC):
-    """Keyed state of one subtask: state per key, organised in key groups."""
+    """Keyed state of one subtask: state per key, organised in key groups, and its timers
+    (``timer_service``)."""
+
+    _timer_cache_entries: int | None = 128
+    """Timers per key group the timer service keeps in memory (None: all of them)."""
 
     def __init__(
         self,
@@ -150,6 +162,10 @@ class KeyedStateBackend(ABC):
         self._states: dict[str, KeyedStateImpl] = {}
         self._restored: dict[str, StateMetaInfo] = {}
         self._disposed = False
+        self._timer_service: KeyedTimerService | None = None
+        self._timer_metas: dict[str, StateMetaInfo] = {}
+        self._timer_clocks: TimerClocks | None = None
+        """The clocks restored (None: none restored yet); the service owns them once created."""
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -178,6 +194,12 @@ class KeyedStateBackend(ABC):
     @property
     def current_key(self) -> Any:
         """The key set by ``set_current_key`` (None before the first)."""
+        return self._current_object
+
+    def _set_current_record(self, current: CurrentKey) -> Any:
+        """Make the serialized key ``current`` current (a timer's); returns the key."""
+        self._current = current
+        self._current_object = self.key_serializer.deserialize(current.key)
         return self._current_object
 
     def _require_current(self) -> CurrentKey:
@@ -259,16 +281,56 @@ class KeyedStateBackend(ABC):
             store.transform_values(lambda data: new_value.serialize(old_value.deserialize(data)))
 
     def state_meta(self) -> list[StateMetaInfo]:
-        """Meta info of every state this backend holds (registered or restored), by name."""
+        """Meta info of every state this backend holds (registered, restored, timer
+        stores), by name."""
         metas = {name: StateMetaInfo.of(s.descriptor) for name, s in self._states.items()}
         metas.update(self._restored)
+        metas.update(self._timer_metas)
         return [metas[name] for name in sorted(metas)]
+
+    # -- timers ---------------------------------------------------------------------------
+
+    @property
+    def timer_service(self) -> TimerService:
+        """The backend's event-time and processing-time timers (one service per backend),
+        created on first use from the timer stores the backend holds."""
+        return self._timers()
+
+    def _timers(self) -> KeyedTimerService:
+        self._check_open()
+        if self._timer_service is None:
+            for name, kind, serializers in timer_state_metas():
+                self._timer_metas[name] = StateMetaInfo(name, kind, serializers)
+                self._restored.pop(name, None)
+                if name not in self._stores:
+                    self._stores[name] = self._create_store(name, is_map=True)
+            self._timer_service = KeyedTimerService(
+                self._stores.__getitem__,
+                self.key_group_range,
+                self._timer_cache_entries,
+                self._require_current,
+                self._set_current_record,
+                self._timer_clocks or TimerClocks(),
+            )
+        return self._timer_service
+
+    def timer_clocks(self) -> TimerClocks:
+        """The watermark and processing time (restored ones until the service exists)."""
+        if self._timer_service is not None:
+            return self._timer_service.clocks
+        return self._timer_clocks or TimerClocks()
+
+    def _timer_snapshot_info(self) -> TimerSnapshotInfo:
+        if self._timer_service is None and not any(map(is_timer_state, self._stores)):
+            return TimerSnapshotInfo.empty(self.timer_clocks())
+        return self._timers().snapshot_info()
 
     # -- snapshot and restore -------------------------------------------------------------
 
     def sync_cut(self) -> KeyedStateCut:
         """Freeze the current state (the synchronous part of a snapshot)."""
         self._check_open()
+        timers = self._timer_snapshot_info()
         metas = self.state_meta()
         frozen = self._freeze([meta.name for meta in metas])
         return KeyedStateCut(
@@ -279,6 +341,7 @@ class KeyedStateBackend(ABC):
             frozen.views,
             frozen.release,
             frozen.native,
+            timers,
         )
 
     def snapshot(self, checkpoint_id: int, target: SnapshotTarget) -> Any:
@@ -298,14 +361,21 @@ class KeyedStateBackend(ABC):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         entries: Iterable[tuple[str, int, Entry]],
+        timers: TimerSnapshotInfo | None = None,
     ) -> None:
-        """Load snapshot entries (state name, key group, entry) of this backend's range.
+        """Load snapshot entries (state name, key group, entry) of this backend's range,
+        and the snapshot's timer clocks (``timers``; several restores keep the earliest).
 
-        Must precede ``get_state`` for the restored names; entries of key groups outside
-        the range are skipped. The key serializer must match the stored one exactly
-        (keys decide key groups), else IncompatibleStateError.
+        Must precede ``get_state`` for the restored names, and ``timer_service``; entries
+        of key groups outside the range are skipped. The key serializer must match the
+        stored one exactly (keys decide key groups), else IncompatibleStateError.
         """
         self._check_open()
+        states = list(states)
+        if self._timer_service is not None and (
+            timers is not None or any(is_timer_state(meta.name) for meta in states)
+        ):
+            raise StateAccessError("timers are already in use: restore before timer_service")
         if self.key_serializer.compatibility_with(key_serializer) is not (
             Compatibility.COMPATIBLE_AS_IS
         ):
@@ -333,6 +403,11 @@ class KeyedStateBackend(ABC):
                     f"snapshot has entries of state {name!r} but no meta info for it"
                 )
             store.write_entries(item for _, item in run)
+        if timers is not None:
+            restored = timers.clocks
+            self._timer_clocks = (
+                restored if self._timer_clocks is None else self._timer_clocks.merged(restored)
+            )
 
     def dispose(self) -> None:
         """Release everything the backend holds; it cannot be used afterwards."""
@@ -340,6 +415,7 @@ class KeyedStateBackend(ABC):
             self._disposed = True
             self._states.clear()
             self._stores.clear()
+            self._timer_service = None
             self._close()
 
     def _check_open(self) -> None:
