@@ -166,6 +166,8 @@ class KeyedStateBackend(ABC):
         self._timer_metas: dict[str, StateMetaInfo] = {}
         self._timer_clocks: TimerClocks | None = None
         """The clocks restored (None: none restored yet); the service owns them once created."""
+        self._timer_counts: dict[str, int] | None = None
+        """Timer counts known without counting (a reopened RocksDB backend's)."""
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -311,6 +313,7 @@ class KeyedStateBackend(ABC):
                 self._require_current,
                 self._set_current_record,
                 self._timer_clocks or TimerClocks(),
+                self._timer_counts,
             )
         return self._timer_service
 

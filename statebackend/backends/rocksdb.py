@@ -244,13 +244,20 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
             self._db = Rdict(str(db_path), _options())
 
     def _meta_document(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "key_serializer": self.key_serializer.config(),
             "max_parallelism": self.max_parallelism,
             "key_group_range": self.key_group_range.to_json(),
             "states": [meta.to_json() for meta in self.state_meta()],
             "timer_clocks": list(self.timer_clocks()),
         }
+        if self._timer_service is not None:
+            # Exact while every timer change goes through the service: a reopened
+            # backend then need not count its timers again.
+            document["timer_counts"] = self._timer_service.counts()
+        elif self._timer_counts is not None:
+            document["timer_counts"] = self._timer_counts
+        return document
 
     def _reopen(self) -> None:
         data = self._db.get(_META_KEY)
@@ -279,6 +286,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
             )
         if "timer_clocks" in stored:
             self._timer_clocks = TimerClocks(*stored["timer_clocks"])
+        self._timer_counts = stored.get("timer_counts")
         for document in stored["states"]:
             meta = StateMetaInfo.from_json(document)
             column = self._db.get_column_family(meta.name)

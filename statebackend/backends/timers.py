@@ -22,7 +22,9 @@ backend caches them all), refilled from the store with one ordered read when it 
 empty; above the caches, a heap of the key groups' first timers. A timer registered below
 a key group's cached range goes into the cache too, so one registered while firing that is
 already due fires in the same call. The caches are filled once, when the service is
-created (one ordered read per key group), which is also when the timers are counted.
+created (one ordered read per key group), which is also when the timers are counted,
+unless their count is known (a RocksDB backend reopened after ``close()``): then only the
+first ``cache_entries`` are read per key group.
 
 The watermark and processing time are not entries (they are per subtask, not per key
 group): they travel in the keyed handle as ``TimerSnapshotInfo`` with the timer counts
@@ -181,6 +183,7 @@ class TimerQueue:
         by_key: StateStore,
         key_groups: KeyGroupRange,
         cache_entries: int | None,
+        count: int | None = None,
     ) -> None:
         self._by_time = by_time
         self._by_key = by_key
@@ -188,12 +191,14 @@ class TimerQueue:
         self._cache: dict[int, list[bytes]] = {}
         self._frontier: dict[int, bytes] = {}
         self._heads: list[_Head] = []
-        self.count = 0
+        self.count = 0 if count is None else count
+        read = None if count is None or cache_entries is None else cache_entries + 1
         for key_group in key_groups:
             composites = by_time.composite_keys_from(
-                key_group, KEY_GROUP_PREFIX.pack(key_group), None
+                key_group, KEY_GROUP_PREFIX.pack(key_group), read
             )
-            self.count += len(composites)
+            if count is None:
+                self.count += len(composites)
             if composites:
                 self._fill(key_group, composites[:cache_entries], len(composites))
 
@@ -324,10 +329,15 @@ class KeyedTimerService(TimerService):
         current_key: Callable[[], CurrentKey],
         set_current: Callable[[CurrentKey], Any],
         clocks: TimerClocks,
+        counts: dict[str, int] | None = None,
     ) -> None:
         self._queues = {
             domain: TimerQueue(
-                store(by_time_name(domain)), store(by_key_name(domain)), key_groups, cache_entries
+                store(by_time_name(domain)),
+                store(by_key_name(domain)),
+                key_groups,
+                cache_entries,
+                None if counts is None else counts[domain],
             )
             for domain in TIME_DOMAINS
         }
@@ -341,6 +351,10 @@ class KeyedTimerService(TimerService):
     def clocks(self) -> TimerClocks:
         """The watermark and processing time."""
         return self._clocks
+
+    def counts(self) -> dict[str, int]:
+        """How many timers each time domain holds."""
+        return {domain: queue.count for domain, queue in self._queues.items()}
 
     def register_event_time_timer(self, timestamp: int) -> None:
         self._event.register(self._current_key(), check_timestamp(timestamp))
@@ -390,6 +404,6 @@ class KeyedTimerService(TimerService):
         """The clocks, counts and earliest timestamps now."""
         return TimerSnapshotInfo(
             self._clocks,
-            {domain: queue.count for domain, queue in self._queues.items()},
+            self.counts(),
             {domain: queue.earliest() for domain, queue in self._queues.items()},
         )

@@ -507,7 +507,14 @@ def test_rocksdb_reopen_keeps_timers_and_clocks(tmp_path: Path, backends: Backen
     backend.timer_service.register_event_time_timer(30)
     backend.timer_service.advance_watermark(20, lambda k, t: None)
     backend.close()
+    # Reopened twice, the first time without using the timers.
+    RocksDBKeyedStateBackend(directory, open_existing=True, **options).close()
     reopened = backends.make("rocksdb", reopen=directory)
+    cut = reopened.sync_cut()
+    cut.release()
+    assert cut.timers is not None
+    assert cut.timers.counts == {"event": 1, "processing": 1}
+    assert cut.timers.earliest == {"event": 30, "processing": 70}
     service = reopened.timer_service
     assert service.current_watermark == 20
     fired: list[tuple[str, int]] = []
