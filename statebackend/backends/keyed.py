@@ -379,6 +379,8 @@ class KeyedStateBackend(ABC):
             timers is not None or any(is_timer_state(meta.name) for meta in states)
         ):
             raise StateAccessError("timers are already in use: restore before timer_service")
+        if any(is_timer_state(meta.name) for meta in states):
+            self._timer_counts = None  # restored timers are counted when the service starts
         if self.key_serializer.compatibility_with(key_serializer) is not (
             Compatibility.COMPATIBLE_AS_IS
         ):
