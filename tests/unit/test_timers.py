@@ -536,3 +536,28 @@ def test_descending_registrations_fire_in_order(backends: Backends, variant: str
     assert service.advance_processing_time(200, recorder(fired)) == 600
     assert service.advance_processing_time(400, recorder(fired)) == 600
     assert fired == sorted(expected)
+
+
+def test_restore_into_a_reopened_rocksdb_counts_all_timers(
+    tmp_path: Path, backends: Backends
+) -> None:
+    directory = tmp_path / "reused"
+    options: dict[str, Any] = {"max_parallelism": M, "key_group_range": FULL_RANGE}
+    backend = RocksDBKeyedStateBackend(directory, **options)
+    backend.set_current_key("a")
+    backend.timer_service.register_event_time_timer(10)
+    backend.close()
+    source = backends.make("heap")
+    source.set_current_key("b")
+    source.timer_service.register_event_time_timer(20)
+    cut = source.sync_cut()
+    entries = collect(cut)
+    cut.release()
+    reopened = backends.make("rocksdb", reopen=directory)
+    restore_cut(reopened, cut, entries)
+    merged = reopened.sync_cut()
+    merged.release()
+    assert merged.timers is not None and merged.timers.counts["event"] == 2
+    fired: list[tuple[int, bytes]] = []
+    reopened.timer_service.advance_watermark(MAX_TIMESTAMP, recorder(fired))
+    assert fired == [(10, b"a"), (20, b"b")]
