@@ -42,7 +42,9 @@ from statebackend.tools.reader import (
     parse_selection_key,
     read_bytes,
     read_state,
+    read_timers,
     select_state,
+    select_timers,
     to_jsonable,
 )
 from statebackend.tools.transform import parse_state_ref, plan_transform, transform_savepoint
@@ -193,6 +195,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 ),
                 "    ",
             )
+        timers = op["timers"]
+        if timers is not None and (timers["event"]["count"] or timers["processing"]["count"]):
+            _out("  timers:")
+            clocks = {"event": timers["watermark"], "processing": timers["processing_time"]}
+            rows = []
+            for domain, clock in clocks.items():
+                earliest = timers[domain]["earliest"]
+                rows.append(
+                    [domain, timers[domain]["count"], "-" if earliest is None else earliest, clock]
+                )
+            _table(["DOMAIN", "TIMERS", "EARLIEST", "CLOCK (EARLIEST SUBTASK)"], rows, "    ")
         if op["operator_states"]:
             _out("  operator state:")
             _table(
@@ -307,7 +320,15 @@ def _write_records(records: Iterator[Record], output_format: str, out: TextIO) -
 
 def cmd_read(args: argparse.Namespace) -> int:
     """``statebackend read``."""
+    if (args.state is None) == (not args.timers):
+        raise ConfigurationError("give either --state NAME or --timers")
     ref = open_checkpoint(args.checkpoint, _options(args))
+    if args.timers:
+        selection = select_timers(ref, args.operator)
+        key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
+        with _progress("reading", read_bytes(ref, selection, key)) as advance:
+            _write_records(read_timers(ref, selection, key, advance), args.format, sys.stdout)
+        return 0
     selection = select_state(ref, args.operator, args.state)
     key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
     with _progress("reading", read_bytes(ref, selection, key)) as advance:
@@ -440,6 +461,7 @@ exit status 1 and the failing files named when a file is missing, truncated or c
     "read": f"""examples:
   {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total
   {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total --key alice
+  {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --timers
   {PROG} read /data/checkpoints/my-job/chk-42 --operator source --state offsets --format table
   {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
       --format csv {_S3} > items.csv
@@ -563,7 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("read", "print a state's entries, without Spark", cmd_read)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
     p.add_argument("--operator", required=True, metavar="OP")
-    p.add_argument("--state", required=True, metavar="NAME")
+    p.add_argument("--state", metavar="NAME", help="the state to read")
+    p.add_argument(
+        "--timers", action="store_true", help="read the timers (domain, timestamp, key) instead"
+    )
     p.add_argument("--key", metavar="K", help="only this key (reads only its key group)")
     p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
 

@@ -7,6 +7,13 @@ for every measurement):
 - MapState get/put: ``set_current_key`` + ``get(user_key)`` + ``put(user_key, ...)``;
 - raw rocksdict: an ``Rdict`` in raw mode, key = the same serialized key bytes, value = an
   8-byte int, ``get`` then ``put`` (what RocksDB itself costs from Python);
+- timers: ``set_current_key`` + ``register_event_time_timer`` of one random timestamp per
+  operation, then one ``advance_watermark`` firing them all (each fired timer counted in
+  the callback); beside raw rocksdict ``put`` of the same timers' composite keys (key
+  group, timestamp, key: the layout ``backends/timers.py`` orders them by), one at a
+  time, and a raw in-order iteration over them. Ours writes two entries per timer (by
+  time and by key) after an existence check, and firing deletes both, so the raw figures
+  are the least any RocksDB timer store could cost;
 
 and prints ops/s and the ratio ours / raw, by wall-clock and by CPU time of this process
 (RocksDB's threads included; the CPU figure is the one to trust on a machine busy with
@@ -36,10 +43,13 @@ from rocksdict import Options, Rdict
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
-from statebackend.keygroups import KeyGroupRange
+from statebackend.backends.stores import CurrentKey
+from statebackend.backends.timers import encode_timestamp
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
+from statebackend.state.timers import MAX_TIMESTAMP
 
 TARGET_RATIO = 0.5
 MAX_PARALLELISM = 128
@@ -189,16 +199,121 @@ def bench_raw_rocksdict(sequence: list[str], workdir: Path) -> Timing:
         Rdict.destroy(path, options)
 
 
+def timer_timestamps(ops: int, seed: int = 7) -> list[int]:
+    """One timestamp (ms) per operation, uniformly random over a day."""
+    rng = random.Random(seed)
+    return [rng.randrange(86_400_000) for _ in range(ops)]
+
+
+def bench_timers(
+    kind: str, sequence: list[str], timestamps: list[int], workdir: Path
+) -> tuple[Timing, Timing, int]:
+    """(register timing, fire timing, timers fired): one event-time timer per operation,
+    then one watermark advance firing all of them."""
+    backend = make_backend(kind, workdir)
+    try:
+        service = backend.timer_service
+        set_current_key, register = backend.set_current_key, service.register_event_time_timer
+        fired = 0
+
+        def register_all() -> None:
+            for key, timestamp in zip(sequence, timestamps, strict=True):
+                set_current_key(key)
+                register(timestamp)
+
+        def on_timer(key: object, timestamp: int) -> None:
+            nonlocal fired
+            fired += 1
+
+        def fire_all() -> None:
+            service.advance_watermark(MAX_TIMESTAMP, on_timer)
+
+        registered = _timed(register_all)
+        firing = _timed(fire_all)
+        expected = len(set(zip(sequence, timestamps, strict=True)))
+        assert fired == expected, (fired, expected)  # the benchmark did the work
+        return registered, firing, fired
+    finally:
+        backend.dispose()
+
+
+def bench_raw_timers(
+    sequence: list[str], timestamps: list[int], workdir: Path
+) -> tuple[Timing, Timing, Timing, Timing]:
+    """Raw rocksdict: put of each timer's composite key, an in-order iteration over them;
+    then the same work as our layout (per timer a get and two puts, then an in-order
+    iteration deleting both entries of each)."""
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    path = tempfile.mkdtemp(prefix="raw-timers-", dir=workdir)
+    db = Rdict(path, options)
+    serializer = StrSerializer()
+    composites, by_key = [], []
+    for key, timestamp in zip(sequence, timestamps, strict=True):
+        encoded = serializer.serialize(key)
+        group = assign_to_key_group(encoded, MAX_PARALLELISM)
+        ts8 = encode_timestamp(timestamp)
+        composites.append(CurrentKey.of(group, ts8).prefix + encoded)
+        by_key.append(b"\xff\xff" + CurrentKey.of(group, encoded).prefix + ts8)
+    index = dict(zip(composites, by_key, strict=True))
+    try:
+
+        def put_all() -> None:
+            for composite in composites:
+                db[composite] = b""
+
+        seen = 0
+
+        def iterate_all() -> None:
+            nonlocal seen
+            for _ in db.keys():
+                seen += 1
+
+        def put_both() -> None:
+            get = db.get
+            for composite, key in zip(composites, by_key, strict=True):
+                if get(key) is None:
+                    db[key] = b""
+                    db[composite] = b""
+
+        def iterate_and_delete_both() -> None:
+            nonlocal seen
+            for composite in db.keys():
+                if composite[:2] == b"\xff\xff":  # past the by_time entries
+                    break
+                del db[composite]
+                del db[index[composite]]
+                seen += 1
+
+        put = _timed(put_all)
+        iterate = _timed(iterate_all)
+        assert seen == len(index)
+        for composite in composites:
+            del db[composite]
+        seen = 0
+        put_like_ours = _timed(put_both)
+        fire_like_ours = _timed(iterate_and_delete_both)
+        assert seen == len(index)
+        return put, iterate, put_like_ours, fire_like_ours
+    finally:
+        db.close()
+        Rdict.destroy(path, options)
+
+
 def run(ops: int, keys: int, kinds: list[str], repeat: int = 1) -> list[Result]:
     """Every measurement, best of ``repeat``; raw rocksdict is measured before and after
     ours in every round (so a machine busy with other work hurts both alike)."""
     sequence = key_sequence(ops, keys)
+    timestamps = timer_timestamps(ops)
     raw_runs: list[Timing] = []
+    raw_timer_runs: list[tuple[Timing, Timing, Timing, Timing]] = []
     ours: dict[tuple[str, str], list[Timing]] = {}
+    fired = 0
     with tempfile.TemporaryDirectory(prefix="state-ops-") as tmp:
         workdir = Path(tmp)
         for _ in range(repeat):
             raw_runs.append(bench_raw_rocksdict(sequence, workdir))
+            raw_timer_runs.append(bench_raw_timers(sequence, timestamps, workdir))
             for kind in kinds:
                 ours.setdefault(("ValueState RMW", kind), []).append(
                     bench_value_rmw(kind, sequence, workdir)
@@ -206,12 +321,29 @@ def run(ops: int, keys: int, kinds: list[str], repeat: int = 1) -> list[Result]:
                 ours.setdefault(("MapState get+put", kind), []).append(
                     bench_map_get_put(kind, sequence, workdir)
                 )
+                registered, firing, fired = bench_timers(kind, sequence, timestamps, workdir)
+                ours.setdefault(("timer register", kind), []).append(registered)
+                ours.setdefault(("timer fire", kind), []).append(firing)
             raw_runs.append(bench_raw_rocksdict(sequence, workdir))
-    raw = min(raw_runs, key=lambda timing: timing.cpu)
-    results = [Result.of("raw get+put", "rocksdict", ops, keys, raw, None)]
+            raw_timer_runs.append(bench_raw_timers(sequence, timestamps, workdir))
+    fastest = {"get+put": min(raw_runs, key=lambda timing: timing.cpu)}
+    for i, name in enumerate(("put", "iterate", "get+2 puts", "iterate+2 deletes")):
+        fastest[name] = min((run[i] for run in raw_timer_runs), key=lambda timing: timing.cpu)
+    raw_of = {"timer register": "put", "timer fire": "iterate"}
+    results = [
+        Result.of("raw get+put", "rocksdict", ops, keys, fastest["get+put"], None),
+        Result.of("raw timer put", "rocksdict", ops, keys, fastest["put"], None),
+        Result.of("raw timer iterate", "rocksdict", fired, keys, fastest["iterate"], None),
+        Result.of("raw get+2 puts", "rocksdict", ops, keys, fastest["get+2 puts"], None),
+        Result.of(
+            "raw iterate+2 deletes", "rocksdict", fired, keys, fastest["iterate+2 deletes"], None
+        ),
+    ]
     for (benchmark, kind), runs in ours.items():
         best = min(runs, key=lambda timing: timing.cpu)
-        results.append(Result.of(benchmark, kind, ops, keys, best, raw))
+        count = fired if benchmark == "timer fire" else ops
+        raw = fastest[raw_of.get(benchmark, "get+put")]
+        results.append(Result.of(benchmark, kind, count, keys, best, raw))
     return results
 
 

@@ -26,6 +26,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, NamedTuple
 
 from statebackend.backends.stores import CurrentKey, Entry, StateStore
+from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 
@@ -116,6 +117,9 @@ class LoggingStateStore(StateStore):
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
+    def composite_keys_from(self, key_group: int, start: bytes, limit: int | None) -> list[bytes]:
+        return self.inner.composite_keys_from(key_group, start, limit)
+
     def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
         self.inner.write_entries(entries)
 
@@ -164,13 +168,15 @@ def apply_change(store: StateStore, key_group: int, change: Change) -> None:
 class ChangeSet:
     """One batch's changes of one keyed backend, as ``KeyedStateBackend.drain_changelog``
     returns them: the backend's key serializer, key groups and states' meta info at the
-    end of the batch, and the changes of each state that has any, by name."""
+    end of the batch, the changes of each state that has any, by name, and the timers'
+    clocks at the end of the batch (clocks are no store entries: a record carries them)."""
 
     key_serializer: SerializerConfig
     max_parallelism: int
     key_group_range: KeyGroupRange
     states: list[StateMetaInfo]
     changes: dict[str, StateChanges]
+    timers: TimerSnapshotInfo
 
     def __len__(self) -> int:
         return sum(len(changes) for changes in self.changes.values())

@@ -7,6 +7,7 @@ RocksDB backend and back.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,6 +71,14 @@ class HeapStateStore(StateStore):
         for group in list(self.groups.values()):
             yield from list(group)
 
+    def composite_keys_from(self, key_group: int, start: bytes, limit: int | None) -> list[bytes]:
+        # Sorts the key group: the timer service reads a heap store's key group whole, once.
+        group = self.groups.get(key_group, {})
+        view = HeapStoreView({key_group: group}, self.is_map)
+        composites = [composite for composite, _ in view.composite_items(key_group)]
+        first = bisect_left(composites, start)
+        return composites[first : None if limit is None else first + limit]
+
     def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
         for key_group, (key, user_key, value) in entries:
             group = self.groups.setdefault(key_group, {})
@@ -122,6 +131,8 @@ class HeapStoreView(StateStoreView):
 
 class HeapKeyedStateBackend(KeyedStateBackend):
     """Keyed state in memory; same interface and snapshot format as the RocksDB backend."""
+
+    _timer_cache_entries = None  # all timers are in memory anyway
 
     def _create_store(self, name: str, is_map: bool) -> StateStore:
         return HeapStateStore(is_map)

@@ -26,6 +26,12 @@ from statebackend.backends.keyed_states import (
     stored_value_serializer,
 )
 from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
+from statebackend.backends.timers import (
+    KeyedTimerService,
+    TimerClocks,
+    TimerSnapshotInfo,
+    timer_state_metas,
+)
 from statebackend.errors import IncompatibleStateError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group, check_max_parallelism
 from statebackend.serializers import (
@@ -38,6 +44,7 @@ from statebackend.serializers import (
 )
 from statebackend.state.descriptors import MapStateDescriptor, StateDescriptor, StateKind
 from statebackend.state.interfaces import State
+from statebackend.state.timers import TimerService, is_timer_state
 from statebackend.state.ttl import Clock
 
 
@@ -105,6 +112,7 @@ class KeyedStateCut:
     views: dict[str, StateStoreView]
     _release: Any = field(default=None, repr=False)
     native: NativeCheckpoint | None = None
+    timers: TimerSnapshotInfo | None = None
 
     def entries(self, key_group: int) -> Iterator[tuple[str, Entry]]:
         """(state name, entry) pairs of one key group, state by state in ``states`` order."""
@@ -127,7 +135,11 @@ class SnapshotTarget(Protocol):
 
 
 class KeyedStateBackend(ABC):
-    """Keyed state of one subtask: state per key, organised in key groups."""
+    """Keyed state of one subtask: state per key, organised in key groups, and its timers
+    (``timer_service``)."""
+
+    _timer_cache_entries: int | None = 128
+    """Timers per key group the timer service keeps in memory (None: all of them)."""
 
     def __init__(
         self,
@@ -153,6 +165,12 @@ class KeyedStateBackend(ABC):
         self._restored: dict[str, StateMetaInfo] = {}
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
+        self._timer_service: KeyedTimerService | None = None
+        self._timer_metas: dict[str, StateMetaInfo] = {}
+        self._timer_clocks: TimerClocks | None = None
+        """The clocks restored (None: none restored yet); the service owns them once created."""
+        self._timer_counts: dict[str, int] | None = None
+        """Timer counts known without counting (a reopened RocksDB backend's)."""
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -181,6 +199,12 @@ class KeyedStateBackend(ABC):
     @property
     def current_key(self) -> Any:
         """The key set by ``set_current_key`` (None before the first)."""
+        return self._current_object
+
+    def _set_current_record(self, current: CurrentKey) -> Any:
+        """Make the serialized key ``current`` current (a timer's); returns the key."""
+        self._current = current
+        self._current_object = self.key_serializer.deserialize(current.key)
         return self._current_object
 
     def _require_current(self) -> CurrentKey:
@@ -250,16 +274,55 @@ class KeyedStateBackend(ABC):
             migrate_values(store, descriptor.kind, old_value, new_value)
 
     def state_meta(self) -> list[StateMetaInfo]:
-        """Meta info of every state this backend holds (registered or restored), by name."""
+        """Meta info of every state this backend holds (registered, restored, timer
+        stores), by name."""
         metas = {name: StateMetaInfo.of(s.descriptor) for name, s in self._states.items()}
         metas.update(self._restored)
+        metas.update(self._timer_metas)
         return [metas[name] for name in sorted(metas)]
+
+    # -- timers ---------------------------------------------------------------------------
+
+    @property
+    def timer_service(self) -> TimerService:
+        """The backend's event-time and processing-time timers (one service per backend),
+        created on first use from the timer stores the backend holds."""
+        return self._timers()
+
+    def _timers(self) -> KeyedTimerService:
+        self._check_open()
+        if self._timer_service is None:
+            for name, kind, serializers in timer_state_metas():
+                self._timer_metas[name] = StateMetaInfo(name, kind, serializers)
+                self._restored.pop(name, None)
+            self._timer_service = KeyedTimerService(
+                lambda name: self._store_for(name, is_map=True),
+                self.key_group_range,
+                self._timer_cache_entries,
+                self._require_current,
+                self._set_current_record,
+                self._timer_clocks or TimerClocks(),
+                self._timer_counts,
+            )
+        return self._timer_service
+
+    def timer_clocks(self) -> TimerClocks:
+        """The watermark and processing time (restored ones until the service exists)."""
+        if self._timer_service is not None:
+            return self._timer_service.clocks
+        return self._timer_clocks or TimerClocks()
+
+    def _timer_snapshot_info(self) -> TimerSnapshotInfo:
+        if self._timer_service is None and not any(map(is_timer_state, self._stores)):
+            return TimerSnapshotInfo.empty(self.timer_clocks())
+        return self._timers().snapshot_info()
 
     # -- snapshot and restore -------------------------------------------------------------
 
     def sync_cut(self) -> KeyedStateCut:
         """Freeze the current state (the synchronous part of a snapshot)."""
         self._check_open()
+        timers = self._timer_snapshot_info()
         metas = self.state_meta()
         frozen = self._freeze([meta.name for meta in metas])
         return KeyedStateCut(
@@ -270,6 +333,7 @@ class KeyedStateBackend(ABC):
             frozen.views,
             frozen.release,
             frozen.native,
+            timers,
         )
 
     def snapshot(self, checkpoint_id: int, target: SnapshotTarget) -> Any:
@@ -289,15 +353,23 @@ class KeyedStateBackend(ABC):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         entries: Iterable[tuple[str, int, Entry]],
+        timers: TimerSnapshotInfo | None = None,
     ) -> None:
-        """Load snapshot entries (state name, key group, entry) of this backend's range.
+        """Load snapshot entries (state name, key group, entry) of this backend's range,
+        and the snapshot's timer clocks (``timers``; several restores keep the earliest).
 
-        Must precede ``get_state`` for the restored names; entries of key groups outside
-        the range are skipped. The key serializer must match the stored one exactly
-        (keys decide key groups), else IncompatibleStateError.
+        Must precede ``get_state`` for the restored names, and ``timer_service``; entries
+        of key groups outside the range are skipped. The key serializer must match the
+        stored one exactly (keys decide key groups), else IncompatibleStateError.
         """
         states = list(states)
         self._check_restorable(key_serializer, states)
+        if self._timer_service is not None and (
+            timers is not None or any(is_timer_state(meta.name) for meta in states)
+        ):
+            raise StateAccessError("timers are already in use: restore before timer_service")
+        if any(is_timer_state(meta.name) for meta in states):
+            self._timer_counts = None  # restored timers are counted when the service starts
         for meta in states:
             self._restored[meta.name] = meta
             self._store_for(meta.name, meta.kind is StateKind.MAP)
@@ -313,6 +385,11 @@ class KeyedStateBackend(ABC):
                     f"snapshot has entries of state {name!r} but no meta info for it"
                 )
             store.write_entries(item for _, item in run)
+        if timers is not None:
+            restored = timers.clocks
+            self._timer_clocks = (
+                restored if self._timer_clocks is None else self._timer_clocks.merged(restored)
+            )
 
     def _check_restorable(
         self, key_serializer: SerializerConfig, states: Iterable[StateMetaInfo]
@@ -354,10 +431,10 @@ class KeyedStateBackend(ABC):
         self._check_open()
         if self._changelog is not None:
             return
-        if self._states:
+        if self._states or self._timer_service is not None:
             raise StateAccessError(
-                "the changelog must be enabled before the first get_state, or changes made "
-                "through the states taken so far would not be recorded"
+                "the changelog must be enabled before the first get_state and timer_service, "
+                "or changes made through the states taken so far would not be recorded"
             )
         self._changelog = {}
 
@@ -376,6 +453,7 @@ class KeyedStateBackend(ABC):
             self.key_group_range,
             self.state_meta(),
             {name: groups for name, groups in changes.items() if groups},
+            self._timer_snapshot_info(),
         )
 
     def replay(
@@ -383,16 +461,26 @@ class KeyedStateBackend(ABC):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         changes: Iterable[tuple[str, int, Change]],
+        timers: TimerSnapshotInfo | None = None,
     ) -> None:
         """Apply the changes (state name, key group, change) of one changelog record to
-        the key groups of this backend's range, after ``restore``, before ``get_state``.
+        the key groups of this backend's range, after ``restore``, before ``get_state``
+        and ``timer_service``.
 
         ``states`` is the meta info the record was written with: a state whose value
         serializer differs from the one restored so far is migrated to it first, as the
-        live backend did when the state was registered with the new serializer.
+        live backend did when the state was registered with the new serializer. The
+        record's timer clocks (``timers``) replace the ones restored so far: records are
+        replayed in batch order and clocks only move forward.
         """
         states = list(states)
         self._check_restorable(key_serializer, states)
+        if self._timer_service is not None:
+            raise StateAccessError("timers are already in use: replay before timer_service")
+        if timers is not None:
+            self._timer_clocks = timers.clocks
+        if any(is_timer_state(meta.name) for meta in states):
+            self._timer_counts = None  # replayed timers are counted when the service starts
         for meta in states:
             self._store_for(meta.name, meta.kind is StateKind.MAP)
             previous = self._restored.get(meta.name)
@@ -417,6 +505,7 @@ class KeyedStateBackend(ABC):
             self._states.clear()
             self._stores.clear()
             self._changelog = None
+            self._timer_service = None
             self._close()
 
     def _check_open(self) -> None:
@@ -459,9 +548,9 @@ def _migrate_restored(previous: StateMetaInfo, meta: StateMetaInfo, store: State
             f"state {meta.name!r} was stored as {previous.kind.value} state and later as "
             f"{meta.kind.value} state: the changelog cannot be replayed"
         )
-    stored = previous.serializers["value"]
-    if stored == meta.serializers["value"]:
+    if previous.serializers == meta.serializers:
         return
+    stored = previous.serializers["value"]
     new = serializer_from_config(meta.serializers["value"])
     old = resolve_serializer(meta.name, new, stored)
     if old is not None:

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,6 +38,7 @@ from statebackend.backends.stores import (
     StateStoreView,
     split_composite_key,
 )
+from statebackend.backends.timers import TimerClocks
 from statebackend.errors import IncompatibleStateError, StateBackendError
 from statebackend.serializers import Compatibility
 from statebackend.state.descriptors import StateKind
@@ -118,6 +120,12 @@ class RocksDBStateStore(StateStore):
             if key != previous:
                 yield key
                 previous = key
+
+    def composite_keys_from(self, key_group: int, start: bytes, limit: int | None) -> list[bytes]:
+        read_opt = ReadOptions()  # must outlive the iterator: it holds the upper bound
+        read_opt.set_iterate_upper_bound(prefix_end(KEY_GROUP_PREFIX.pack(key_group)))
+        keys = cast(Iterator[bytes], self._column.keys(from_key=start, read_opt=read_opt))
+        return list(islice(keys, limit))
 
     def _write_batches(self, pairs: Iterator[tuple[bytes, bytes]]) -> None:
         handle = self._db.get_column_family_handle(self._name)
@@ -236,12 +244,20 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
             self._db = Rdict(str(db_path), _options())
 
     def _meta_document(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "key_serializer": self.key_serializer.config(),
             "max_parallelism": self.max_parallelism,
             "key_group_range": self.key_group_range.to_json(),
             "states": [meta.to_json() for meta in self.state_meta()],
+            "timer_clocks": list(self.timer_clocks()),
         }
+        if self._timer_service is not None:
+            # Exact while every timer change goes through the service: a reopened
+            # backend then need not count its timers again.
+            document["timer_counts"] = self._timer_service.counts()
+        elif self._timer_counts is not None:
+            document["timer_counts"] = self._timer_counts
+        return document
 
     def _reopen(self) -> None:
         data = self._db.get(_META_KEY)
@@ -268,6 +284,9 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
                 f"the RocksDB in {self.local_dir} was written with another "
                 f"{', '.join(mismatch)} ({[stored[n] for n in mismatch]}): it cannot be reused"
             )
+        if "timer_clocks" in stored:
+            self._timer_clocks = TimerClocks(*stored["timer_clocks"])
+        self._timer_counts = stored.get("timer_counts")
         for document in stored["states"]:
             meta = StateMetaInfo.from_json(document)
             column = self._db.get_column_family(meta.name)

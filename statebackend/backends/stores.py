@@ -83,6 +83,12 @@ class StateStore(ABC):
         """Every serialized key that has a value, once each."""
 
     @abstractmethod
+    def composite_keys_from(self, key_group: int, start: bytes, limit: int | None) -> list[bytes]:
+        """Up to ``limit`` (None: all) composite keys of ``key_group`` at or after the
+        composite key ``start``, in composite-key byte order. Read-only: the timer service
+        reads its key groups' next timers with it."""
+
+    @abstractmethod
     def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
         """Store (key group, entry) pairs as they are: used by restore."""
 

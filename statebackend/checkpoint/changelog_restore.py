@@ -77,7 +77,7 @@ def rebuild_keyed_state(
                 if path is None
                 else list(read_changes(changelog.fs.read_range, path, handle, key_groups))
             )
-            backend.replay(handle.key_serializer, handle.states, read)
+            backend.replay(handle.key_serializer, handle.states, read, handle.timers)
             changes += len(read)
             records += path is not None
     return RebuildResult(base_entries, changes, records)

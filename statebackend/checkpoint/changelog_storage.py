@@ -96,6 +96,7 @@ class ChangelogStorage:
             states=tuple(changes.states),
             key_serializer=changes.key_serializer,
             compression=CODECS[self._codec],
+            timers=changes.timers,
         )
 
     # -- the driver -----------------------------------------------------------------------

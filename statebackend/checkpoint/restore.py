@@ -167,7 +167,12 @@ def restore_keyed_state(
     for handle in snapshot.keyed_handles():
         key_groups = handle.key_group_range.intersection(backend.key_group_range)
         if key_groups:
-            backend.restore(handle.key_serializer, handle.states, counted(handle, key_groups))
+            backend.restore(
+                handle.key_serializer,
+                handle.states,
+                counted(handle, key_groups),
+                handle.timers,
+            )
     return restored
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from statebackend.backends.changelog import Change, ChangeOp, ChangeSet
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.stores import KEY_GROUP_PREFIX
+from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
@@ -68,6 +69,8 @@ class ChangelogHandle:
     states: tuple[StateMetaInfo, ...]
     key_serializer: SerializerConfig
     compression: str
+    timers: TimerSnapshotInfo | None = None
+    """The subtask's timer clocks at the end of the batch (None in records without)."""
 
     def files(self) -> list[StoredFile]:
         """The record's file (none for a batch without changes)."""
@@ -87,7 +90,7 @@ class ChangelogHandle:
             "changes": self.changes,
             "key_groups": [list(item) for item in self.key_groups],
             "compression": self.compression,
-            **keyed_state_json(self.key_group_range, self.states, self.key_serializer),
+            **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
         }
 
     @classmethod

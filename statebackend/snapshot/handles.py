@@ -8,6 +8,7 @@ import posixpath
 from typing import Any, NamedTuple
 
 from statebackend.backends.keyed import StateMetaInfo
+from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 
@@ -37,13 +38,18 @@ def keyed_state_json(
     key_group_range: KeyGroupRange,
     states: tuple[StateMetaInfo, ...],
     key_serializer: SerializerConfig,
+    timers: TimerSnapshotInfo | None = None,
 ) -> dict[str, Any]:
-    """The JSON of what a keyed handle holds, shared by every keyed format."""
-    return {
+    """The JSON of what a keyed handle holds, shared by every keyed format (``timers``
+    only when known: handles written before timers existed have none)."""
+    document: dict[str, Any] = {
         "key_group_range": key_group_range.to_json(),
         "states": [meta.to_json() for meta in states],
         "key_serializer": key_serializer,
     }
+    if timers is not None:
+        document["timers"] = timers.to_json()
+    return document
 
 
 def keyed_state_from_json(data: dict[str, Any]) -> dict[str, Any]:
@@ -52,4 +58,5 @@ def keyed_state_from_json(data: dict[str, Any]) -> dict[str, Any]:
         "key_group_range": KeyGroupRange.from_json(data["key_group_range"]),
         "states": tuple(StateMetaInfo.from_json(m) for m in data["states"]),
         "key_serializer": data["key_serializer"],
+        "timers": TimerSnapshotInfo.from_json(data["timers"]) if "timers" in data else None,
     }

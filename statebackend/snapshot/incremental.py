@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Protocol
 from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMetaInfo
 from statebackend.backends.rocksdb import CheckpointReader, RocksDBCheckpointView
 from statebackend.backends.stores import Entry
+from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.checksums import format_crc
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
@@ -115,6 +116,7 @@ class IncrementalKeyedStateHandle:
     key_serializer: SerializerConfig
     shared: tuple[NativeFile, ...]
     private: tuple[NativeFile, ...]
+    timers: TimerSnapshotInfo | None = None
 
     @property
     def size(self) -> int:
@@ -143,7 +145,7 @@ class IncrementalKeyedStateHandle:
             "type": "keyed-incremental",
             "shared": [f.to_json() for f in self.shared],
             "private": [f.to_json() for f in self.private],
-            **keyed_state_json(self.key_group_range, self.states, self.key_serializer),
+            **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
         }
 
     @classmethod
@@ -285,6 +287,7 @@ def upload_native_checkpoint(
         key_serializer=cut.key_serializer,
         shared=tuple(shared_files),
         private=tuple(private_files),
+        timers=cut.timers,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from statebackend.backends.keyed import KeyedStateCut, StateMetaInfo
 from statebackend.backends.stores import KEY_GROUP_PREFIX, KEY_LENGTH, Entry, StateStoreView
+from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
@@ -56,6 +57,7 @@ class KeyedStateHandle:
     states: tuple[StateMetaInfo, ...]
     key_serializer: SerializerConfig
     compression: str
+    timers: TimerSnapshotInfo | None = None
 
     def bytes_for(self, key_groups: KeyGroupRange) -> int:
         """How many bytes of the file hold the given key groups."""
@@ -78,7 +80,7 @@ class KeyedStateHandle:
             "checksum": self.checksum,
             "key_groups": [list(item) for item in self.key_groups],
             "compression": self.compression,
-            **keyed_state_json(self.key_group_range, self.states, self.key_serializer),
+            **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
         }
 
     @classmethod

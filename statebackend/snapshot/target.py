@@ -105,6 +105,7 @@ class SnapshotDirectory:
                 states=tuple(cut.states),
                 key_serializer=cut.key_serializer,
                 compression=CODECS[self.codec],
+                timers=cut.timers,
             )
 
         return SnapshotFuture(

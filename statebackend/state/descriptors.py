@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 
 from statebackend.errors import ConfigurationError
 from statebackend.serializers import PickleSerializer, Serializer
+from statebackend.state.timers import TIMER_STATE_PREFIX, is_timer_state
 from statebackend.state.ttl import StateTtlConfig
 
 RESERVED_STATE_NAMES = frozenset({"default"})
@@ -33,8 +34,11 @@ def check_state_name(name: object) -> str:
     """Return ``name`` if it is a usable state name, else raise ConfigurationError."""
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"state name {name!r} is invalid: give a non-empty string")
-    if name in RESERVED_STATE_NAMES:
-        raise ConfigurationError(f"state name {name!r} is reserved: choose another name")
+    if name in RESERVED_STATE_NAMES or is_timer_state(name):
+        raise ConfigurationError(
+            f"state name {name!r} is reserved (as are names starting with "
+            f"{TIMER_STATE_PREFIX!r}): choose another name"
+        )
     return name
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from statebackend.backends.timers import TIME_DOMAINS
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import SAVEPOINTS_DIR, checkpoint_ids, join
 from statebackend.checkpoint.metadata import CheckpointMetadata
@@ -13,6 +14,7 @@ from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointError, CheckpointNotFoundError
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.keyed_format import KeyedStateHandle
+from statebackend.state.timers import is_timer_state
 from statebackend.tools.location import CheckpointRef
 
 COMPLETED = "completed"
@@ -134,8 +136,10 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
 
     With the job's ``properties`` (e.g. the example job's source directory). Per
     operator: its keyed states (kind, serializers), its operator states (mode,
-    serializers, element count), its raw keyed bytes, and per subtask its key-group range,
-    keyed bytes, keyed file (``keyed_files`` for an incremental snapshot), operator-state
+    serializers, element count), its raw keyed bytes, its timers (per time domain the count
+    and earliest timestamp, and the earliest watermark and processing time of its subtasks;
+    None when its snapshots predate timers), and per subtask its key-group range, keyed
+    bytes, keyed file (``keyed_files`` for an incremental snapshot), operator-state
     elements and, when it has raw keyed state, its ``raw_keyed_*`` range, key groups with
     a stream, bytes and file.
     """
@@ -145,10 +149,31 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
         keyed: dict[str, dict[str, Any]] = {}
         operator_states: dict[str, dict[str, Any]] = {}
         subtasks = []
+        timer_infos = [
+            ack.keyed.timers
+            for ack in snapshot.subtasks
+            if ack.keyed is not None and ack.keyed.timers is not None
+        ]
+        timers: dict[str, Any] | None = None
+        if timer_infos:
+            timers = {
+                domain: {
+                    "count": sum(info.counts[domain] for info in timer_infos),
+                    "earliest": min(
+                        (e for info in timer_infos if (e := info.earliest[domain]) is not None),
+                        default=None,
+                    ),
+                }
+                for domain in TIME_DOMAINS
+            }
+            timers["watermark"] = min(info.clocks.watermark for info in timer_infos)
+            timers["processing_time"] = min(info.clocks.processing_time for info in timer_infos)
         for ack in snapshot.subtasks:
             row: dict[str, Any] = {"subtask": ack.subtask, "key_group_range": None}
             if ack.keyed is not None:
                 for meta in ack.keyed.states:
+                    if is_timer_state(meta.name):
+                        continue
                     keyed.setdefault(
                         meta.name,
                         {
@@ -196,6 +221,7 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
             "keyed_states": dict(sorted(keyed.items())),
             "operator_states": dict(sorted(operator_states.items())),
             "raw_keyed_bytes": sum(h.size for h in snapshot.raw_keyed_handles()),
+            "timers": timers,
             "subtasks": subtasks,
         }
     return {

@@ -3,7 +3,8 @@
 Keyed state is streamed key group by key group (ranged reads of full snapshot files; an
 incremental snapshot's files are downloaded whole, without progress reports) and
 decoded with the serializers the snapshot recorded; TTL-wrapped values are unwrapped and
-expired ones skipped. Operator state is read as a restore at parallelism 1 gets it: every
+expired ones skipped. Timers are read from their ``by_time`` stores
+(``backends/timers.py``). Operator state is read as a restore at parallelism 1 gets it: every
 element of split and union state, one copy of broadcast state.
 """
 
@@ -20,6 +21,7 @@ from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list
 from statebackend.backends.operator import KEY_ROLE, VALUE_ROLE, NamedStateCut
 from statebackend.backends.stores import Entry
+from statebackend.backends.timers import TIME_DOMAINS, by_time_name, decode_timestamp
 from statebackend.checkpoint.metadata import OperatorSnapshot
 from statebackend.checkpoint.savepoints import Progress
 from statebackend.errors import ConfigurationError
@@ -29,6 +31,7 @@ from statebackend.serializers import Serializer, SerializerConfig, serializer_fr
 from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.snapshot.operator_format import OperatorStateInfo, OperatorStateReader
 from statebackend.state.descriptors import StateKind
+from statebackend.state.timers import is_timer_state
 from statebackend.state.ttl import TtlSerializer, TtlValue
 from statebackend.tools.location import CheckpointRef
 
@@ -39,12 +42,14 @@ of operator state."""
 
 @dataclass(frozen=True)
 class StateSelection:
-    """One named state of one operator: keyed (``keyed`` set) or operator state."""
+    """One named state of one operator: keyed (``keyed`` set) or operator state, or
+    its timers (``timers``)."""
 
     operator: OperatorSnapshot
     name: str
     keyed: StateMetaInfo | None = None
     operator_state: OperatorStateInfo | None = None
+    timers: bool = False
 
 
 def operator_of(ref: CheckpointRef, operator_id: str) -> OperatorSnapshot:
@@ -64,9 +69,13 @@ def select_state(ref: CheckpointRef, operator_id: str, name: str) -> StateSelect
     Raises ConfigurationError naming the operator's states if it has none of that name.
     """
     snapshot = operator_of(ref, operator_id)
+    if is_timer_state(name):
+        raise ConfigurationError(f"{name!r} holds timers: read them with --timers")
     names: set[str] = set()
     for ack in snapshot.subtasks:
         for meta in ack.keyed.states if ack.keyed is not None else ():
+            if is_timer_state(meta.name):
+                continue
             if meta.name == name:
                 return StateSelection(snapshot, name, keyed=meta)
             names.add(meta.name)
@@ -76,6 +85,15 @@ def select_state(ref: CheckpointRef, operator_id: str, name: str) -> StateSelect
             names.add(state_name)
     known = ", ".join(sorted(names)) or "none"
     raise ConfigurationError(f"operator {operator_id!r} has no state {name!r}; it has {known}")
+
+
+TIMERS = "timers"
+"""The name of the selection ``select_timers`` returns."""
+
+
+def select_timers(ref: CheckpointRef, operator_id: str) -> StateSelection:
+    """The timers of ``operator_id`` (a selection of its keyed handles)."""
+    return StateSelection(operator_of(ref, operator_id), TIMERS, timers=True)
 
 
 def parse_key(text: str, config: SerializerConfig) -> Any:
@@ -223,6 +241,38 @@ def read_keyed_state(
                 yield {"key": keys.deserialize(key_data), "value": value}
 
 
+def read_timers(
+    ref: CheckpointRef,
+    selection: StateSelection,
+    key: Any = NO_KEY,
+    progress: Progress | None = None,
+) -> Iterator[Record]:
+    """``{"domain", "timestamp", "key"}`` per timer of the selection's operator (only
+    ``key``'s if given): key group by key group, in each event time then processing
+    time, by (timestamp, serialized key)."""
+    names = {by_time_name(domain): domain for domain in TIME_DOMAINS}
+
+    def read_range(path: str, start: int, length: int) -> bytes:
+        data = ref.fs.read_range(path, start, length)
+        if progress is not None:
+            progress(len(data))
+        return data
+
+    plan, key_bytes = keyed_read_plan(ref, selection, key)
+    for handle, groups in plan:
+        keys = serializer_from_config(handle.key_serializer)
+        for name, _, (ts8, timer_key, _) in read_keyed_handle(
+            ref.fs, ref.directory, handle, groups, read_range=read_range
+        ):
+            domain = names.get(name)
+            if domain is not None and (key_bytes is None or timer_key == key_bytes):
+                yield {
+                    "domain": domain,
+                    "timestamp": decode_timestamp(ts8),
+                    "key": keys.deserialize(timer_key),
+                }
+
+
 def decode_operator_state(state: NamedStateCut) -> list[Record]:
     """The records of one restored operator state: ``{"value"}`` per list element,
     ``{"key", "value"}`` per broadcast entry."""
@@ -264,8 +314,9 @@ def read_state(
 
 
 def parse_selection_key(selection: StateSelection, text: str) -> Any:
-    """The ``--key`` text as a key of the selected state (keyed or broadcast state)."""
-    if selection.keyed is not None:
+    """The ``--key`` text as a key of the selected state (keyed or broadcast state) or
+    timers."""
+    if selection.keyed is not None or selection.timers:
         handle = next(ack.keyed for ack in selection.operator.subtasks if ack.keyed is not None)
         return parse_key(text, handle.key_serializer)
     info = selection.operator_state
