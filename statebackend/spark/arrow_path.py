@@ -7,7 +7,7 @@ output DataFrame of the processor:
    ``__sb_init_``) with a kind and an arrival sequence number;
 2. ``mapInArrow`` adds each row's key group and keyed subtask: the key group is
    ``assign_to_key_group`` of the key serializer's (``RowTupleSerializer`` of the key
-   columns) bytes, exactly as the backend computes it;
+   columns) bytes, exactly as the backend computes it, vectorised (``arrow_keys``);
 3. one control row per subtask is added, so that a subtask without input still runs
    (its timers fire);
 4. ``repartitionById(P, subtask)`` (Spark >= 4.1): partition id == subtask;
@@ -33,8 +33,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
 
 from statebackend.errors import StateBackendError
-from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import RowTupleSerializer
+from statebackend.spark.arrow_keys import key_groups
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion
 from statebackend.spark.processor_handle import BatchClock, BatchTimes
 from statebackend.spark.processor_runner import (
@@ -75,26 +75,12 @@ def _key_groups(
     """A mapInArrow function appending each row's key group and keyed subtask."""
 
     def assign(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        serialize = RowTupleSerializer(key_schema_json).serialize
-        cache: dict[tuple[Any, ...], int] = {}
         for batch in batches:
-            keys = zip(*(batch.column(name).to_pylist() for name in key_columns), strict=True)
-            groups = []
-            for key in keys:
-                group = cache.get(key)
-                if group is None:
-                    group = cache[key] = assign_to_key_group(serialize(key), max_parallelism)
-                groups.append(group)
-            group_array = pa.array(groups, type=pa.int32())
-            subtasks = pa.array(
-                [
-                    compute_operator_index_for_key_group(max_parallelism, parallelism, g)
-                    for g in groups
-                ],
-                type=pa.int32(),
-            )
+            groups = key_groups(batch, key_columns, key_schema_json, max_parallelism)
+            # compute_operator_index_for_key_group, vectorised
+            subtasks = groups * parallelism // max_parallelism
             yield pa.RecordBatch.from_arrays(
-                [*batch.columns, group_array, subtasks],
+                [*batch.columns, pa.array(groups, pa.int32()), pa.array(subtasks, pa.int32())],
                 names=[*batch.schema.names, KEY_GROUP_COLUMN, SUBTASK_COLUMN],
             )
 

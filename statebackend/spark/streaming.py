@@ -202,7 +202,7 @@ class StatefulStream:
         """Run micro-batch ``batch_id`` through the keyed subtasks; its output, computed
         once (a local checkpoint), so that using it twice never applies state twice."""
         # Plug-in point: reconcile with our newest manifest before running the batch.
-        initial = self.initial_state if self._previous_batch is None else None
+        initial = self.initial_state if batch_id == 0 else None  # as Spark: batch 0 only
         plan = KeyedBatchPlan(
             spec=self.spec,
             key_schema_json=self.key_schema_json,
