@@ -144,12 +144,17 @@ def combined_input(
     spec: ProcessorSpec,
     initial_state: DataFrame | None,
 ) -> DataFrame:
-    """Input rows (and initial-state rows) in one schema with kind and sequence columns."""
+    """Input rows (and initial-state rows) in one schema with kind and sequence columns;
+    the initial-state columns exist only in a batch that has initial state (batch 0)."""
     input_schema = batch_df.schema
-    initial_schema = initial_state.schema if initial_state is not None else StructType([])
+    initial_nulls = (
+        _typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX)
+        if initial_state is not None
+        else []
+    )
     inputs = batch_df.select(
         *[F.col(f"`{name}`") for name in spec.input_columns],
-        *_typed_nulls(initial_schema, list(spec.initial_columns), INITIAL_PREFIX),
+        *initial_nulls,
         F.lit(INPUT).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
     )

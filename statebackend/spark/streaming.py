@@ -27,6 +27,7 @@ plugs in at these points, marked in the code:
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -399,8 +400,10 @@ def transform_with_state(
     driver_handle = ProcessorHandle(
         time_mode=mode, catalog=catalog, parse_ddl=lambda ddl: _parse_struct(ddl, "state schema")
     )
-    processor.init(driver_handle)
-    processor.close()
+    # On a shallow copy, so the instance shipped to executors carries no driver-side states.
+    probe = copy.copy(processor)
+    probe.init(driver_handle)
+    probe.close()
     spec = ProcessorSpec(
         processor=processor,
         use_pandas=bool(use_pandas),

@@ -51,14 +51,14 @@ class ParityCase:
     use_pandas: bool = False
     time_mode: str = "None"
     output_mode: str = "Update"
+    watermark: tuple[str, str] | None = None
+    """(event-time column, delay) for ``withWatermark`` (EventTime mode)."""
 
 
 def _source(spark: SparkSession, case: ParityCase, input_dir: Path) -> DataFrame:
-    return (
-        spark.readStream.schema(case.input_schema)
-        .option("maxFilesPerTrigger", 1)
-        .json(str(input_dir))
-    )
+    df = spark.readStream.schema(case.input_schema).option("maxFilesPerTrigger", 1)
+    source = df.json(str(input_dir))
+    return source.withWatermark(*case.watermark) if case.watermark else source
 
 
 def _collector(rows: BatchRows) -> Any:

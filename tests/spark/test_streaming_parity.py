@@ -19,7 +19,7 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from tests.spark import streaming_parity
 from tests.spark.streaming_parity import ParityCase, run_parity
@@ -38,8 +38,10 @@ INPUT = StructType(
 OUTPUT = StructType(
     [
         StructField("user", StringType()),
-        StructField("a", LongType()),
-        StructField("b", LongType()),
+        StructField("count", LongType()),
+        StructField("total", LongType()),
+        StructField("listed", LongType()),
+        StructField("distinct", LongType()),
     ]
 )
 BATCHES = [
@@ -61,105 +63,118 @@ BATCHES = [
 ]
 
 
-class _Base(StatefulProcessor):
-    """Row or pandas plumbing around ``update(records) -> (a, b)`` over some state."""
+class AllStates(StatefulProcessor):
+    """Value state (count, total), list state (every amount) and map state (item ->
+    count), each declared its own way (DDL string, StructType); one row per key."""
 
     use_pandas = False
 
-    def update(self, records: list[dict[str, Any]]) -> tuple[int, int]:
-        raise NotImplementedError
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count_total = handle.getValueState("count_total", "count long, total long")
+        self.amounts = handle.getListState("amounts", StructType([StructField("v", LongType())]))
+        self.items = handle.getMapState("items", "item string", "n long")
+
+    def update(self, records: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+        count, total = self.count_total.get() or (0, 0)
+        count += len(records)
+        total += sum(int(r["amount"]) for r in records)
+        self.count_total.update((count, total))
+        self.amounts.appendList([(int(r["amount"]),) for r in records])
+        for r in records:
+            current = self.items.getValue((r["item"],))
+            self.items.updateValue((r["item"],), ((current[0] if current else 0) + 1,))
+        listed = sum(v for (v,) in self.amounts.get())
+        return count, total, listed, len(list(self.items.keys()))
 
     def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
         if self.use_pandas:
-            records = [r for df in rows for r in df.to_dict("records")]
-            a, b = self.update(records)
-            yield pd.DataFrame({"user": [key[0]], "a": [a], "b": [b]})
+            count, total, listed, distinct = self.update(
+                [r for df in rows for r in df.to_dict("records")]
+            )
+            yield pd.DataFrame(
+                {
+                    "user": [key[0]],
+                    "count": [count],
+                    "total": [total],
+                    "listed": [listed],
+                    "distinct": [distinct],
+                }
+            )
         else:
-            a, b = self.update([row.asDict() for row in rows])
-            yield Row(user=key[0], a=a, b=b)
+            values = self.update([row.asDict() for row in rows])
+            yield Row(
+                user=key[0], count=values[0], total=values[1], listed=values[2], distinct=values[3]
+            )
 
     def close(self) -> None:
         pass
 
 
-class CountSum(_Base):
-    """Value state: (count, sum of amounts) so far."""
+class PandasAllStates(AllStates):
+    """The same in pandas mode (transformWithStateInPandas)."""
 
-    def init(self, handle: StatefulProcessorHandle) -> None:
-        self.state = handle.getValueState("count_sum", "count long, total long")
-
-    def update(self, records: list[dict[str, Any]]) -> tuple[int, int]:
-        count, total = self.state.get() or (0, 0)
-        count += len(records)
-        total += sum(int(r["amount"]) for r in records)
-        self.state.update((count, total))
-        return count, total
+    use_pandas = True
 
 
-class AmountList(_Base):
-    """List state: every amount so far; (length, sum)."""
-
-    def init(self, handle: StatefulProcessorHandle) -> None:
-        self.state = handle.getListState("amounts", StructType([StructField("v", LongType())]))
-
-    def update(self, records: list[dict[str, Any]]) -> tuple[int, int]:
-        self.state.appendList([(int(r["amount"]),) for r in records])
-        amounts = [v for (v,) in self.state.get()]
-        return len(amounts), sum(amounts)
-
-
-class ItemCounts(_Base):
-    """Map state: item -> count; (distinct items, total count)."""
-
-    def init(self, handle: StatefulProcessorHandle) -> None:
-        self.state = handle.getMapState("items", "item string", "n long")
-
-    def update(self, records: list[dict[str, Any]]) -> tuple[int, int]:
-        for r in records:
-            current = self.state.getValue((r["item"],))
-            self.state.updateValue((r["item"],), ((current[0] if current else 0) + 1,))
-        counts = [n for (n,) in self.state.values()]
-        return len(counts), sum(counts)
-
-
-def _pandas(cls: type[_Base]) -> type[_Base]:
-    return type(f"Pandas{cls.__name__}", (cls,), {"use_pandas": True})
-
-
-def _expected(kind: str) -> Counter[tuple[int, tuple[Any, ...]]]:
+def _expected(batches: list[list[dict[str, Any]]]) -> Counter[tuple[int, tuple[Any, ...]]]:
     """Plain Python: per batch, one row per key that had input."""
     amounts: dict[str, list[int]] = {}
-    items: dict[str, Counter[str]] = {}
+    items: dict[str, set[str]] = {}
     out: Counter[tuple[int, tuple[Any, ...]]] = Counter()
-    for batch_id, batch in enumerate(BATCHES):
-        for user in sorted({r["user"] for r in batch}):
+    for batch_id, batch in enumerate(batches):
+        for user in {r["user"] for r in batch}:
             rows = [r for r in batch if r["user"] == user]
             amounts.setdefault(user, []).extend(r["amount"] for r in rows)
-            items.setdefault(user, Counter()).update(r["item"] for r in rows)
-            if kind == "map":
-                a, b = len(items[user]), sum(items[user].values())
-            else:
-                a, b = len(amounts[user]), sum(amounts[user])
-            out[(batch_id, (user, a, b))] += 1
+            items.setdefault(user, set()).update(r["item"] for r in rows)
+            total = sum(amounts[user])
+            out[(batch_id, (user, len(amounts[user]), total, total, len(items[user])))] += 1
     return out
 
 
-@pytest.mark.parametrize(
-    ("processor", "kind", "use_pandas"),
-    [
-        (CountSum, "value", False),
-        (_pandas(CountSum), "value", True),
-        (AmountList, "list", False),
-        (_pandas(ItemCounts), "map", True),
-        (ItemCounts, "map", False),
-    ],
-    ids=["value-row", "value-pandas", "list-row", "map-pandas", "map-row"],
-)
+@pytest.mark.parametrize("processor", [AllStates, PandasAllStates], ids=["row", "pandas"])
 def test_same_output_as_spark_per_batch(
-    spark_local: SparkSession, tmp_path: Path, processor: type, kind: str, use_pandas: bool
+    spark_local: SparkSession, tmp_path: Path, processor: type[AllStates]
 ) -> None:
-    case = ParityCase(INPUT, ["user"], processor, OUTPUT, use_pandas=use_pandas)
+    case = ParityCase(INPUT, ["user"], processor, OUTPUT, use_pandas=processor.use_pandas)
     theirs, ours = run_parity(spark_local, case, BATCHES, tmp_path)
-    expected = _expected(kind)
+    expected = _expected(BATCHES)
+    assert theirs == expected
+    assert ours == expected
+
+
+TIMED_INPUT = StructType([*INPUT.fields, StructField("ts", TimestampType())])
+
+
+def _at(second: int) -> str:
+    return f"2026-01-01T00:00:{second:02d}Z"
+
+
+def test_event_time_drops_late_rows_like_spark(spark_local: SparkSession, tmp_path: Path) -> None:
+    """Batch N drops rows at or below the watermark of batch N-1 (offsets/N-1)."""
+    batches = [
+        [
+            {"user": "a", "item": "x", "amount": 1, "ts": _at(10)},
+            {"user": "b", "item": "x", "amount": 2, "ts": _at(20)},
+        ],
+        [
+            {"user": "a", "item": "y", "amount": 3, "ts": _at(5)},  # on time: watermark 0
+            {"user": "c", "item": "x", "amount": 4, "ts": _at(30)},
+        ],
+        [
+            {"user": "a", "item": "z", "amount": 5, "ts": _at(20)},  # late: watermark 20 s
+            {"user": "b", "item": "y", "amount": 6, "ts": _at(21)},
+        ],
+    ]
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        AllStates,
+        OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", "0 seconds"),
+    )
+    theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    on_time = [batch if n != 2 else batch[1:] for n, batch in enumerate(batches)]
+    expected = _expected(on_time)
     assert theirs == expected
     assert ours == expected
