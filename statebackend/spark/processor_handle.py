@@ -19,7 +19,7 @@ backend's clock (``BatchClock``), as Spark computes expiry from the batch timest
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,6 +77,14 @@ class TimerService(Protocol):
     def processing_time_timers(self) -> Iterator[int]: ...
 
     def event_time_timers(self) -> Iterator[int]: ...
+
+    def advance_watermark(self, timestamp_ms: int, on_timer: Callable[[Any, int], None]) -> int:
+        """Fire event-time timers at or before ``timestamp_ms`` in ascending order."""
+
+    def advance_processing_time(
+        self, timestamp_ms: int, on_timer: Callable[[Any, int], None]
+    ) -> int:
+        """Fire processing-time timers at or before ``timestamp_ms`` in ascending order."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from statebackend.spark.processor_handle import (
     Phase,
     ProcessorHandle,
     SchemaCatalog,
+    TimerService,
 )
 
 KIND_COLUMN = "__sb_kind"
@@ -79,7 +80,8 @@ class ProcessorSpec:
 
 class KeyedFunctionProcessor(StatefulProcessor):
     """Runs our ``KeyedFunction`` as a StatefulProcessor: ``open`` in ``init`` (on
-    executors), ``process(key, rows, ctx)`` per key with the key's Rows as a list."""
+    executors), ``process(key, rows, ctx)`` per key with the key (a tuple of the key
+    columns) and its Rows as a list. ``ctx.subtask`` and ``ctx.batch_id`` are -1 here."""
 
     def __init__(self, function: KeyedFunction) -> None:
         self.function = function
@@ -253,7 +255,7 @@ def run_keyed_subtask(
     backend: KeyedStateBackend,
     times: BatchTimes,
     batches: Iterable[pa.RecordBatch],
-    timer_service: Any = None,
+    timer_service: TimerService | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Run one keyed subtask of one batch (see the module docstring); yield its output."""
     processor = spec.processor
@@ -295,7 +297,7 @@ def _fire_timers(
     spec: ProcessorSpec,
     backend: KeyedStateBackend,
     times: BatchTimes,
-    timer_service: Any,
+    timer_service: TimerService | None,
     emit: Callable[[Iterable[Any]], Iterator[pa.RecordBatch]],
 ) -> Iterator[pa.RecordBatch]:
     """Due timers in ascending expiry order, through ``handleExpiredTimer``."""
