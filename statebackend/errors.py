@@ -42,3 +42,16 @@ class CheckpointCancelledError(CheckpointError):
 
 class SourceError(StateBackendError):
     """Input could not be read (e.g. a malformed line in a source partition)."""
+
+
+class StatefulProcessorError(StateAccessError):
+    """A StatefulProcessor used its handle where Spark forbids it (wrong lifecycle phase or
+    time mode, an unusable TTL). ``error_class`` is the name Spark gives the same error."""
+
+    def __init__(self, error_class: str, message: str) -> None:
+        super().__init__(f"[{error_class}] {message}")
+        self.error_class = error_class
+
+
+class OutputSchemaError(StateBackendError):
+    """A processor's output does not fit the declared output schema (names the column)."""

@@ -8,14 +8,20 @@ serializer, re-encode with the new one: see ``migrate``), or not at all.
 
 from __future__ import annotations
 
+import calendar
+import datetime
+import decimal
 import json
+import numbers
 import pickle
 import struct
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any, ClassVar, Generic, TypeVar
 
-from statebackend.errors import IncompatibleStateError, SerializationError
+from statebackend.errors import ConfigurationError, IncompatibleStateError, SerializationError
 
 T = TypeVar("T")
 
@@ -278,6 +284,330 @@ class TupleSerializer(Serializer[tuple[Any, ...]]):
         return f"TupleSerializer({', '.join(map(repr, self.fields))})"
 
 
+_Encoder = Callable[[Any, list[bytes]], None]
+_Decoder = Callable[[memoryview, int], tuple[Any, int]]
+_EPOCH_DATE = datetime.date(1970, 1, 1)
+_FIXED_WIDTH_INTS = {"byte": "b", "short": "h", "integer": "i", "long": "q"}
+
+
+def _fixed(fmt: str, convert: Callable[[Any], Any]) -> tuple[_Encoder, _Decoder]:
+    packer = struct.Struct(">" + fmt)
+
+    def encode(value: Any, out: list[bytes]) -> None:
+        out.append(packer.pack(convert(value)))
+
+    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        return packer.unpack_from(view, position)[0], position + packer.size
+
+    return encode, decode
+
+
+def _integral(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{_describe(value)} is not an integer")
+    return int(value)
+
+
+def _real(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{_describe(value)} is not a number")
+    return float(value)
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{_describe(value)} is not a bool")
+    return value
+
+
+def _sized(
+    to_bytes: Callable[[Any], bytes], from_bytes: Callable[[bytes], Any]
+) -> tuple[_Encoder, _Decoder]:
+    def encode(value: Any, out: list[bytes]) -> None:
+        data = to_bytes(value)
+        out.append(_LENGTH.pack(len(data)))
+        out.append(data)
+
+    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        (length,) = _LENGTH.unpack_from(view, position)
+        start = position + _LENGTH.size
+        return from_bytes(bytes(view[start : start + length])), start + length
+
+    return encode, decode
+
+
+def _utf8(value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise TypeError(f"{_describe(value)} is not a str")
+    return value.encode("utf-8")
+
+
+def _binary(value: Any) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{_describe(value)} is not bytes")
+    return bytes(value)
+
+
+def _days(value: Any) -> int:
+    if isinstance(value, datetime.datetime) or not isinstance(value, datetime.date):
+        raise TypeError(f"{_describe(value)} is not a datetime.date")
+    return (value - _EPOCH_DATE).days
+
+
+def _micros(value: Any) -> int:
+    """Spark's internal timestamp: microseconds since the epoch (naive = local time)."""
+    if not isinstance(value, datetime.datetime):
+        raise TypeError(f"{_describe(value)} is not a datetime.datetime")
+    seconds = (
+        calendar.timegm(value.utctimetuple()) if value.tzinfo else time.mktime(value.timetuple())
+    )
+    return int(seconds) * 1_000_000 + value.microsecond
+
+
+def _from_micros(micros: int) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(micros // 1_000_000).replace(
+        microsecond=micros % 1_000_000
+    )
+
+
+def _ntz_micros(value: Any) -> int:
+    if not isinstance(value, datetime.datetime) or value.tzinfo is not None:
+        raise TypeError(f"{_describe(value)} is not a naive datetime.datetime")
+    return (value - datetime.datetime(1970, 1, 1)) // datetime.timedelta(microseconds=1)
+
+
+def _field_codec(data_type: Any) -> tuple[_Encoder, _Decoder]:
+    """Encoder and decoder of one value of a Spark data type (JSON form), without nulls."""
+    if isinstance(data_type, dict):
+        kind = data_type.get("type")
+        if kind == "struct":
+            return _struct_codec(data_type)
+        if kind == "array":
+            return _array_codec(data_type["elementType"])
+        if kind == "map":
+            return _map_codec(data_type["keyType"], data_type["valueType"])
+        raise ConfigurationError(f"Spark type {data_type} has no row-tuple encoding")
+    if data_type in _FIXED_WIDTH_INTS:
+        return _fixed(_FIXED_WIDTH_INTS[data_type], _integral)
+    if data_type == "double":
+        return _fixed("d", _real)
+    if data_type == "float":
+        return _fixed("f", _real)
+    if data_type == "boolean":
+        return _fixed("?", _boolean)
+    if data_type == "string":
+        return _sized(_utf8, lambda data: data.decode("utf-8"))
+    if data_type == "binary":
+        return _sized(_binary, bytes)
+    if data_type == "date":
+        encode, decode_days = _fixed("i", _days)
+        return encode, _mapped(decode_days, lambda days: _EPOCH_DATE + datetime.timedelta(days))
+    if data_type == "timestamp":
+        encode, decode_micros = _fixed("q", _micros)
+        return encode, _mapped(decode_micros, _from_micros)
+    if data_type == "timestamp_ntz":
+        encode, decode_micros = _fixed("q", _ntz_micros)
+        return encode, _mapped(
+            decode_micros,
+            lambda us: datetime.datetime(1970, 1, 1) + datetime.timedelta(microseconds=us),
+        )
+    if isinstance(data_type, str) and data_type.startswith("decimal"):
+        return _sized(
+            lambda value: str(decimal.Decimal(value)).encode("ascii"),
+            lambda data: decimal.Decimal(data.decode("ascii")),
+        )
+    raise ConfigurationError(
+        f"Spark type {data_type!r} has no row-tuple encoding: use a supported type "
+        f"(numbers, boolean, string, binary, date, timestamp, decimal, struct, array, map)"
+    )
+
+
+def _mapped(decode: _Decoder, convert: Callable[[Any], Any]) -> _Decoder:
+    def mapped(view: memoryview, position: int) -> tuple[Any, int]:
+        value, position = decode(view, position)
+        return convert(value), position
+
+    return mapped
+
+
+def _nullable(codec: tuple[_Encoder, _Decoder]) -> tuple[_Encoder, _Decoder]:
+    """One tag byte (0 = null, 1 = a value) before the value."""
+    inner_encode, inner_decode = codec
+
+    def encode(value: Any, out: list[bytes]) -> None:
+        if value is None:
+            out.append(b"\x00")
+        else:
+            out.append(b"\x01")
+            inner_encode(value, out)
+
+    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        if view[position] == 0:
+            return None, position + 1
+        return inner_decode(view, position + 1)
+
+    return encode, decode
+
+
+def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
+    fields = struct_type.get("fields", [])
+    names = [field["name"] for field in fields]
+    codecs = [_nullable(_field_codec(field["type"])) for field in fields]
+
+    def encode(value: Any, out: list[bytes]) -> None:
+        if isinstance(value, dict):
+            value = tuple(value.get(name) for name in names)
+        if not isinstance(value, (tuple, list)) or len(value) != len(codecs):
+            raise TypeError(f"{_describe(value)} is not a tuple of {len(codecs)} fields {names}")
+        for (field_encode, _), item in zip(codecs, value, strict=True):
+            field_encode(item, out)
+
+    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        items = []
+        for _, field_decode in codecs:
+            item, position = field_decode(view, position)
+            items.append(item)
+        return tuple(items), position
+
+    return encode, decode
+
+
+def _array_codec(element_type: Any) -> tuple[_Encoder, _Decoder]:
+    element_encode, element_decode = _nullable(_field_codec(element_type))
+
+    def encode(value: Any, out: list[bytes]) -> None:
+        if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+            raise TypeError(f"{_describe(value)} is not a list")
+        items = list(value)
+        out.append(_LENGTH.pack(len(items)))
+        for item in items:
+            element_encode(item, out)
+
+    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        (count,) = _LENGTH.unpack_from(view, position)
+        position += _LENGTH.size
+        items = []
+        for _ in range(count):
+            item, position = element_decode(view, position)
+            items.append(item)
+        return items, position
+
+    return encode, decode
+
+
+def _map_codec(key_type: Any, value_type: Any) -> tuple[_Encoder, _Decoder]:
+    key_encode, key_decode = _field_codec(key_type)
+    value_encode, value_decode = _nullable(_field_codec(value_type))
+
+    def encode(value: Any, out: list[bytes]) -> None:
+        if not isinstance(value, dict):
+            raise TypeError(f"{_describe(value)} is not a dict")
+        out.append(_LENGTH.pack(len(value)))
+        # Sorted by encoded key, so that equal maps have equal bytes.
+        entries = []
+        for key, item in value.items():
+            key_parts: list[bytes] = []
+            key_encode(key, key_parts)
+            entries.append((b"".join(key_parts), item))
+        for key_bytes, item in sorted(entries, key=lambda entry: entry[0]):
+            out.append(key_bytes)
+            value_encode(item, out)
+
+    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        (count,) = _LENGTH.unpack_from(view, position)
+        position += _LENGTH.size
+        result = {}
+        for _ in range(count):
+            key, position = key_decode(view, position)
+            result[key], position = value_decode(view, position)
+        return result, position
+
+    return encode, decode
+
+
+def _parse_struct(schema_json: str) -> dict[str, Any]:
+    try:
+        schema = json.loads(schema_json)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"row-tuple schema {_describe(schema_json)} is not JSON: give StructType.json()"
+        ) from exc
+    if not isinstance(schema, dict) or schema.get("type") != "struct":
+        raise ConfigurationError(
+            f"row-tuple schema {_describe(schema_json)} is not a struct: give StructType.json()"
+        )
+    return schema
+
+
+def _schema_identity(schema: dict[str, Any]) -> list[Any]:
+    """What decides the bytes: field names, types and nullability (not field metadata)."""
+
+    def of_type(data_type: Any) -> Any:
+        if not isinstance(data_type, dict):
+            return data_type
+        if data_type.get("type") == "struct":
+            return {"struct": _schema_identity(data_type)}
+        if data_type.get("type") == "array":
+            return {"array": of_type(data_type["elementType"])}
+        if data_type.get("type") == "map":
+            return {"map": [of_type(data_type["keyType"]), of_type(data_type["valueType"])]}
+        return data_type
+
+    return [
+        [field["name"], of_type(field["type"]), bool(field.get("nullable", True))]
+        for field in schema.get("fields", [])
+    ]
+
+
+class RowTupleSerializer(Serializer[tuple[Any, ...]]):
+    """Tuples of a Spark schema's fields (``StructType.json()``), compactly, without pickle.
+
+    Every field is a tag byte (null or not) then its value: integers in their Spark width
+    big-endian, floats as IEEE-754, strings and binaries length-prefixed, dates as days and
+    timestamps as microseconds since the epoch, structs as nested tuples, arrays as lists,
+    maps as dicts. A tuple, list, ``Row`` or dict (by field name) is accepted; decoding
+    gives a tuple. The schema (names, types, nullability) is part of ``config()``: state
+    written with another schema is incompatible, never silently reinterpreted.
+    """
+
+    identity = "row-tuple"
+
+    def __init__(self, schema_json: str) -> None:
+        schema = _parse_struct(schema_json)
+        self.schema_json = schema_json
+        self.field_names = [field["name"] for field in schema.get("fields", [])]
+        self._schema = _schema_identity(schema)
+        self._encode_struct, self._decode_struct = _struct_codec(schema)
+
+    def _encode(self, value: tuple[Any, ...]) -> bytes:
+        parts: list[bytes] = []
+        self._encode_struct(value, parts)
+        return b"".join(parts)
+
+    def _decode(self, data: bytes) -> tuple[Any, ...]:
+        view = memoryview(data)
+        value, position = self._decode_struct(view, 0)
+        if position != len(view):
+            raise ValueError("trailing bytes after the last field")
+        return tuple(value)
+
+    def config(self) -> SerializerConfig:
+        return {**super().config(), "schema": self._schema, "schema_json": self.schema_json}
+
+    def compatibility_with(self, stored: SerializerConfig) -> Compatibility:
+        same = (stored.get("identity"), stored.get("version"), stored.get("schema"))
+        if same == (self.identity, self.version, self._schema):
+            return Compatibility.COMPATIBLE_AS_IS
+        return Compatibility.INCOMPATIBLE
+
+    @classmethod
+    def from_config(cls, config: SerializerConfig) -> RowTupleSerializer:
+        return cls(str(config["schema_json"]))
+
+    def __repr__(self) -> str:
+        return f"RowTupleSerializer({self.field_names})"
+
+
 _REGISTRY: dict[str, type[Serializer[Any]]] = {
     cls.identity: cls
     for cls in (
@@ -289,6 +619,7 @@ _REGISTRY: dict[str, type[Serializer[Any]]] = {
         JsonSerializer,
         PickleSerializer,
         TupleSerializer,
+        RowTupleSerializer,
     )
 }
 

@@ -81,6 +81,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
     "checkpoint.max-retries": ("max_retries", _positive_int),
     "max-parallelism": ("max_parallelism", _optional_int),
+    "parallelism": ("parallelism", _optional_int),
     "local.dir": ("local_dir", _text),
     "transfer.threads": ("transfer_threads", _positive_int),
     "compression": ("compression", _choice(CODECS)),
@@ -108,6 +109,7 @@ class StateBackendConf:
     upload_stall_seconds: float = 30.0
     max_retries: int = 3
     max_parallelism: int | None = None
+    parallelism: int | None = None
     local_dir: str = field(default_factory=default_local_dir)
     transfer_threads: int = DEFAULT_TRANSFER_THREADS
     compression: str = "lz4"

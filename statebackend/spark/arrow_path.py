@@ -1,0 +1,215 @@
+"""The Arrow data path of one micro-batch, from Spark to our keyed subtasks and back.
+
+``keyed_output`` turns a batch's input (and, in batch 0, the initial state) into the
+output DataFrame of the processor:
+
+1. input and initial-state rows share one schema (initial-state columns prefixed
+   ``__sb_init_``) with a kind and an arrival sequence number;
+2. ``mapInArrow`` adds each row's key group and keyed subtask: the key group is
+   ``assign_to_key_group`` of the key serializer's (``RowTupleSerializer`` of the key
+   columns) bytes, exactly as the backend computes it, vectorised (``arrow_keys``);
+3. one control row per subtask is added, so that a subtask without input still runs
+   (its timers fire);
+4. ``repartitionById(P, subtask)`` (Spark >= 4.1): partition id == subtask;
+   ``sortWithinPartitions`` by (key group, key, kind, sequence);
+5. ``mapInArrow(keyed task)``: the subtask opens its local RocksDB, runs the processor
+   (``processor_runner.run_keyed_subtask``) and yields the output as Arrow batches.
+
+No record is pickled on the way: rows cross the JVM/Python boundary as Arrow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
+
+from statebackend.errors import StateBackendError
+from statebackend.serializers import RowTupleSerializer
+from statebackend.spark.arrow_keys import key_groups
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.processor_handle import BatchClock, BatchTimes
+from statebackend.spark.processor_runner import (
+    CONTROL,
+    INITIAL,
+    INITIAL_PREFIX,
+    INPUT,
+    KEY_GROUP_COLUMN,
+    KIND_COLUMN,
+    SEQUENCE_COLUMN,
+    SUBTASK_COLUMN,
+    ProcessorSpec,
+    run_keyed_subtask,
+)
+from statebackend.spark.tasks import StorageSpec
+
+OPERATOR_ID = "transform-with-state"
+
+
+@dataclass(frozen=True)
+class KeyedBatchPlan:
+    """What the keyed subtasks of one batch need, shipped to the executors."""
+
+    spec: ProcessorSpec
+    key_schema_json: str
+    parallelism: int
+    max_parallelism: int
+    batch_id: int
+    times: BatchTimes
+    version: LocalVersion
+    storage: StorageSpec
+    local_dir: str
+
+
+def _key_groups(
+    key_columns: tuple[str, ...], key_schema_json: str, parallelism: int, max_parallelism: int
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A mapInArrow function appending each row's key group and keyed subtask."""
+
+    def assign(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            groups = key_groups(batch, key_columns, key_schema_json, max_parallelism)
+            # compute_operator_index_for_key_group, vectorised
+            subtasks = groups * parallelism // max_parallelism
+            yield pa.RecordBatch.from_arrays(
+                [*batch.columns, pa.array(groups, pa.int32()), pa.array(subtasks, pa.int32())],
+                names=[*batch.schema.names, KEY_GROUP_COLUMN, SUBTASK_COLUMN],
+            )
+
+    return assign
+
+
+def _keyed_task(
+    plan: KeyedBatchPlan,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The mapInArrow function of the keyed subtasks."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        batches = (batch for batch in batches if batch.num_rows)
+        first = next(batches, None)
+        if first is None:
+            raise StateBackendError(
+                "a keyed subtask got no control row: the shuffle lost rows; retry the batch"
+            )
+        subtask = int(first.column(SUBTASK_COLUMN)[0].as_py())
+        context = TaskContext.get()
+        if context is not None and context.partitionId() != subtask:
+            raise StateBackendError(
+                f"partition {context.partitionId()} got the rows of subtask {subtask}: "
+                f"repartitionById must map subtask i to partition i (Spark >= 4.1)"
+            )
+        root = Path(plan.local_dir) / plan.storage.job_id / OPERATOR_ID
+        key_serializer = RowTupleSerializer(plan.key_schema_json)
+        with LocalKeyedState(
+            root,
+            subtask,
+            plan.version,
+            plan.storage.open(),
+            OPERATOR_ID,
+            key_serializer,
+            "rocksdb",
+        ) as local:
+            backend = local.backend
+            assert backend is not None
+            backend.clock = BatchClock(plan.times.batch_timestamp_ms)
+            # The backend's timer service comes with the timers work (statebackend/state/
+            # timers.py); until it is merged, a backend without one refuses timer calls.
+            timers = None
+            if plan.spec.time_mode != "None":
+                timers = getattr(backend, "timer_service", None)
+            yield from run_keyed_subtask(
+                plan.spec, backend, plan.times, chain([first], batches), timers
+            )
+            # Plug-in point of the changelog protocol: write changelog/N and the staged
+            # outputs durably here, and return a metadata row for the commit manifest.
+            local.commit(plan.batch_id)
+
+    return run
+
+
+def _typed_nulls(schema: StructType, names: list[str], prefix: str = "") -> list[Any]:
+    fields = {field.name: field for field in schema.fields}
+    return [F.lit(None).cast(fields[name].dataType).alias(prefix + name) for name in names]
+
+
+def combined_input(
+    batch_df: DataFrame,
+    spec: ProcessorSpec,
+    initial_state: DataFrame | None,
+) -> DataFrame:
+    """Input rows (and initial-state rows) in one schema with kind and sequence columns;
+    the initial-state columns exist only in a batch that has initial state (batch 0)."""
+    input_schema = batch_df.schema
+    initial_nulls = (
+        _typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX)
+        if initial_state is not None
+        else []
+    )
+    inputs = batch_df.select(
+        *[F.col(f"`{name}`") for name in spec.input_columns],
+        *initial_nulls,
+        F.lit(INPUT).cast(ByteType()).alias(KIND_COLUMN),
+        F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
+    )
+    if initial_state is None:
+        return inputs
+    key_types = {field.name: field.dataType for field in input_schema.fields}
+    others = [name for name in spec.input_columns if name not in spec.key_columns]
+    initial = initial_state.select(
+        *[F.col(f"`{name}`").cast(key_types[name]).alias(name) for name in spec.key_columns],
+        *_typed_nulls(input_schema, others),
+        *[F.col(f"`{name}`").alias(INITIAL_PREFIX + name) for name in spec.initial_columns],
+        F.lit(INITIAL).cast(ByteType()).alias(KIND_COLUMN),
+        F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
+    )
+    return inputs.unionByName(initial)
+
+
+def keyed_output(
+    combined: DataFrame,
+    plan: KeyedBatchPlan,
+) -> DataFrame:
+    """The processor's output DataFrame for one batch (see the module docstring)."""
+    spec = plan.spec
+    with_groups_schema = StructType(
+        [
+            *combined.schema.fields,
+            StructField(KEY_GROUP_COLUMN, IntegerType(), False),
+            StructField(SUBTASK_COLUMN, IntegerType(), False),
+        ]
+    )
+    routed = combined.mapInArrow(
+        _key_groups(spec.key_columns, plan.key_schema_json, plan.parallelism, plan.max_parallelism),
+        with_groups_schema,
+    )
+    session = combined.sparkSession
+    control = session.range(plan.parallelism).select(
+        *[
+            F.lit(None).cast(field.dataType).alias(field.name)
+            for field in combined.schema.fields
+            if field.name not in (KIND_COLUMN, SEQUENCE_COLUMN)
+        ],
+        F.lit(CONTROL).cast(ByteType()).alias(KIND_COLUMN),
+        F.lit(0).cast(LongType()).alias(SEQUENCE_COLUMN),
+        F.lit(-1).cast(IntegerType()).alias(KEY_GROUP_COLUMN),
+        F.col("id").cast(IntegerType()).alias(SUBTASK_COLUMN),
+    )
+    shuffled = (
+        routed.unionByName(control)
+        .repartitionById(plan.parallelism, F.col(SUBTASK_COLUMN))
+        .sortWithinPartitions(
+            KEY_GROUP_COLUMN,
+            *[F.col(f"`{name}`") for name in spec.key_columns],
+            KIND_COLUMN,
+            SEQUENCE_COLUMN,
+        )
+    )
+    return shuffled.mapInArrow(_keyed_task(plan), spec.output_schema)

@@ -1,0 +1,486 @@
+"""Spark's ``StatefulProcessorHandle`` over our keyed state backend.
+
+An unmodified ``pyspark.sql.streaming.StatefulProcessor`` gets a ``ProcessorHandle``:
+``getValueState``/``getListState``/``getMapState`` register states in the subtask's
+``KeyedStateBackend`` (values are tuples of the declared schema, encoded by
+``RowTupleSerializer``, never pickled), ``registerTimer``/``deleteTimer``/``listTimers``
+act on the backend's timer service, and the handle enforces Spark's lifecycle: states are
+declared in ``init`` only, timers are used while rows or timers are handled and never in
+time mode None. Each call acts on the key the runner made current.
+
+DDL schema strings need a JVM to parse, which executors' Python workers lack: like
+Spark's PRE_INIT phase, the driver runs ``init`` once with a ``ProcessorHandle`` in
+phase PRE_INIT, which records every schema it is given, and ships the parsed schemas
+(``SchemaCatalog``) to the executors.
+
+TTL (``ttlDurationMs``) maps to our ``StateTtlConfig``, with the batch timestamp as the
+backend's clock (``BatchClock``), as Spark computes expiry from the batch timestamp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pyspark.sql.streaming.stateful_processor import ListState as SparkListState
+from pyspark.sql.streaming.stateful_processor import MapState as SparkMapState
+from pyspark.sql.streaming.stateful_processor import StatefulProcessorHandle, TimerValues
+from pyspark.sql.streaming.stateful_processor import ValueState as SparkValueState
+from pyspark.sql.streaming.stateful_processor_api_client import StatefulProcessorHandleState
+from pyspark.sql.types import StructType
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.errors import ConfigurationError, IncompatibleStateError, StatefulProcessorError
+from statebackend.serializers import RowTupleSerializer, serializer_from_config
+from statebackend.state.descriptors import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    StateDescriptor,
+    StateKind,
+    ValueStateDescriptor,
+)
+from statebackend.state.interfaces import ListState, MapState, ValueState
+from statebackend.state.ttl import StateTtlConfig
+
+Phase = StatefulProcessorHandleState
+"""The handle's lifecycle phase: Spark's own enum (PRE_INIT, CREATED = in ``init``,
+INITIALIZED = handling rows, DATA_PROCESSED = handling timers, TIMER_PROCESSED, CLOSED)."""
+
+TIME_MODES = {"none": "None", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
+"""Spark's time modes, by their case-insensitive spelling."""
+
+
+def parse_time_mode(time_mode: object) -> str:
+    """The canonical spelling of a time mode ("None", "ProcessingTime", "EventTime");
+    ConfigurationError for anything else."""
+    canonical = TIME_MODES.get(str(time_mode).lower()) if isinstance(time_mode, str) else None
+    if canonical is None:
+        raise ConfigurationError(
+            f"time_mode {time_mode!r} is invalid: choose one of {list(TIME_MODES.values())}"
+        )
+    return canonical
+
+
+class TimerService(Protocol):
+    """The per-backend timer service the ``timers`` work provides (Flink's
+    InternalTimerService); its calls act on the backend's current key."""
+
+    def register_processing_time_timer(self, timestamp_ms: int) -> None: ...
+
+    def register_event_time_timer(self, timestamp_ms: int) -> None: ...
+
+    def delete_processing_time_timer(self, timestamp_ms: int) -> None: ...
+
+    def delete_event_time_timer(self, timestamp_ms: int) -> None: ...
+
+    def processing_time_timers(self) -> Iterator[int]: ...
+
+    def event_time_timers(self) -> Iterator[int]: ...
+
+    def advance_watermark(self, timestamp_ms: int, on_timer: Callable[[Any, int], None]) -> int:
+        """Fire event-time timers at or before ``timestamp_ms`` in ascending order."""
+
+    def advance_processing_time(
+        self, timestamp_ms: int, on_timer: Callable[[Any, int], None]
+    ) -> int:
+        """Fire processing-time timers at or before ``timestamp_ms`` in ascending order."""
+
+
+@dataclass(frozen=True)
+class BatchTimes:
+    """A micro-batch's clock, as Spark's ``offsets/N`` records it (ms since the epoch):
+    the batch timestamp, the watermark that drops late rows (the previous batch's) and
+    the watermark that fires event-time timers (this batch's)."""
+
+    batch_timestamp_ms: int
+    late_events_watermark_ms: int = 0
+    eviction_watermark_ms: int = 0
+
+    def timer_values(self, time_mode: str) -> TimerValues:
+        """What the processor sees as ``TimerValues`` in ``time_mode`` (-1 when unset)."""
+        if time_mode == "None":
+            return TimerValues(-1, -1)
+        if time_mode == "ProcessingTime":
+            return TimerValues(self.batch_timestamp_ms, -1)
+        return TimerValues(self.batch_timestamp_ms, self.eviction_watermark_ms)
+
+
+class BatchClock:
+    """The backend's clock (seconds) during a batch: the batch timestamp, so that TTL
+    expiry follows Spark's batch time rather than the wall clock."""
+
+    def __init__(self, timestamp_ms: int = 0) -> None:
+        self.timestamp_ms = timestamp_ms
+
+    def __call__(self) -> float:
+        return self.timestamp_ms / 1000.0
+
+
+@dataclass
+class SchemaCatalog:
+    """Schemas the driver parsed for the processor: DDL string -> ``StructType.json()``."""
+
+    parsed: dict[str, str] = field(default_factory=dict)
+
+    def record(self, schema: StructType | str, parse: Any) -> str:
+        """The JSON of ``schema``; a DDL string is parsed with ``parse`` and remembered."""
+        if isinstance(schema, StructType):
+            return str(schema.json())
+        if not isinstance(schema, str):
+            raise ConfigurationError(
+                f"state schema {schema!r} is invalid: give a StructType or a DDL string"
+            )
+        if schema not in self.parsed:
+            parsed = parse(schema)
+            if not isinstance(parsed, StructType):
+                raise ConfigurationError(
+                    f"state schema {schema!r} is not a struct: write it as 'name type, ...'"
+                )
+            self.parsed[schema] = str(parsed.json())
+        return self.parsed[schema]
+
+    def lookup(self, schema: StructType | str) -> str:
+        """The JSON of ``schema`` on an executor (DDL strings only if seen in PRE_INIT)."""
+        if isinstance(schema, StructType):
+            return str(schema.json())
+        found = self.parsed.get(schema) if isinstance(schema, str) else None
+        if found is None:
+            raise ConfigurationError(
+                f"state schema {schema!r} was not declared when init() ran on the driver: "
+                f"declare every state in init() with the same schema on every call"
+            )
+        return found
+
+
+def _plain(value: Any) -> Any:
+    """A state value with numpy/pandas scalars turned into Python ones (as Spark does)."""
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        items = [_plain(item) for item in value]
+        return items if type(value) is list else tuple(items)
+    if type(value).__module__.startswith(("numpy", "pandas")):
+        for convert in ("to_pydatetime", "to_pytimedelta", "item"):
+            if hasattr(value, convert):
+                return getattr(value, convert)()
+    return value
+
+
+def _row_tuple(value: Any) -> tuple[Any, ...]:
+    plain = _plain(value)
+    return tuple(plain) if isinstance(plain, (tuple, list)) else plain
+
+
+class _StateVariable:
+    """What the three state kinds share: the handle (phase checks) and the backend state."""
+
+    def __init__(self, handle: ProcessorHandle, name: str, state: Any) -> None:
+        self._handle = handle
+        self._name = name
+        self._state = state
+
+    def _use(self, operation: str) -> Any:
+        if self._state is None or self._handle.phase in (Phase.PRE_INIT, Phase.CLOSED):
+            raise StatefulProcessorError(
+                "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE",
+                f"Failed to perform stateful processor operation={operation} with invalid "
+                f"handle state={self._handle.phase.name}: use state {self._name!r} in "
+                f"handleInputRows, handleExpiredTimer or handleInitialState",
+            )
+        return self._state
+
+
+class ProcessorValueState(_StateVariable, SparkValueState):
+    """Spark's ValueState over our ValueState: one tuple per key."""
+
+    def exists(self) -> bool:
+        """Whether the current key has a value."""
+        state: ValueState = self._use("exists")
+        return state.value() is not None
+
+    def get(self) -> tuple[Any, ...] | None:
+        """The current key's tuple, or None."""
+        state: ValueState = self._use("get")
+        return state.value()
+
+    def update(self, newValue: tuple[Any, ...]) -> None:
+        """Set the current key's tuple."""
+        state: ValueState = self._use("update")
+        state.update(_row_tuple(newValue))
+
+    def clear(self) -> None:
+        """Remove the current key's value."""
+        self._use("clear").clear()
+
+
+class ProcessorListState(_StateVariable, SparkListState):
+    """Spark's ListState over our ListState: a list of tuples per key."""
+
+    def exists(self) -> bool:
+        """Whether the current key's list has elements."""
+        state: ListState = self._use("exists")
+        return bool(state.get())
+
+    def get(self) -> Iterator[tuple[Any, ...]]:
+        """The current key's tuples, in order."""
+        state: ListState = self._use("get")
+        return iter(state.get())
+
+    def put(self, newState: list[tuple[Any, ...]]) -> None:
+        """Replace the current key's list."""
+        state: ListState = self._use("put")
+        state.update([_row_tuple(value) for value in newState])
+
+    def appendValue(self, newState: tuple[Any, ...]) -> None:
+        """Append one tuple."""
+        state: ListState = self._use("append_value")
+        state.add(_row_tuple(newState))
+
+    def appendList(self, newState: list[tuple[Any, ...]]) -> None:
+        """Append tuples in order."""
+        state: ListState = self._use("append_list")
+        state.add_all([_row_tuple(value) for value in newState])
+
+    def clear(self) -> None:
+        """Remove the current key's list."""
+        self._use("clear").clear()
+
+
+class ProcessorMapState(_StateVariable, SparkMapState):
+    """Spark's MapState over our MapState: tuple user keys to tuple values, per key."""
+
+    def exists(self) -> bool:
+        """Whether the current key's map has entries."""
+        state: MapState = self._use("exists")
+        return not state.is_empty()
+
+    def getValue(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The tuple under user key ``key``, or None."""
+        state: MapState = self._use("get_value")
+        return state.get(_row_tuple(key))
+
+    def containsKey(self, key: tuple[Any, ...]) -> bool:
+        """Whether user key ``key`` has a value."""
+        state: MapState = self._use("contains_key")
+        return state.contains(_row_tuple(key))
+
+    def updateValue(self, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
+        """Set the value under user key ``key``."""
+        state: MapState = self._use("update_value")
+        state.put(_row_tuple(key), _row_tuple(value))
+
+    def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+        """The (user key, value) pairs."""
+        state: MapState = self._use("iterator")
+        return state.items()
+
+    def keys(self) -> Iterator[tuple[Any, ...]]:
+        """The user keys."""
+        state: MapState = self._use("keys")
+        return state.keys()
+
+    def values(self) -> Iterator[tuple[Any, ...]]:
+        """The values."""
+        state: MapState = self._use("values")
+        return state.values()
+
+    def removeKey(self, key: tuple[Any, ...]) -> None:
+        """Remove user key ``key``."""
+        state: MapState = self._use("remove_key")
+        state.remove(_row_tuple(key))
+
+    def clear(self) -> None:
+        """Remove the current key's map."""
+        self._use("clear").clear()
+
+
+class ProcessorHandle(StatefulProcessorHandle):
+    """Spark's StatefulProcessorHandle over one keyed subtask's backend.
+
+    ``backend`` is None only in PRE_INIT (the driver's schema-collecting ``init``), where
+    ``parse_ddl`` parses DDL strings into the ``catalog``; on executors the catalog
+    resolves them. ``timers`` is the backend's timer service (None: timers unavailable).
+    """
+
+    def __init__(
+        self,
+        *,
+        time_mode: str,
+        catalog: SchemaCatalog,
+        backend: KeyedStateBackend | None = None,
+        timers: TimerService | None = None,
+        parse_ddl: Any = None,
+    ) -> None:
+        self.time_mode = parse_time_mode(time_mode)
+        self.catalog = catalog
+        self.backend = backend
+        self.timers = timers
+        self._parse_ddl = parse_ddl
+        self.phase = Phase.PRE_INIT if backend is None else Phase.CREATED
+
+    # -- states ---------------------------------------------------------------------------
+
+    def _schema(self, schema: StructType | str) -> RowTupleSerializer:
+        if self.phase is Phase.PRE_INIT:
+            return RowTupleSerializer(self.catalog.record(schema, self._parse_ddl))
+        return RowTupleSerializer(self.catalog.lookup(schema))
+
+    def _check_declaration(self, operation: str, name: str) -> None:
+        if self.phase not in (Phase.PRE_INIT, Phase.CREATED):
+            raise StatefulProcessorError(
+                "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE",
+                f"Failed to perform stateful processor operation={operation} with invalid "
+                f"handle state={self.phase.name}: declare state {name!r} in init()",
+            )
+
+    def _ttl(self, name: str, ttl_duration_ms: int | None) -> StateTtlConfig | None:
+        if ttl_duration_ms is None:
+            return None
+        if self.time_mode == "None":
+            raise StatefulProcessorError(
+                "STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL",
+                f"Cannot use TTL for state={name} in timeMode=None, use "
+                f"TimeMode.ProcessingTime() instead",
+            )
+        if not isinstance(ttl_duration_ms, int) or ttl_duration_ms <= 0:
+            raise StatefulProcessorError(
+                "STATEFUL_PROCESSOR_TTL_DURATION_MUST_BE_POSITIVE",
+                f"TTL duration must be greater than zero for State store operation=get_state "
+                f"on state={name}: give ttlDurationMs > 0 or None",
+            )
+        return StateTtlConfig(ttl_duration_ms / 1000.0)
+
+    def _register(self, descriptor: StateDescriptor) -> Any:
+        if self.backend is None:
+            return None
+        state = self.backend.get_state(descriptor)
+        registered = getattr(state, "descriptor", descriptor)
+        if registered.serializer_configs() != descriptor.serializer_configs():
+            raise IncompatibleStateError(
+                f"state {descriptor.name!r} is already declared with schema "
+                f"{registered.serializer_configs()}: declare it with one schema only"
+            )
+        return state
+
+    def getValueState(
+        self, stateName: str, schema: StructType | str, ttlDurationMs: int | None = None
+    ) -> ProcessorValueState:
+        """Declare (in ``init``) a value state holding tuples of ``schema``."""
+        self._check_declaration("get_value_state", stateName)
+        descriptor = ValueStateDescriptor(
+            stateName, self._schema(schema), ttl=self._ttl(stateName, ttlDurationMs)
+        )
+        return ProcessorValueState(self, stateName, self._register(descriptor))
+
+    def getListState(
+        self, stateName: str, schema: StructType | str, ttlDurationMs: int | None = None
+    ) -> ProcessorListState:
+        """Declare (in ``init``) a list state of tuples of ``schema``."""
+        self._check_declaration("get_list_state", stateName)
+        descriptor = ListStateDescriptor(
+            stateName, self._schema(schema), ttl=self._ttl(stateName, ttlDurationMs)
+        )
+        return ProcessorListState(self, stateName, self._register(descriptor))
+
+    def getMapState(
+        self,
+        stateName: str,
+        userKeySchema: StructType | str,
+        valueSchema: StructType | str,
+        ttlDurationMs: int | None = None,
+    ) -> ProcessorMapState:
+        """Declare (in ``init``) a map state from ``userKeySchema`` to ``valueSchema`` tuples."""
+        self._check_declaration("get_map_state", stateName)
+        descriptor = MapStateDescriptor(
+            stateName,
+            self._schema(userKeySchema),
+            self._schema(valueSchema),
+            ttl=self._ttl(stateName, ttlDurationMs),
+        )
+        return ProcessorMapState(self, stateName, self._register(descriptor))
+
+    def deleteIfExists(self, stateName: str) -> None:
+        """Remove state ``stateName`` for every key (in ``init``), if it exists."""
+        self._check_declaration("delete_if_exists", stateName)
+        backend = self.backend
+        if backend is None:
+            return
+        meta = next((m for m in backend.state_meta() if m.name == stateName), None)
+        if meta is None:
+            return
+        state = backend.get_state(_descriptor_of_stored(meta.name, meta.kind, meta.serializers))
+        for key in list(backend.keys(stateName)):
+            backend.set_current_key(key)
+            state.clear()
+
+    # -- timers ---------------------------------------------------------------------------
+
+    def _timer_service(self, operation: str) -> TimerService:
+        if self.time_mode == "None":
+            raise StatefulProcessorError(
+                "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_TIME_MODE",
+                f"Failed to perform stateful processor operation={operation} with invalid "
+                f"timeMode=None: run with time_mode 'ProcessingTime' or 'EventTime'",
+            )
+        if self.phase not in (Phase.INITIALIZED, Phase.DATA_PROCESSED):
+            raise StatefulProcessorError(
+                "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE",
+                f"Failed to perform stateful processor operation={operation} with invalid "
+                f"handle state={self.phase.name}: use timers in handleInputRows, "
+                f"handleExpiredTimer or handleInitialState",
+            )
+        if self.timers is None:
+            raise ConfigurationError(
+                f"{operation}: this keyed state backend has no timer service: use a "
+                f"statebackend build with timers"
+            )
+        return self.timers
+
+    def registerTimer(self, expiryTimestampMs: int) -> None:
+        """Register a timer of the current key at ``expiryTimestampMs``."""
+        timers = self._timer_service("register_timer")
+        if self.time_mode == "ProcessingTime":
+            timers.register_processing_time_timer(int(expiryTimestampMs))
+        else:
+            timers.register_event_time_timer(int(expiryTimestampMs))
+
+    def deleteTimer(self, expiryTimestampMs: int) -> None:
+        """Delete the current key's timer at ``expiryTimestampMs`` (if any)."""
+        timers = self._timer_service("delete_timer")
+        if self.time_mode == "ProcessingTime":
+            timers.delete_processing_time_timer(int(expiryTimestampMs))
+        else:
+            timers.delete_event_time_timer(int(expiryTimestampMs))
+
+    def listTimers(self) -> Iterator[int]:
+        """The current key's timer timestamps, ascending."""
+        timers = self._timer_service("list_timers")
+        if self.time_mode == "ProcessingTime":
+            return iter(sorted(timers.processing_time_timers()))
+        return iter(sorted(timers.event_time_timers()))
+
+
+def _descriptor_of_stored(name: str, kind: StateKind, serializers: dict[str, Any]) -> Any:
+    """A descriptor that takes over stored state as it is (to clear it)."""
+    value = serializers["value"]
+    ttl = None
+    if value.get("identity") == "ttl":
+        value, ttl = value["inner"], StateTtlConfig(1.0)
+    value_serializer = serializer_from_config(value)
+    if kind is StateKind.MAP:
+        key_serializer = serializer_from_config(serializers["user_key"])
+        return MapStateDescriptor(name, key_serializer, value_serializer, ttl=ttl)
+    if kind is StateKind.LIST:
+        return ListStateDescriptor(name, value_serializer, ttl=ttl)
+    return ValueStateDescriptor(name, value_serializer, ttl=ttl)
+
+
+__all__ = [
+    "BatchClock",
+    "BatchTimes",
+    "Phase",
+    "ProcessorHandle",
+    "SchemaCatalog",
+    "TimerService",
+]

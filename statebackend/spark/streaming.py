@@ -1,0 +1,427 @@
+"""``transform_with_state``: Spark's transformWithState on our keyed state backend.
+
+    stateful = transform_with_state(df, key_by="user", processor=MyProcessor(),
+                                    output_schema=schema, job_id="user-totals")
+    query = stateful.writeStream.format("parquet").option("path", out) \\
+        .option("checkpointLocation", spark_ckpt).start()
+
+An unmodified ``pyspark.sql.streaming.StatefulProcessor`` (or our ``KeyedFunction``)
+runs over a RocksDB per keyed subtask instead of Spark's state store: every micro-batch
+goes through ``foreachBatch``, where ``arrow_path.keyed_output`` shuffles its rows by key
+group to P keyed subtasks over Arrow and runs the processor there. Arguments are checked
+up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
+PRE_INIT) to parse the states' DDL schemas.
+
+Durability (NOT YET): state lives in an executor-local RocksDB per (job, subtask) under
+``spark.statebackend.local.dir``, reused from batch to batch of one query run. A new run
+starts empty; a lost executor or a retried task fails the query (StaleLocalStateError).
+The changelog/commit protocol of DESIGN.md ("Structured Streaming and the changelog")
+plugs in at these points, marked in the code:
+- ``_StatefulQuery.start``: bind the Spark ``checkpointLocation`` and our job directory;
+- ``run_batch``: reconcile with our newest manifest (re-publish a committed batch), read
+  times from ``offsets/N`` (done: ``read_batch_times``), write manifest N after the keyed
+  job, publish outputs idempotently by N (today: appended once, after the keyed job);
+- ``arrow_path._keyed_task``: rebuild from base + changelog when the local marker is not
+  at N-1, write ``changelog/N`` and staged outputs, return a metadata row.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from pyspark.sql import DataFrame, GroupedData, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+from pyspark.sql.types import StructType, _parse_datatype_string
+
+from statebackend.errors import ConfigurationError
+from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
+from statebackend.spark.api import KeyedFunction
+from statebackend.spark.arrow_path import KeyedBatchPlan, combined_input, keyed_output
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.local_state import LocalVersion
+from statebackend.spark.processor_handle import (
+    BatchTimes,
+    ProcessorHandle,
+    SchemaCatalog,
+    parse_time_mode,
+)
+from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
+from statebackend.spark.tasks import StorageSpec
+
+OUTPUT_MODES = {"update": "Update", "append": "Append"}
+WATERMARK_METADATA = "spark.watermarkDelayMs"
+
+
+def _parse_struct(schema: object, what: str) -> StructType:
+    if isinstance(schema, StructType):
+        return schema
+    if isinstance(schema, str):
+        try:
+            parsed = _parse_datatype_string(schema)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"{what} {schema!r} is not a valid DDL schema ({exc}): write 'name type, ...'"
+            ) from exc
+        if isinstance(parsed, StructType):
+            return parsed
+    raise ConfigurationError(
+        f"{what} {schema!r} is invalid: give a StructType or a DDL string like 'user string'"
+    )
+
+
+def _key_columns(df: DataFrame, key_by: object) -> tuple[str, ...]:
+    names = [key_by] if isinstance(key_by, str) else key_by
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ConfigurationError(
+            f"key_by {key_by!r} is invalid: give a column name or a list of column names"
+        )
+    for name in names:
+        if not isinstance(name, str) or name not in df.columns:
+            raise ConfigurationError(
+                f"unknown key column {name!r}: the DataFrame has columns {df.columns}"
+            )
+    return tuple(names)
+
+
+def _initial_state_frame(initial_state: object, key_columns: tuple[str, ...]) -> DataFrame | None:
+    if initial_state is None:
+        return None
+    frame = initial_state._df if isinstance(initial_state, GroupedData) else initial_state
+    if not isinstance(frame, DataFrame):
+        raise ConfigurationError(
+            f"initial_state {initial_state!r} is invalid: give a DataFrame with the key "
+            f"columns {list(key_columns)} (or its groupBy of them)"
+        )
+    missing = [name for name in key_columns if name not in frame.columns]
+    if missing:
+        raise ConfigurationError(
+            f"initial_state has no key column {missing[0]!r}: it has {frame.columns}"
+        )
+    return frame
+
+
+def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
+    if time_mode != "EventTime":
+        return None
+    for field in df.schema.fields:
+        if WATERMARK_METADATA in (field.metadata or {}):
+            return str(field.name)
+    raise ConfigurationError(
+        "time_mode 'EventTime' needs an event-time column: call df.withWatermark(column, "
+        "delay) before transform_with_state"
+    )
+
+
+def read_batch_times(spark: SparkSession, checkpoint_location: str, batch_id: int) -> BatchTimes:
+    """Batch N's timestamp and watermarks from Spark's ``offsets/N`` (and ``offsets/N-1``
+    for the late-events watermark), read through Hadoop's file system as Spark wrote them."""
+
+    def metadata(n: int) -> dict[str, Any]:
+        jvm = spark.sparkContext._jvm
+        assert jvm is not None
+        path = jvm.org.apache.hadoop.fs.Path(f"{checkpoint_location.rstrip('/')}/offsets/{n}")
+        fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+        if not fs.exists(path):
+            raise ConfigurationError(
+                f"{path.toString()} does not exist: checkpointLocation must be the query's "
+                f"own checkpoint directory"
+            )
+        stream = fs.open(path)
+        try:
+            reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
+            reader.readLine()  # the log version, "v1"
+            return dict(json.loads(reader.readLine()))
+        finally:
+            stream.close()
+
+    current = metadata(batch_id)
+    late = metadata(batch_id - 1).get("batchWatermarkMs", 0) if batch_id > 0 else 0
+    return BatchTimes(
+        int(current.get("batchTimestampMs", 0)),
+        int(late),
+        int(current.get("batchWatermarkMs", 0)),
+    )
+
+
+class StatefulStream:
+    """A DataFrame transformed with state: write it with ``writeStream`` (streaming
+    input) or get one batch's output with ``toDF()`` (batch input)."""
+
+    def __init__(
+        self,
+        df: DataFrame,
+        spec: ProcessorSpec,
+        *,
+        job_id: str,
+        output_mode: str,
+        initial_state: DataFrame | None,
+        parallelism: int,
+        max_parallelism: int,
+        conf: StateBackendConf,
+    ) -> None:
+        self.df = df
+        self.spec = spec
+        self.job_id = job_id
+        self.output_mode = output_mode
+        self.initial_state = initial_state
+        self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
+        self.conf = conf
+        key_fields = {field.name: field for field in df.schema.fields}
+        self.key_schema_json = str(
+            StructType([key_fields[name] for name in spec.key_columns]).json()
+        )
+        self._generation = uuid.uuid4().hex
+        self._previous_batch: int | None = None
+
+    @property
+    def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
+        """A writer mirroring DataStreamWriter; each micro-batch runs through our backend."""
+        if not self.df.isStreaming:
+            raise ConfigurationError(
+                "writeStream needs a streaming DataFrame: for a batch DataFrame use toDF()"
+            )
+        return StatefulStreamWriter(self)
+
+    def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming
+        """Run the (batch) input as the next batch and return its output, computed once."""
+        if self.df.isStreaming:
+            raise ConfigurationError(
+                "toDF() runs a batch DataFrame: start a streaming one with writeStream"
+            )
+        batch_id = 0 if self._previous_batch is None else self._previous_batch + 1
+        now = int(time.time() * 1000)
+        return self.run_batch(self.df, batch_id, BatchTimes(now))
+
+    def run_batch(self, batch_df: DataFrame, batch_id: int, times: BatchTimes) -> DataFrame:
+        """Run micro-batch ``batch_id`` through the keyed subtasks; its output, computed
+        once (a local checkpoint), so that using it twice never applies state twice."""
+        # Plug-in point: reconcile with our newest manifest before running the batch.
+        initial = self.initial_state if batch_id == 0 else None  # as Spark: batch 0 only
+        plan = KeyedBatchPlan(
+            spec=self.spec,
+            key_schema_json=self.key_schema_json,
+            parallelism=self.parallelism,
+            max_parallelism=self.max_parallelism,
+            batch_id=batch_id,
+            times=times,
+            version=LocalVersion(
+                self._generation,
+                self._previous_batch,
+                None,
+                self.parallelism,
+                self.max_parallelism,
+            ),
+            storage=StorageSpec(
+                self.conf.require_checkpoint_dir(),
+                self.job_id,
+                self.conf.storage_options,
+                self.conf.transfer_threads,
+                self.conf.compression,
+            ),
+            local_dir=self.conf.local_dir,
+        )
+        output = keyed_output(combined_input(batch_df, self.spec, initial), plan)
+        output = output.localCheckpoint(eager=True)
+        # Plug-in point: write manifest N (the subtasks' metadata rows) here.
+        self._previous_batch = batch_id
+        return output
+
+
+class StatefulStreamWriter:
+    """Mirrors ``DataStreamWriter`` (format, option, options, trigger, queryName,
+    foreachBatch, start, toTable); the query itself is a ``foreachBatch`` query."""
+
+    def __init__(self, stream: StatefulStream) -> None:
+        self._stream = stream
+        self._format: str | None = None
+        self._options: dict[str, str] = {}
+        self._trigger: dict[str, Any] = {}
+        self._query_name: str | None = None
+        self._foreach_batch: Callable[[DataFrame, int], None] | None = None
+
+    def format(self, source: str) -> StatefulStreamWriter:
+        """The sink's format (any batch-writable format, or "console")."""
+        self._format = source
+        return self
+
+    def option(self, key: str, value: Any) -> StatefulStreamWriter:
+        """A sink option; ``checkpointLocation`` is the query's checkpoint directory."""
+        self._options[key] = str(value)
+        return self
+
+    def options(self, **options: Any) -> StatefulStreamWriter:
+        """Several sink options."""
+        for key, value in options.items():
+            self.option(key, value)
+        return self
+
+    def trigger(self, **trigger: Any) -> StatefulStreamWriter:
+        """The query's trigger, as ``DataStreamWriter.trigger`` takes it."""
+        if "continuous" in trigger or "realTime" in trigger:
+            raise ConfigurationError(
+                f"trigger {trigger} is not supported: use processingTime, once or availableNow"
+            )
+        self._trigger = trigger
+        return self
+
+    def queryName(self, queryName: str) -> StatefulStreamWriter:  # noqa: N802,N803
+        """The query's name."""
+        self._query_name = queryName
+        return self
+
+    def foreachBatch(  # noqa: N802
+        self, func: Callable[[DataFrame, int], None]
+    ) -> StatefulStreamWriter:
+        """Give each batch's output to ``func(df, batch_id)`` instead of a sink format."""
+        self._foreach_batch = func
+        return self
+
+    def _publish(self, output: DataFrame, batch_id: int, table: str | None) -> None:
+        # Plug-in point: publish idempotently by batch id (a re-run batch must not append twice).
+        if self._foreach_batch is not None:
+            self._foreach_batch(output, batch_id)
+            return
+        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
+        if self._format == "console":
+            print(f"Batch: {batch_id}")
+            output.show(truncate=False)
+            return
+        writer = output.write.mode("append").options(**options)
+        if self._format is not None:
+            writer = writer.format(self._format)
+        if table is not None:
+            writer.saveAsTable(table)
+        else:
+            writer.save()
+
+    def _start(self, table: str | None) -> StreamingQuery:
+        stream = self._stream
+        if self._format == "memory":
+            raise ConfigurationError(
+                "format 'memory' is not supported: use foreachBatch or a file format"
+            )
+        if (
+            self._foreach_batch is None
+            and table is None
+            and self._format != "console"
+            and ("path" not in self._options)
+        ):
+            raise ConfigurationError(
+                "no sink: give .format(...).option('path', ...), toTable(name) or foreachBatch"
+            )
+        checkpoint = self._options.get("checkpointLocation")
+        if not checkpoint:
+            raise ConfigurationError(
+                "no checkpointLocation: set .option('checkpointLocation', dir); the batch "
+                "times are read from its offsets/ log"
+            )
+        spark = stream.df.sparkSession
+        # Plug-in point: bind checkpointLocation and our job directory here.
+
+        def run(batch_df: DataFrame, batch_id: int) -> None:
+            times = read_batch_times(spark, checkpoint, batch_id)
+            self._publish(stream.run_batch(batch_df, batch_id, times), batch_id, table)
+
+        writer = stream.df.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
+        if self._trigger:
+            writer = writer.trigger(**self._trigger)
+        if self._query_name is not None:
+            writer = writer.queryName(self._query_name)
+        return writer.start()
+
+    def start(self, path: str | None = None) -> StreamingQuery:
+        """Start the query (``path``: the sink's path, as ``option("path", ...)``)."""
+        if path is not None:
+            self._options["path"] = path
+        return self._start(None)
+
+    def toTable(self, tableName: str) -> StreamingQuery:  # noqa: N802,N803
+        """Start the query appending each batch's output to table ``tableName``."""
+        return self._start(tableName)
+
+
+def transform_with_state(
+    df: DataFrame,
+    key_by: str | list[str],
+    processor: StatefulProcessor | KeyedFunction,
+    output_schema: StructType | str,
+    job_id: str,
+    output_mode: str = "Update",
+    time_mode: str = "None",
+    use_pandas: bool = False,
+    initial_state: DataFrame | GroupedData | None = None,
+    parallelism: int | None = None,
+) -> StatefulStream:
+    """Spark's ``groupBy(key_by).transformWithState`` (``use_pandas``:
+    ``transformWithStateInPandas``) with state in our backend under
+    ``<spark.statebackend.checkpoint.dir>/<job_id>``; see the module docstring."""
+    if not isinstance(df, DataFrame):
+        raise ConfigurationError(f"df {df!r} is not a pyspark DataFrame")
+    spark = df.sparkSession
+    keys = _key_columns(df, key_by)
+    if isinstance(processor, KeyedFunction):
+        if use_pandas:
+            raise ConfigurationError(
+                "a KeyedFunction takes Rows: use use_pandas=False or a StatefulProcessor"
+            )
+        processor = KeyedFunctionProcessor(processor)
+    if not isinstance(processor, StatefulProcessor):
+        raise ConfigurationError(
+            f"processor {processor!r} is a {type(processor).__name__}: give an instance of a "
+            f"pyspark.sql.streaming.StatefulProcessor subclass or of a KeyedFunction"
+        )
+    schema = _parse_struct(output_schema, "output_schema")
+    if not isinstance(output_mode, str) or output_mode.lower() not in OUTPUT_MODES:
+        raise ConfigurationError(
+            f"output_mode {output_mode!r} is invalid: choose one of {list(OUTPUT_MODES.values())}"
+        )
+    mode = parse_time_mode(time_mode)
+    if not isinstance(job_id, str) or not job_id or "/" in job_id:
+        raise ConfigurationError(f"job_id {job_id!r} is invalid: give a name without '/'")
+    initial = _initial_state_frame(initial_state, keys)
+    # The session's conf holds the SparkConf's settings and those set at run time.
+    conf = StateBackendConf.from_pairs(spark.conf.getAll.items())
+    conf.require_checkpoint_dir()
+    if parallelism is None:
+        parallelism = conf.parallelism or int(
+            spark.conf.get("spark.sql.shuffle.partitions", "200") or 200
+        )
+    max_parallelism = conf.max_parallelism or compute_default_max_parallelism(parallelism)
+    check_parallelism(parallelism, max_parallelism)
+
+    catalog = SchemaCatalog()
+    driver_handle = ProcessorHandle(
+        time_mode=mode, catalog=catalog, parse_ddl=lambda ddl: _parse_struct(ddl, "state schema")
+    )
+    # On a shallow copy, so the instance shipped to executors carries no driver-side states.
+    probe = copy.copy(processor)
+    probe.init(driver_handle)
+    probe.close()
+    spec = ProcessorSpec(
+        processor=processor,
+        use_pandas=bool(use_pandas),
+        time_mode=mode,
+        key_columns=keys,
+        input_columns=tuple(df.columns),
+        initial_columns=tuple(initial.columns) if initial is not None else (),
+        output_schema_json=str(schema.json()),
+        catalog=catalog,
+        event_time_column=_event_time_column(df, mode),
+    )
+    return StatefulStream(
+        df,
+        spec,
+        job_id=job_id,
+        output_mode=OUTPUT_MODES[output_mode.lower()],
+        initial_state=initial,
+        parallelism=parallelism,
+        max_parallelism=max_parallelism,
+        conf=conf,
+    )

@@ -1,0 +1,152 @@
+"""transform_with_state's surface: argument checks (one clear error each), a batch
+DataFrame as one batch with initial state, and writeStream to a file sink."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql.streaming.stateful_processor import (
+    StatefulProcessor,
+    StatefulProcessorHandle,
+    TimerValues,
+)
+
+from statebackend.errors import ConfigurationError
+from statebackend.spark.streaming import transform_with_state
+from tests.spark.streaming_parity import write_batches
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+OUTPUT = "user string, total long"
+
+
+class Totals(StatefulProcessor):
+    """Running total of `amount` per user; initial state rows add `start`."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.total = handle.getValueState("total", "total long")
+
+    def _add(self, amount: int) -> int:
+        current = self.total.get()
+        total = (current[0] if current else 0) + amount
+        self.total.update((total,))
+        return total
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        yield Row(user=key[0], total=self._add(sum(row.amount for row in rows)))
+
+    def handleInitialState(self, key: Any, initialState: Row, timerValues: TimerValues) -> None:
+        self._add(initialState.start)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
+    spark_local.conf.set("spark.statebackend.checkpoint.dir", (tmp_path / "ours").as_uri())
+    spark_local.conf.set("spark.statebackend.local.dir", str(tmp_path / "local"))
+    yield spark_local
+    spark_local.conf.unset("spark.statebackend.checkpoint.dir")
+    spark_local.conf.unset("spark.statebackend.local.dir")
+
+
+@pytest.fixture
+def events(spark: SparkSession) -> DataFrame:
+    return spark.createDataFrame(
+        [("a", 1, 10), ("b", 2, 20), ("a", 3, 30), ("c", 4, 40)],
+        "user string, amount long, ts long",
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"key_by": "nobody"}, "unknown key column 'nobody'"),
+        ({"key_by": []}, "key_by"),
+        ({"output_mode": "Complete"}, "output_mode 'Complete' is invalid"),
+        ({"time_mode": "Wallclock"}, "time_mode 'Wallclock' is invalid"),
+        ({"output_schema": 42}, "output_schema 42 is invalid"),
+        ({"output_schema": "user strin g,,"}, "not a valid DDL schema"),
+        ({"output_schema": "long"}, "output_schema 'long' is invalid"),
+        ({"processor": object()}, "StatefulProcessor subclass or of a KeyedFunction"),
+        ({"job_id": "a/b"}, "job_id 'a/b' is invalid"),
+        ({"time_mode": "EventTime"}, "withWatermark"),
+        ({"initial_state": "nope"}, "initial_state 'nope' is invalid"),
+        ({"parallelism": 0}, "parallelism 0 is invalid"),
+    ],
+)
+def test_bad_arguments_are_one_clear_error(
+    events: DataFrame, overrides: dict[str, Any], message: str
+) -> None:
+    arguments: dict[str, Any] = {
+        "df": events,
+        "key_by": "user",
+        "processor": Totals(),
+        "output_schema": OUTPUT,
+        "job_id": "api",
+    }
+    arguments.update(overrides)
+    with pytest.raises(ConfigurationError, match=message):
+        transform_with_state(**arguments)
+
+
+def test_no_checkpoint_dir_is_a_clear_error(spark_local: SparkSession) -> None:
+    df = spark_local.createDataFrame([("a", 1)], "user string, amount long")
+    with pytest.raises(ConfigurationError, match="spark.statebackend.checkpoint.dir"):
+        transform_with_state(df, "user", Totals(), OUTPUT, "api")
+
+
+def test_batch_dataframe_is_one_batch_with_initial_state(
+    spark: SparkSession, events: DataFrame
+) -> None:
+    initial = spark.createDataFrame([("a", 100), ("c", 5), ("z", 1)], "user string, start long")
+    stateful = transform_with_state(
+        events, ["user"], Totals(), OUTPUT, "batch", initial_state=initial.groupBy("user")
+    )
+    first = sorted(tuple(row) for row in stateful.toDF().collect())
+    starts = {"a": 100, "c": 5, "z": 1}
+    totals: dict[str, int] = defaultdict(int)
+    for user, amount, _ in [tuple(r) for r in events.collect()]:
+        totals[user] += amount
+    assert first == sorted((u, starts.get(u, 0) + t) for u, t in totals.items())
+    second = sorted(tuple(row) for row in stateful.toDF().collect())  # batch 1: no initial
+    assert second == sorted((u, starts.get(u, 0) + 2 * t) for u, t in totals.items())
+    with pytest.raises(ConfigurationError, match="streaming DataFrame"):
+        stateful.writeStream  # noqa: B018
+
+
+def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:
+    batches = [
+        [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}],
+        [{"user": "a", "amount": 5}],
+    ]
+    write_batches(tmp_path / "input", batches)
+    source = (
+        spark.readStream.schema("user string, amount long")
+        .option("maxFilesPerTrigger", 1)
+        .json(str(tmp_path / "input"))
+    )
+    out = tmp_path / "out"
+    writer = transform_with_state(source, "user", Totals(), OUTPUT, "sink").writeStream
+    with pytest.raises(ConfigurationError, match="no checkpointLocation"):
+        writer.format("parquet").option("path", str(out)).start()
+    query = (
+        writer.format("parquet")
+        .options(path=str(out), checkpointLocation=str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .queryName("stateful_sink")
+        .start()
+    )
+    query.awaitTermination()
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == [("a", 1), ("a", 6), ("b", 2)]

@@ -1,0 +1,285 @@
+"""ProcessorHandle: Spark's StatefulProcessorHandle over our heap and RocksDB backends,
+compared with plain-Python dicts; lifecycle and time-mode errors; TTL on batch time."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql.streaming.stateful_processor import StatefulProcessorHandle
+from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.errors import (
+    ConfigurationError,
+    IncompatibleStateError,
+    StatefulProcessorError,
+)
+from statebackend.spark.processor_handle import (
+    BatchClock,
+    BatchTimes,
+    Phase,
+    ProcessorHandle,
+    SchemaCatalog,
+    parse_time_mode,
+)
+from tests.unit.stateful_processors import InMemoryTimerService, make_backend
+
+COUNT = StructType([StructField("count", LongType())])
+EVENT = StructType([StructField("what", StringType()), StructField("n", LongType())])
+USERS = [("alice",), ("bob",), ("carol",), ("dave",)]
+
+
+@pytest.fixture(params=["heap", "rocksdb"])
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def clock() -> BatchClock:
+    return BatchClock(1_000_000)
+
+
+@pytest.fixture
+def backend(backend_kind: str, tmp_path: Path, clock: BatchClock) -> Iterator[KeyedStateBackend]:
+    backend = make_backend(backend_kind, tmp_path / "db", clock)
+    yield backend
+    backend.dispose()
+
+
+def _handle(backend: KeyedStateBackend, time_mode: str = "None", **kwargs: Any) -> ProcessorHandle:
+    return ProcessorHandle(time_mode=time_mode, catalog=SchemaCatalog(), backend=backend, **kwargs)
+
+
+def test_is_a_spark_handle(backend: KeyedStateBackend) -> None:
+    assert isinstance(_handle(backend), StatefulProcessorHandle)
+
+
+def test_value_list_and_map_state_match_plain_python(backend: KeyedStateBackend) -> None:
+    handle = _handle(backend)
+    value = handle.getValueState("count", COUNT)
+    events = handle.getListState("events", EVENT)
+    scores = handle.getMapState("scores", StructType([StructField("what", StringType())]), COUNT)
+    handle.phase = Phase.INITIALIZED
+    model_value: dict[Any, tuple[Any, ...]] = {}
+    model_list: dict[Any, list[tuple[Any, ...]]] = {}
+    model_map: dict[Any, dict[tuple[Any, ...], tuple[Any, ...]]] = {}
+    rng = random.Random(7)
+    for step in range(600):
+        key = rng.choice(USERS)
+        backend.set_current_key(key)
+        op = rng.randrange(9)
+        if op == 0:
+            model_value[key] = (step,)
+            value.update((step,))
+        elif op == 1:
+            model_value.pop(key, None)
+            value.clear()
+        elif op == 2:
+            item = (f"e{step}", step)
+            model_list.setdefault(key, []).append(item)
+            events.appendValue(item)
+        elif op == 3:
+            items = [(f"x{step}", i) for i in range(rng.randrange(3))]
+            model_list[key] = items
+            events.put(items)
+        elif op == 4:
+            items = [(f"y{step}", 1), (f"z{step}", 2)]
+            model_list.setdefault(key, []).extend(items)
+            events.appendList(items)
+        elif op == 5:
+            user_key = (rng.choice("abc"),)
+            model_map.setdefault(key, {})[user_key] = (step,)
+            scores.updateValue(user_key, (step,))
+        elif op == 6:
+            user_key = (rng.choice("abc"),)
+            model_map.get(key, {}).pop(user_key, None)
+            scores.removeKey(user_key)
+        elif op == 7:
+            model_list.pop(key, None)
+            events.clear()
+        else:
+            model_map.pop(key, None)
+            scores.clear()
+        for user in USERS:
+            backend.set_current_key(user)
+            assert value.exists() == (user in model_value)
+            assert value.get() == model_value.get(user)
+            assert list(events.get()) == model_list.get(user, [])
+            assert events.exists() == bool(model_list.get(user))
+            expected_map = model_map.get(user, {})
+            assert dict(scores.iterator()) == expected_map
+            assert sorted(scores.keys()) == sorted(expected_map)
+            assert sorted(scores.values()) == sorted(expected_map.values())
+            assert scores.exists() == bool(expected_map)
+            for letter in "abc":
+                assert scores.getValue((letter,)) == expected_map.get((letter,))
+                assert scores.containsKey((letter,)) == ((letter,) in expected_map)
+
+
+def test_numpy_values_are_stored_as_python_values(backend: KeyedStateBackend) -> None:
+    import numpy as np
+
+    handle = _handle(backend)
+    value = handle.getValueState("count", COUNT)
+    handle.phase = Phase.INITIALIZED
+    backend.set_current_key(("alice",))
+    value.update((np.int64(5),))
+    assert value.get() == (5,)
+    assert type(value.get()[0]) is int  # type: ignore[index]
+
+
+def test_ttl_expires_on_batch_time_not_wall_clock(
+    backend: KeyedStateBackend, clock: BatchClock
+) -> None:
+    handle = _handle(backend, "ProcessingTime")
+    value = handle.getValueState("count", COUNT, ttlDurationMs=5_000)
+    handle.phase = Phase.INITIALIZED
+    backend.set_current_key(("alice",))
+    value.update((1,))
+    clock.timestamp_ms += 4_999
+    assert value.get() == (1,)
+    clock.timestamp_ms += 1  # expiry = write time + TTL: expired at exactly that time
+    assert value.get() is None
+    assert not value.exists()
+
+
+def test_ttl_needs_a_time_mode_and_a_positive_duration(backend: KeyedStateBackend) -> None:
+    with pytest.raises(StatefulProcessorError, match="INCORRECT_TIME_MODE_TO_ASSIGN_TTL"):
+        _handle(backend).getValueState("count", COUNT, ttlDurationMs=1000)
+    with pytest.raises(StatefulProcessorError, match="TTL_DURATION_MUST_BE_POSITIVE"):
+        _handle(backend, "ProcessingTime").getListState("events", EVENT, ttlDurationMs=0)
+
+
+def test_states_are_declared_in_init_only(backend: KeyedStateBackend) -> None:
+    handle = _handle(backend)
+    handle.phase = Phase.INITIALIZED
+    with pytest.raises(StatefulProcessorError, match="operation=get_value_state.*INITIALIZED"):
+        handle.getValueState("count", COUNT)
+    with pytest.raises(StatefulProcessorError, match="operation=delete_if_exists"):
+        handle.deleteIfExists("count")
+
+
+def test_state_use_after_close_is_an_error(backend: KeyedStateBackend) -> None:
+    handle = _handle(backend)
+    value = handle.getValueState("count", COUNT)
+    handle.phase = Phase.CLOSED
+    backend.set_current_key(("alice",))
+    with pytest.raises(StatefulProcessorError, match="operation=update .*CLOSED"):
+        value.update((1,))
+
+
+def test_timers_need_a_time_mode(backend: KeyedStateBackend) -> None:
+    handle = _handle(backend, timers=InMemoryTimerService(backend))
+    handle.phase = Phase.INITIALIZED
+    backend.set_current_key(("alice",))
+    for call in (
+        lambda: handle.registerTimer(5),
+        lambda: handle.deleteTimer(5),
+        lambda: list(handle.listTimers()),
+    ):
+        with pytest.raises(StatefulProcessorError, match="INVALID_TIME_MODE.*timeMode=None"):
+            call()
+
+
+def test_timers_are_not_available_in_init(backend: KeyedStateBackend) -> None:
+    handle = _handle(backend, "ProcessingTime", timers=InMemoryTimerService(backend))
+    with pytest.raises(StatefulProcessorError, match="operation=register_timer.*CREATED"):
+        handle.registerTimer(5)
+
+
+@pytest.mark.parametrize("time_mode", ["ProcessingTime", "EventTime"])
+def test_timers_of_the_current_key(backend: KeyedStateBackend, time_mode: str) -> None:
+    timers = InMemoryTimerService(backend)
+    handle = _handle(backend, time_mode, timers=timers)
+    handle.phase = Phase.INITIALIZED
+    backend.set_current_key(("alice",))
+    for ts in (30, 10, 20):
+        handle.registerTimer(ts)
+    handle.deleteTimer(20)
+    backend.set_current_key(("bob",))
+    handle.registerTimer(15)
+    assert list(handle.listTimers()) == [15]
+    backend.set_current_key(("alice",))
+    assert list(handle.listTimers()) == [10, 30]
+    domain = (
+        timers.processing_time_timers
+        if time_mode == "ProcessingTime"
+        else (timers.event_time_timers)
+    )
+    assert list(domain()) == [10, 30]
+
+
+def test_changed_schema_is_incompatible(tmp_path: Path, clock: BatchClock) -> None:
+    first = make_backend("rocksdb", tmp_path / "db", clock)
+    value = _handle(first).getValueState("count", COUNT)
+    first.set_current_key(("alice",))
+    value.update((1,))
+    first.close()  # type: ignore[attr-defined]
+    reopened = make_backend("rocksdb", tmp_path / "db", clock)
+    try:
+        with pytest.raises(IncompatibleStateError, match="'count'"):
+            _handle(reopened).getValueState(
+                "count", StructType([StructField("count", StringType())])
+            )
+    finally:
+        reopened.dispose()
+
+
+def test_same_name_with_another_schema_in_one_run_is_incompatible(
+    backend: KeyedStateBackend,
+) -> None:
+    _handle(backend).getValueState("count", COUNT)
+    with pytest.raises(IncompatibleStateError, match="'count'"):
+        _handle(backend).getValueState("count", EVENT)
+
+
+def test_delete_if_exists_clears_every_key(backend: KeyedStateBackend) -> None:
+    handle = _handle(backend)
+    value = handle.getValueState("count", COUNT)
+    for n, user in enumerate(USERS):
+        backend.set_current_key(user)
+        value.update((n,))
+    _handle(backend).deleteIfExists("count")
+    _handle(backend).deleteIfExists("never-declared")
+    for user in USERS:
+        backend.set_current_key(user)
+        assert value.get() is None
+
+
+def test_ddl_schemas_are_parsed_on_the_driver_and_looked_up_on_executors(
+    backend: KeyedStateBackend,
+) -> None:
+    catalog = SchemaCatalog()
+    parsed: list[str] = []
+
+    def parse(ddl: str) -> StructType:
+        parsed.append(ddl)
+        return COUNT
+
+    driver = ProcessorHandle(time_mode="None", catalog=catalog, parse_ddl=parse)
+    assert driver.phase is Phase.PRE_INIT
+    driver_state = driver.getValueState("count", "count long")
+    with pytest.raises(StatefulProcessorError, match="PRE_INIT"):
+        driver_state.get()
+    executor = ProcessorHandle(time_mode="None", catalog=catalog, backend=backend)
+    value = executor.getValueState("count", "count long")
+    backend.set_current_key(("alice",))
+    value.update((3,))
+    assert value.get() == (3,)
+    assert parsed == ["count long"]
+    with pytest.raises(ConfigurationError, match="was not declared when init"):
+        executor.getValueState("other", "other long")
+
+
+def test_time_modes_and_timer_values() -> None:
+    assert parse_time_mode("processingtime") == "ProcessingTime"
+    with pytest.raises(ConfigurationError, match="time_mode 'Later'"):
+        parse_time_mode("Later")
+    times = BatchTimes(1_000, late_events_watermark_ms=200, eviction_watermark_ms=500)
+    assert times.timer_values("None").getCurrentProcessingTimeInMs() == -1
+    assert times.timer_values("ProcessingTime").getCurrentProcessingTimeInMs() == 1_000
+    assert times.timer_values("EventTime").getCurrentWatermarkInMs() == 500

@@ -1,0 +1,271 @@
+"""run_keyed_subtask: a StatefulProcessor over one subtask's Arrow batches, without a
+JVM, over the heap and RocksDB backends, compared with plain-Python computations."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from pyspark.sql import Row
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.stateful_processor import (
+    ExpiredTimerInfo,
+    StatefulProcessor,
+    StatefulProcessorHandle,
+    TimerValues,
+)
+from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.errors import OutputSchemaError
+from statebackend.keygroups import assign_to_key_group
+from statebackend.serializers import RowTupleSerializer
+from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.processor_handle import BatchClock, BatchTimes, SchemaCatalog
+from statebackend.spark.processor_runner import (
+    CONTROL,
+    INITIAL,
+    INITIAL_PREFIX,
+    INPUT,
+    KEY_GROUP_COLUMN,
+    KIND_COLUMN,
+    SEQUENCE_COLUMN,
+    SUBTASK_COLUMN,
+    KeyedFunctionProcessor,
+    ProcessorSpec,
+    run_keyed_subtask,
+)
+from statebackend.state.descriptors import ValueStateDescriptor
+from tests.unit.stateful_processors import (
+    KEY_SCHEMA,
+    MAX_PARALLELISM,
+    InMemoryTimerService,
+    make_backend,
+)
+
+OUTPUT = StructType([StructField("user", StringType()), StructField("total", LongType())])
+TOTAL = StructType([StructField("total", LongType())])
+
+
+class RowTotals(StatefulProcessor):
+    """Running total of `amount` per user (Row mode); emits (user, total) per batch."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.total = handle.getValueState("total", TOTAL)
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        current = self.total.get()
+        total = (current[0] if current else 0) + sum(row.amount for row in rows)
+        self.total.update((total,))
+        yield Row(user=key[0], total=total)
+
+    def handleInitialState(self, key: Any, initialState: Any, timerValues: TimerValues) -> None:
+        current = self.total.get()
+        self.total.update(((current[0] if current else 0) + initialState.start,))
+
+
+class PandasTotals(StatefulProcessor):
+    """The same in pandas mode."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.total = handle.getValueState("total", TOTAL)
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[pd.DataFrame], timerValues: TimerValues
+    ) -> Iterator[pd.DataFrame]:
+        current = self.total.get()
+        total = (current[0] if current else 0) + sum(int(df["amount"].sum()) for df in rows)
+        self.total.update((total,))
+        yield pd.DataFrame({"user": [key[0]], "total": [total]})
+
+
+class TimerEcho(StatefulProcessor):
+    """Registers a timer at (batch time + amount) per row; a fired timer emits its key and
+    expiry, so the firing order is visible."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        for row in rows:
+            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + row.amount)
+        return iter(())
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Row]:
+        yield Row(user=key[0], total=expiredTimerInfo.getExpiryTimeInMs())
+
+
+class Totals(KeyedFunction):
+    """Our KeyedFunction doing the same running total."""
+
+    def open(self, ctx: KeyedContext) -> None:
+        self.total = ctx.get_state(ValueStateDescriptor("total"))
+
+    def process(self, key: Any, values: list[Any], ctx: KeyedContext) -> Iterator[Any]:
+        total = (self.total.value() or 0) + sum(row.amount for row in values)
+        self.total.update(total)
+        yield (key[0], total)
+
+
+def _spec(processor: StatefulProcessor, **overrides: Any) -> ProcessorSpec:
+    options: dict[str, Any] = {
+        "processor": processor,
+        "use_pandas": False,
+        "time_mode": "None",
+        "key_columns": ("user",),
+        "input_columns": ("user", "amount"),
+        "initial_columns": (),
+        "output_schema_json": OUTPUT.json(),
+        "catalog": SchemaCatalog(),
+    }
+    options.update(overrides)
+    return ProcessorSpec(**options)
+
+
+def _batches(
+    rows: list[tuple[str, int]],
+    initial: list[tuple[str, int]] = (),  # type: ignore[assignment]
+    batch_rows: int = 7,
+) -> list[pa.RecordBatch]:
+    """Rows as the Spark side hands them to a subtask: control row first, then sorted by
+    (key group, key, kind, arrival)."""
+    serializer = RowTupleSerializer(KEY_SCHEMA.json())
+    records = [(-1, None, CONTROL, 0, None, None)]
+    for seq, (user, amount) in enumerate(rows):
+        group = assign_to_key_group(serializer.serialize((user,)), MAX_PARALLELISM)
+        records.append((group, user, INPUT, seq, amount, None))
+    for seq, (user, start) in enumerate(initial):
+        group = assign_to_key_group(serializer.serialize((user,)), MAX_PARALLELISM)
+        records.append((group, user, INITIAL, seq, None, start))
+    records.sort(key=lambda r: (r[0], r[1] or "", r[2], r[3]))
+    table = pa.table(
+        {
+            "user": [r[1] for r in records],
+            "amount": pa.array([r[4] for r in records], pa.int64()),
+            INITIAL_PREFIX + "user": [r[1] if r[2] == INITIAL else None for r in records],
+            INITIAL_PREFIX + "start": pa.array([r[5] for r in records], pa.int64()),
+            KIND_COLUMN: pa.array([r[2] for r in records], pa.int8()),
+            SEQUENCE_COLUMN: pa.array([r[3] for r in records], pa.int64()),
+            KEY_GROUP_COLUMN: pa.array([r[0] for r in records], pa.int32()),
+            SUBTASK_COLUMN: pa.array([0] * len(records), pa.int32()),
+        }
+    )
+    return table.to_batches(max_chunksize=batch_rows)
+
+
+def _rows(batches: Iterator[pa.RecordBatch]) -> list[tuple[Any, ...]]:
+    table = pa.Table.from_batches(list(batches), schema=to_arrow_schema(OUTPUT))
+    return list(zip(*table.to_pydict().values(), strict=True))
+
+
+@pytest.fixture(params=["heap", "rocksdb"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KeyedStateBackend]:
+    backend = make_backend(str(request.param), tmp_path / "db", BatchClock(0))
+    yield backend
+    backend.dispose()
+
+
+def _random_batches(seed: int) -> list[list[tuple[str, int]]]:
+    rng = random.Random(seed)
+    users = [f"u{i}" for i in range(12)]
+    return [
+        [(rng.choice(users), rng.randrange(100)) for _ in range(rng.randrange(0, 40))]
+        for _ in range(4)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("processor", "use_pandas"),
+    [(RowTotals(), False), (PandasTotals(), True), (KeyedFunctionProcessor(Totals()), False)],
+)
+def test_running_totals_match_plain_python(
+    backend: KeyedStateBackend, processor: StatefulProcessor, use_pandas: bool
+) -> None:
+    spec = _spec(processor, use_pandas=use_pandas)
+    totals: Counter[str] = Counter()
+    for batch_rows in _random_batches(3):
+        output = _rows(run_keyed_subtask(spec, backend, BatchTimes(0), _batches(batch_rows)))
+        expected = {}
+        for user, amount in batch_rows:
+            totals[user] += amount
+            expected[user] = totals[user]
+        assert sorted(output) == sorted(expected.items())
+
+
+def test_initial_state_runs_once_per_row_before_input(backend: KeyedStateBackend) -> None:
+    spec = _spec(RowTotals(), initial_columns=("user", "start"))
+    rows = [("a", 1), ("b", 2), ("a", 3)]
+    initial = [("a", 100), ("a", 1000), ("c", 7)]
+    output = _rows(run_keyed_subtask(spec, backend, BatchTimes(0), _batches(rows, initial)))
+    assert sorted(output) == [("a", 1104), ("b", 2)]  # c has no input rows: no output
+    later = _rows(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("c", 1)])))
+    assert later == [("c", 8)]
+
+
+def test_timers_fire_after_input_in_expiry_order(backend: KeyedStateBackend) -> None:
+    timers = InMemoryTimerService(backend)
+    spec = _spec(TimerEcho(), time_mode="ProcessingTime")
+    rows = [("a", 30), ("b", 10), ("a", 5), ("c", 500)]
+    first = _rows(run_keyed_subtask(spec, backend, BatchTimes(1000), _batches(rows), timers))
+    assert first == []  # nothing due at 1000
+    second = _rows(run_keyed_subtask(spec, backend, BatchTimes(1040), _batches([]), timers))
+    assert second == [("a", 1005), ("b", 1010), ("a", 1030)]
+    third = _rows(run_keyed_subtask(spec, backend, BatchTimes(2000), _batches([]), timers))
+    assert third == [("c", 1500)]
+
+
+def test_late_events_are_dropped_in_event_time(backend: KeyedStateBackend) -> None:
+    spec = _spec(RowTotals(), time_mode="EventTime", event_time_column="amount")
+    rows = [("a", 5), ("a", 50), ("b", 10), ("b", 11)]
+    times = BatchTimes(0, late_events_watermark_ms=10, eviction_watermark_ms=10)
+    output = _rows(run_keyed_subtask(spec, backend, times, _batches(rows)))
+    expected: dict[str, int] = defaultdict(int)
+    for user, amount in rows:
+        if amount > 10:
+            expected[user] += amount
+    assert sorted(output) == sorted(expected.items())
+
+
+class WrongOutput(StatefulProcessor):
+    def __init__(self, row: Any) -> None:
+        self.row = row
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        yield self.row
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (Row(user="a", count=1), "no column 'total'"),
+        (Row(user="a", total="many"), "column 'total' does not fit"),
+        (("a",), "does not fit the output schema"),
+    ],
+)
+def test_output_that_does_not_fit_names_the_column(
+    backend: KeyedStateBackend, row: Any, message: str
+) -> None:
+    spec = _spec(WrongOutput(row))
+    with pytest.raises(OutputSchemaError, match=message):
+        list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)])))
+
+
+def test_pandas_output_without_a_column_names_it(backend: KeyedStateBackend) -> None:
+    spec = _spec(WrongOutput(pd.DataFrame({"user": ["a"]})), use_pandas=True)
+    with pytest.raises(OutputSchemaError, match="no column 'total'"):
+        list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)])))

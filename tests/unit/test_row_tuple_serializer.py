@@ -1,0 +1,139 @@
+"""RowTupleSerializer: tuples of a Spark schema, round trips, and schema identity."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+)
+
+from statebackend.errors import ConfigurationError, IncompatibleStateError, SerializationError
+from statebackend.serializers import (
+    Compatibility,
+    PickleSerializer,
+    RowTupleSerializer,
+    resolve_serializer,
+    serializer_from_config,
+)
+
+SCHEMA = StructType(
+    [
+        StructField("name", StringType()),
+        StructField("count", LongType()),
+        StructField("small", IntegerType()),
+        StructField("ratio", DoubleType()),
+        StructField("flag", BooleanType()),
+        StructField("raw", BinaryType()),
+        StructField("day", DateType()),
+        StructField("at", TimestampNTZType()),
+        StructField("amount", DecimalType(10, 2)),
+        StructField("tags", ArrayType(StringType())),
+        StructField("scores", MapType(StringType(), LongType())),
+        StructField("inner", StructType([StructField("a", LongType())])),
+    ]
+)
+
+ROWS = st.tuples(
+    st.none() | st.text(),
+    st.none() | st.integers(-(2**63), 2**63 - 1),
+    st.none() | st.integers(-(2**31), 2**31 - 1),
+    st.none() | st.floats(allow_nan=False),
+    st.none() | st.booleans(),
+    st.none() | st.binary(),
+    st.none() | st.dates(),
+    st.none() | st.datetimes(min_value=datetime.datetime(1900, 1, 1)),
+    st.none() | st.decimals(places=2, allow_nan=False, allow_infinity=False, max_value=10**6),
+    st.none() | st.lists(st.none() | st.text(max_size=5), max_size=4),
+    st.none() | st.dictionaries(st.text(max_size=5), st.none() | st.integers(0, 99), max_size=4),
+    st.none() | st.tuples(st.none() | st.integers(0, 10)),
+)
+
+
+@given(ROWS)
+def test_round_trip_matches_the_value(row: tuple[Any, ...]) -> None:
+    serializer = RowTupleSerializer(SCHEMA.json())
+    data = serializer.serialize(row)
+    assert serializer.serialize(row) == data
+    assert serializer.deserialize(data) == row
+
+
+def test_rows_lists_and_dicts_encode_like_tuples() -> None:
+    from pyspark.sql import Row
+
+    serializer = RowTupleSerializer(StructType([StructField("a", LongType())]).json())
+    expected = serializer.serialize((5,))
+    assert serializer.serialize(Row(a=5)) == expected
+    assert serializer.serialize([5]) == expected
+    assert serializer.serialize({"a": 5}) == expected
+
+
+def test_no_pickle_and_compact() -> None:
+    serializer = RowTupleSerializer("""{"type":"struct","fields":[
+        {"name":"n","type":"long","nullable":true,"metadata":{}}]}""")
+    assert serializer.serialize((7,)) == b"\x01" + (7).to_bytes(8, "big")
+    assert len(serializer.serialize((None,))) == 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [("not a number",), (1, 2), "text", (2**63,)],
+)
+def test_values_that_do_not_fit_are_serialization_errors(value: Any) -> None:
+    serializer = RowTupleSerializer(StructType([StructField("n", LongType())]).json())
+    with pytest.raises(SerializationError, match="row-tuple"):
+        serializer.serialize(value)
+
+
+def test_schema_is_part_of_the_identity() -> None:
+    longs = RowTupleSerializer(StructType([StructField("n", LongType())]).json())
+    strings = RowTupleSerializer(StructType([StructField("n", StringType())]).json())
+    renamed = RowTupleSerializer(StructType([StructField("m", LongType())]).json())
+    with_metadata = RowTupleSerializer(
+        StructType([StructField("n", LongType(), metadata={"comment": "x"})]).json()
+    )
+    assert longs.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
+    assert with_metadata.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
+    for other in (strings, renamed):
+        assert longs.compatibility_with(other.config()) is Compatibility.INCOMPATIBLE
+        with pytest.raises(IncompatibleStateError, match="'count'"):
+            resolve_serializer("count", longs, other.config())
+    assert longs.compatibility_with(PickleSerializer().config()) is Compatibility.INCOMPATIBLE
+    rebuilt = serializer_from_config(longs.config())
+    assert rebuilt == longs
+    assert rebuilt.deserialize(longs.serialize((3,))) == (3,)
+
+
+@pytest.mark.parametrize("schema", ["not json", '{"type": "array"}', "[1]"])
+def test_a_schema_that_is_not_a_struct_is_a_configuration_error(schema: str) -> None:
+    with pytest.raises(ConfigurationError, match="StructType.json"):
+        RowTupleSerializer(schema)
+
+
+def test_unsupported_type_is_a_configuration_error() -> None:
+    schema = '{"type":"struct","fields":[{"name":"v","type":"variant","nullable":true}]}'
+    with pytest.raises(ConfigurationError, match="variant"):
+        RowTupleSerializer(schema)
+
+
+def test_decimals_keep_their_digits() -> None:
+    serializer = RowTupleSerializer(StructType([StructField("d", DecimalType(10, 2))]).json())
+    value = (decimal.Decimal("12.30"),)
+    assert serializer.deserialize(serializer.serialize(value)) == value
