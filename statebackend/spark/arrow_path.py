@@ -120,11 +120,7 @@ def _keyed_task(
             backend = local.backend
             assert backend is not None
             backend.clock = BatchClock(plan.times.batch_timestamp_ms)
-            # The backend's timer service comes with the timers work (statebackend/state/
-            # timers.py); until it is merged, a backend without one refuses timer calls.
-            timers = None
-            if plan.spec.time_mode != "None":
-                timers = getattr(backend, "timer_service", None)
+            timers = backend.timer_service if plan.spec.time_mode != "None" else None
             yield from run_keyed_subtask(
                 plan.spec, backend, plan.times, chain([first], batches), timers
             )

@@ -19,9 +19,9 @@ backend's clock (``BatchClock``), as Spark computes expiry from the batch timest
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pyspark.sql.streaming.stateful_processor import ListState as SparkListState
 from pyspark.sql.streaming.stateful_processor import MapState as SparkMapState
@@ -41,6 +41,7 @@ from statebackend.state.descriptors import (
     ValueStateDescriptor,
 )
 from statebackend.state.interfaces import ListState, MapState, ValueState
+from statebackend.state.timers import TimerService
 from statebackend.state.ttl import StateTtlConfig
 
 Phase = StatefulProcessorHandleState
@@ -60,31 +61,6 @@ def parse_time_mode(time_mode: object) -> str:
             f"time_mode {time_mode!r} is invalid: choose one of {list(TIME_MODES.values())}"
         )
     return canonical
-
-
-class TimerService(Protocol):
-    """The per-backend timer service the ``timers`` work provides (Flink's
-    InternalTimerService); its calls act on the backend's current key."""
-
-    def register_processing_time_timer(self, timestamp_ms: int) -> None: ...
-
-    def register_event_time_timer(self, timestamp_ms: int) -> None: ...
-
-    def delete_processing_time_timer(self, timestamp_ms: int) -> None: ...
-
-    def delete_event_time_timer(self, timestamp_ms: int) -> None: ...
-
-    def processing_time_timers(self) -> Iterator[int]: ...
-
-    def event_time_timers(self) -> Iterator[int]: ...
-
-    def advance_watermark(self, timestamp_ms: int, on_timer: Callable[[Any, int], None]) -> int:
-        """Fire event-time timers at or before ``timestamp_ms`` in ascending order."""
-
-    def advance_processing_time(
-        self, timestamp_ms: int, on_timer: Callable[[Any, int], None]
-    ) -> int:
-        """Fire processing-time timers at or before ``timestamp_ms`` in ascending order."""
 
 
 @dataclass(frozen=True)
@@ -482,5 +458,4 @@ __all__ = [
     "Phase",
     "ProcessorHandle",
     "SchemaCatalog",
-    "TimerService",
 ]

@@ -43,8 +43,8 @@ from statebackend.spark.processor_handle import (
     Phase,
     ProcessorHandle,
     SchemaCatalog,
-    TimerService,
 )
+from statebackend.state.timers import TimerService
 
 KIND_COLUMN = "__sb_kind"
 KEY_GROUP_COLUMN = "__sb_key_group"

@@ -26,7 +26,7 @@ from statebackend.spark.processor_handle import (
     SchemaCatalog,
     parse_time_mode,
 )
-from tests.unit.stateful_processors import InMemoryTimerService, make_backend
+from tests.unit.stateful_processors import make_backend
 
 COUNT = StructType([StructField("count", LongType())])
 EVENT = StructType([StructField("what", StringType()), StructField("n", LongType())])
@@ -173,7 +173,7 @@ def test_state_use_after_close_is_an_error(backend: KeyedStateBackend) -> None:
 
 
 def test_timers_need_a_time_mode(backend: KeyedStateBackend) -> None:
-    handle = _handle(backend, timers=InMemoryTimerService(backend))
+    handle = _handle(backend, timers=backend.timer_service)
     handle.phase = Phase.INITIALIZED
     backend.set_current_key(("alice",))
     for call in (
@@ -186,14 +186,14 @@ def test_timers_need_a_time_mode(backend: KeyedStateBackend) -> None:
 
 
 def test_timers_are_not_available_in_init(backend: KeyedStateBackend) -> None:
-    handle = _handle(backend, "ProcessingTime", timers=InMemoryTimerService(backend))
+    handle = _handle(backend, "ProcessingTime", timers=backend.timer_service)
     with pytest.raises(StatefulProcessorError, match="operation=register_timer.*CREATED"):
         handle.registerTimer(5)
 
 
 @pytest.mark.parametrize("time_mode", ["ProcessingTime", "EventTime"])
 def test_timers_of_the_current_key(backend: KeyedStateBackend, time_mode: str) -> None:
-    timers = InMemoryTimerService(backend)
+    timers = backend.timer_service
     handle = _handle(backend, time_mode, timers=timers)
     handle.phase = Phase.INITIALIZED
     backend.set_current_key(("alice",))

@@ -45,7 +45,6 @@ from statebackend.state.descriptors import ValueStateDescriptor
 from tests.unit.stateful_processors import (
     KEY_SCHEMA,
     MAX_PARALLELISM,
-    InMemoryTimerService,
     make_backend,
 )
 
@@ -215,7 +214,7 @@ def test_initial_state_runs_once_per_row_before_input(backend: KeyedStateBackend
 
 
 def test_timers_fire_after_input_in_expiry_order(backend: KeyedStateBackend) -> None:
-    timers = InMemoryTimerService(backend)
+    timers = backend.timer_service
     spec = _spec(TimerEcho(), time_mode="ProcessingTime")
     rows = [("a", 30), ("b", 10), ("a", 5), ("c", 500)]
     first = _rows(run_keyed_subtask(spec, backend, BatchTimes(1000), _batches(rows), timers))
