@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.savepoints import copy_checkpoint
+from statebackend.checkpoint.signing import SigningKey, load_signing_key
 from statebackend.errors import CheckpointCorruptedError, ConfigurationError, StateBackendError
 from statebackend.tools.gc import delete_garbage, find_garbage
 from statebackend.tools.listing import (
@@ -129,6 +130,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(args.storage_option)
 
 
+def _signing_key(args: argparse.Namespace) -> SigningKey | None:
+    return load_signing_key(key_file=args.signing_key_file)
+
+
 # -- commands -----------------------------------------------------------------------------
 
 
@@ -168,7 +173,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``statebackend inspect``."""
-    info = inspect_checkpoint(open_checkpoint(args.checkpoint, _options(args)))
+    info = inspect_checkpoint(open_checkpoint(args.checkpoint, _options(args), _signing_key(args)))
     if args.json:
         _json(info)
         return 0
@@ -221,7 +226,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``statebackend verify``."""
-    ref = open_checkpoint(args.checkpoint, _options(args))
+    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
     total = referenced_bytes(ref)
     with _progress("verifying", total) as advance:
         problems = verify_checkpoint(ref, advance)
@@ -238,7 +243,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``statebackend plan``."""
-    ref = open_checkpoint(args.checkpoint, _options(args))
+    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
     plans = plan_checkpoint(ref, args.parallelism, args.operator)
     if args.json:
         _json(plans)
@@ -300,22 +305,25 @@ def _write_records(records: Iterator[Record], output_format: str, out: TextIO) -
 
 def cmd_read(args: argparse.Namespace) -> int:
     """``statebackend read``."""
-    ref = open_checkpoint(args.checkpoint, _options(args))
+    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
     selection = select_state(ref, args.operator, args.state)
     key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
     with _progress("reading", read_bytes(ref, selection, key)) as advance:
-        records = read_state(ref, selection, key, progress=advance)
+        records = read_state(ref, selection, key, progress=advance, allow_pickle=args.allow_pickle)
         _write_records(records, args.format, sys.stdout)
     return 0
 
 
 def cmd_savepoint_create(args: argparse.Namespace) -> int:
     """``statebackend savepoint create``."""
-    source = open_checkpoint(args.source, _options(args))
+    key = _signing_key(args)
+    source = open_checkpoint(args.source, _options(args), key)
     target_fs = open_location(args.target, _options(args))
     target = checkpoint_directory(args.target)
     with _progress("copying", referenced_bytes(source)) as advance:
-        copy_checkpoint(source.fs, source.directory, target_fs, target, advance)
+        copy_checkpoint(source.fs, source.directory, target_fs, target, advance, key)
+    if key is None:
+        print(f"{PROG}: note: {target} is not signed (no --signing-key-file)", file=sys.stderr)
     _out(target)
     return 0
 
@@ -385,7 +393,9 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
       --format csv {_S3} > items.csv
 --key takes the key as text for str keys, a number for int keys, JSON otherwise
-(e.g. '["alice", 3]' for a tuple key)""",
+(e.g. '["alice", 3]' for a tuple key). Pickled keys and values are printed as
+{{"serializer": "pickle", "base64": ...}}: unpickling runs code named by the checkpoint, so
+--allow-pickle is only for checkpoints nobody else can write (or that are signed)""",
     "savepoint": f"""examples:
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint trigger s3://bucket/checkpoints/my-job --wait 300 {_S3}""",
@@ -393,7 +403,9 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint create --from s3://bucket/ckpt/my-job/chk-42 --to file:///backup/sp-42 \\
       {_S3}
-the copy is checked file by file; _metadata is written last""",
+the copy is checked file by file; _metadata is written last. With --signing-key-file the
+source must be signed with that key and the savepoint is signed with it; without, the
+savepoint is not signed""",
     "savepoint trigger": f"""examples:
   {PROG} savepoint trigger /data/checkpoints/my-job
   {PROG} savepoint trigger s3://bucket/ckpt/my-job --to s3://bucket/savepoints/v2 --wait 300 \\
@@ -408,6 +420,16 @@ files of aborted checkpoints older than the newest completed one, stray files in
 checkpoints, unused files in shared/. Directories newer than the newest completed
 checkpoint may be pending and are never touched.""",
 }
+
+
+def _add_signing_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--signing-key-file",
+        metavar="PATH",
+        help="the job's checkpoint signing key (spark.statebackend.checkpoint."
+        "signing-key-file): refuse the checkpoint unless it is signed with it and "
+        "unchanged, before anything in it is decoded",
+    )
 
 
 def _storage_parent() -> argparse.ArgumentParser:
@@ -466,12 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", "operators, states and subtasks of a checkpoint", cmd_inspect)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_signing_key(p)
 
     p = command("verify", "check every file of a checkpoint by size and checksum", cmd_verify)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    _add_signing_key(p)
 
     p = command("plan", "what each subtask would restore at another parallelism", cmd_plan)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    _add_signing_key(p)
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P")
     p.add_argument("--operator", metavar="OP", help="only this operator")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -482,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", required=True, metavar="NAME")
     p.add_argument("--key", metavar="K", help="only this key (reads only its key group)")
     p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle pickled keys and values (default: shown as base64). Unpickling runs "
+        "any code the checkpoint names: only for checkpoints that nobody but you could "
+        "have written, or that pass --signing-key-file",
+    )
+    _add_signing_key(p)
 
     savepoint = commands.add_parser(
         "savepoint",
@@ -499,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
     p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    _add_signing_key(p)
     p = command(
         "savepoint trigger",
         "ask the running job in JOBDIR to take a savepoint",
