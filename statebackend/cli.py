@@ -16,6 +16,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import Any, TextIO
 
+from statebackend.checkpoint.filesystem import normalize_url
 from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.signing import SigningKey, load_signing_key
@@ -482,7 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = command("list", "the jobs in a directory and their checkpoints and savepoints", cmd_list)
-    p.add_argument("directory", metavar="DIR", help="the checkpoint directory, or a job's")
+    p.add_argument(
+        "directory", metavar="DIR", type=normalize_url, help="the checkpoint directory, or a job's"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("inspect", "operators, states and subtasks of a checkpoint", cmd_inspect)
@@ -539,14 +542,27 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_savepoint_trigger,
         actions,
     )
-    p.add_argument("job_dir", metavar="JOBDIR", help="the job's checkpoint directory")
-    p.add_argument("--to", dest="target", metavar="DIR", help="where (default: JOBDIR/savepoints)")
+    p.add_argument(
+        "job_dir", metavar="JOBDIR", type=normalize_url, help="the job's checkpoint directory"
+    )
+    p.add_argument(
+        "--to",
+        dest="target",
+        metavar="DIR",
+        type=normalize_url,
+        help="where (default: JOBDIR/savepoints)",
+    )
     p.add_argument(
         "--wait", type=float, metavar="SECONDS", help="wait this long and print the path"
     )
 
     p = command("gc", "list or delete files no checkpoint or savepoint uses", cmd_gc)
-    p.add_argument("directory", metavar="DIR", help="a job's directory, or the directory of jobs")
+    p.add_argument(
+        "directory",
+        metavar="DIR",
+        type=normalize_url,
+        help="a job's directory, or the directory of jobs",
+    )
     p.add_argument("--apply", action="store_true", help="delete them (default: only list)")
     return parser
 

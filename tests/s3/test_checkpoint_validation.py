@@ -81,6 +81,10 @@ def test_the_cli_takes_a_url_with_double_slashes(
         assert status == 0, err
         counts = {r["key"]: r["value"] for r in map(json.loads, out.splitlines())}
         assert counts == {k: c for k, (c, _) in job.models[checkpoint_id].items()}
+        status, out, err = cli(capsys, location, "list", f"{location.url}/job/", "--json")
+        assert status == 0, err
+        (listed,) = json.loads(out)
+        assert [c["checkpoint_id"] for c in listed["checkpoints"]] == [checkpoint_id]
     finally:
         job.close()
 
