@@ -16,8 +16,10 @@ from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import Any, TextIO
 
+from statebackend.checkpoint.filesystem import normalize_url
 from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.savepoints import copy_checkpoint
+from statebackend.checkpoint.signing import SigningKey, load_signing_key
 from statebackend.errors import CheckpointCorruptedError, ConfigurationError, StateBackendError
 from statebackend.serializers import serializer_from_config
 from statebackend.snapshot.frames import CODECS
@@ -135,6 +137,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(args.storage_option)
 
 
+def _signing_key(args: argparse.Namespace) -> SigningKey | None:
+    return load_signing_key(key_file=args.signing_key_file)
+
+
 # -- commands -----------------------------------------------------------------------------
 
 
@@ -174,7 +180,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``statebackend inspect``."""
-    info = inspect_checkpoint(open_checkpoint(args.checkpoint, _options(args)))
+    info = inspect_checkpoint(open_checkpoint(args.checkpoint, _options(args), _signing_key(args)))
     if args.json:
         _json(info)
         return 0
@@ -241,7 +247,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``statebackend verify``."""
-    ref = open_checkpoint(args.checkpoint, _options(args))
+    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
     total = referenced_bytes(ref)
     with _progress("verifying", total) as advance:
         problems = verify_checkpoint(ref, advance)
@@ -258,7 +264,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``statebackend plan``."""
-    ref = open_checkpoint(args.checkpoint, _options(args))
+    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
     plans = plan_checkpoint(ref, args.parallelism, args.operator)
     if args.json:
         _json(plans)
@@ -322,28 +328,32 @@ def cmd_read(args: argparse.Namespace) -> int:
     """``statebackend read``."""
     if (args.state is None) == (not args.timers):
         raise ConfigurationError("give either --state NAME or --timers")
-    ref = open_checkpoint(args.checkpoint, _options(args))
+    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
     if args.timers:
         selection = select_timers(ref, args.operator)
         key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
         with _progress("reading", read_bytes(ref, selection, key)) as advance:
-            _write_records(read_timers(ref, selection, key, advance), args.format, sys.stdout)
+            timers = read_timers(ref, selection, key, advance, allow_pickle=args.allow_pickle)
+            _write_records(timers, args.format, sys.stdout)
         return 0
     selection = select_state(ref, args.operator, args.state)
     key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
     with _progress("reading", read_bytes(ref, selection, key)) as advance:
-        records = read_state(ref, selection, key, progress=advance)
+        records = read_state(ref, selection, key, progress=advance, allow_pickle=args.allow_pickle)
         _write_records(records, args.format, sys.stdout)
     return 0
 
 
 def cmd_savepoint_create(args: argparse.Namespace) -> int:
     """``statebackend savepoint create``."""
-    source = open_checkpoint(args.source, _options(args))
+    key = _signing_key(args)
+    source = open_checkpoint(args.source, _options(args), key)
     target_fs = open_location(args.target, _options(args))
     target = checkpoint_directory(args.target)
     with _progress("copying", referenced_bytes(source)) as advance:
-        copy_checkpoint(source.fs, source.directory, target_fs, target, advance)
+        copy_checkpoint(source.fs, source.directory, target_fs, target, advance, key)
+    if key is None:
+        print(f"{PROG}: note: {target} is not signed (no --signing-key-file)", file=sys.stderr)
     _out(target)
     return 0
 
@@ -466,7 +476,9 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
       --format csv {_S3} > items.csv
 --key takes the key as text for str keys, a number for int keys, JSON otherwise
-(e.g. '["alice", 3]' for a tuple key)""",
+(e.g. '["alice", 3]' for a tuple key). Pickled keys and values are printed as
+{{"serializer": "pickle", "base64": ...}}: unpickling runs code named by the checkpoint, so
+--allow-pickle is only for checkpoints nobody else can write (or that are signed)""",
     "savepoint": f"""examples:
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint trigger s3://bucket/checkpoints/my-job --wait 300 {_S3}
@@ -478,7 +490,9 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint create --from s3://bucket/ckpt/my-job/chk-42 --to file:///backup/sp-42 \\
       {_S3}
-the copy is checked file by file; _metadata is written last""",
+the copy is checked file by file; _metadata is written last. With --signing-key-file the
+source must be signed with that key and the savepoint is signed with it; without, the
+savepoint is not signed""",
     "savepoint transform": f"""examples:
   {PROG} savepoint transform --from /data/savepoints/v1 --to /data/savepoints/v2 \\
       --drop-state user-totals/recent --rename-state user-totals/count=events
@@ -514,6 +528,16 @@ fresh listing before it deletes. Keep the grace period above the checkpoint time
 
 
 _SIMPLE_SERIALIZERS = ("str", "int", "float", "bool", "json", "pickle")
+
+
+def _add_signing_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--signing-key-file",
+        metavar="PATH",
+        help="the job's checkpoint signing key (spark.statebackend.checkpoint."
+        "signing-key-file): refuse the checkpoint unless it is signed with it and "
+        "unchanged, before anything in it is decoded",
+    )
 
 
 def _storage_parent() -> argparse.ArgumentParser:
@@ -566,18 +590,23 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = command("list", "the jobs in a directory and their checkpoints and savepoints", cmd_list)
-    p.add_argument("directory", metavar="DIR", help="the checkpoint directory, or a job's")
+    p.add_argument(
+        "directory", metavar="DIR", type=normalize_url, help="the checkpoint directory, or a job's"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("inspect", "operators, states and subtasks of a checkpoint", cmd_inspect)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_signing_key(p)
 
     p = command("verify", "check every file of a checkpoint by size and checksum", cmd_verify)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    _add_signing_key(p)
 
     p = command("plan", "what each subtask would restore at another parallelism", cmd_plan)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    _add_signing_key(p)
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P")
     p.add_argument("--operator", metavar="OP", help="only this operator")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -591,6 +620,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--key", metavar="K", help="only this key (reads only its key group)")
     p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle pickled keys and values (default: shown as base64). Unpickling runs "
+        "any code the checkpoint names: only for checkpoints that nobody but you could "
+        "have written, or that pass --signing-key-file",
+    )
+    _add_signing_key(p)
 
     savepoint = commands.add_parser(
         "savepoint",
@@ -609,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
     p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    _add_signing_key(p)
     p = command(
         "savepoint transform",
         "write a new savepoint with operators or states dropped or states renamed",
@@ -655,14 +693,27 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_savepoint_trigger,
         actions,
     )
-    p.add_argument("job_dir", metavar="JOBDIR", help="the job's checkpoint directory")
-    p.add_argument("--to", dest="target", metavar="DIR", help="where (default: JOBDIR/savepoints)")
+    p.add_argument(
+        "job_dir", metavar="JOBDIR", type=normalize_url, help="the job's checkpoint directory"
+    )
+    p.add_argument(
+        "--to",
+        dest="target",
+        metavar="DIR",
+        type=normalize_url,
+        help="where (default: JOBDIR/savepoints)",
+    )
     p.add_argument(
         "--wait", type=float, metavar="SECONDS", help="wait this long and print the path"
     )
 
     p = command("gc", "list or delete files no checkpoint or savepoint uses", cmd_gc)
-    p.add_argument("directory", metavar="DIR", help="a job's directory, or the directory of jobs")
+    p.add_argument(
+        "directory",
+        metavar="DIR",
+        type=normalize_url,
+        help="a job's directory, or the directory of jobs",
+    )
     p.add_argument("--apply", action="store_true", help="delete them (default: only list)")
     p.add_argument(
         "--grace",

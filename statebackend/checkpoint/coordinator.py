@@ -224,7 +224,11 @@ class CheckpointCoordinator:
         self._discard_older()
         if pending.savepoint_dir is not None:
             return copy_checkpoint(
-                self.storage.fs, directory, self.storage.fs, pending.savepoint_dir
+                self.storage.fs,
+                directory,
+                self.storage.fs,
+                pending.savepoint_dir,
+                signing_key=self.storage.signing_key,
             )
         return directory
 

@@ -5,10 +5,16 @@ Paths given to a ``CheckpointFileSystem`` are URLs of its protocol (``s3://bucke
 system come out as statebackend errors naming the path: a missing file is a
 ``CheckpointCorruptedError``, any other failure a ``CheckpointError`` with the cause chained.
 
-Checksums are CRC-32 (``zlib.crc32``), written as ``"crc32:<8 hex digits>"``. A whole-file
+Checksums are CRC-32 (``"crc32:<8 hex digits>"``) unless the file system was opened with
+``checksum_algorithm="sha256"`` (signed checkpoints, ``signing.py``); a file is always
+checked with the algorithm its recorded checksum names (``checksums.py``). A whole-file
 checksum can only be checked against the whole file (``verify``, or ``checksum`` over
 ``read_file``); a ranged read is checked against the checksum of that range, which the
 writer stores in the state handle next to the offsets (``checksum`` + ``verify_checksum``).
+
+A checkpoint URL has one spelling (``normalize_url``): every place that takes one from a
+user normalizes it before building paths, since files are written at the path as given
+while handles resolve their relative paths through ``posixpath.normpath``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import io
 import threading
 import uuid
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ import fsspec
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import get_protocol
 
-from statebackend.checksums import checksum, format_crc
+from statebackend.checksums import CRC32, RunningChecksum, algorithm_of, checksum
 from statebackend.errors import (
     CheckpointCancelledError,
     CheckpointCorruptedError,
@@ -34,6 +39,7 @@ from statebackend.errors import (
     ConfigurationError,
     StateBackendError,
 )
+from statebackend.snapshot.handles import normalize_path
 
 _READ_CHUNK = 1 << 20
 
@@ -59,7 +65,8 @@ def verify_checksum(data: bytes, expected_checksum: str, where: str) -> None:
 
     For callers that read a range of a file whose own checksum is in the state handle.
     """
-    _compare_checksums(checksum(data), expected_checksum, where)
+    actual = checksum(data, algorithm_of(expected_checksum) or CRC32)
+    _compare_checksums(actual, expected_checksum, where)
 
 
 def _compare_checksums(actual: str, expected: str, where: str) -> None:
@@ -78,15 +85,30 @@ class WrittenFile:
     checksum: str
 
 
+def normalize_url(url: str) -> str:
+    """The one spelling of a checkpoint URL or path: ``//``, ``.`` and ``..`` in its path
+    resolved as ``posixpath.normpath`` does, no trailing ``/`` (``s3://b/team//ckpts/``
+    becomes ``s3://b/team/ckpts``), so that files are written where handles resolve to."""
+    normalized = normalize_path(url)
+    scheme, sep, rest = normalized.rpartition("://")
+    if rest.startswith("//"):  # normpath keeps a leading "//" (POSIX allows it a meaning)
+        normalized = f"{scheme}{sep}/{rest.lstrip('/')}"
+    return normalized
+
+
 def open_filesystem(
-    url: str, storage_options: dict[str, Any] | None = None
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    checksum_algorithm: str = CRC32,
 ) -> CheckpointFileSystem:
     """Open the file system of ``url`` (any fsspec protocol; a plain path is local).
 
     ``storage_options`` go to the fsspec implementation, e.g. for s3 ``endpoint_url``,
     ``key``, ``secret``, ``client_kwargs`` or ``default_block_size`` (the multipart part
-    size); without credentials s3fs uses the usual AWS chain. Raises ConfigurationError
-    naming the URL if the protocol is unknown or its implementation is not installed.
+    size); without credentials s3fs uses the usual AWS chain. Files written get checksums
+    of ``checksum_algorithm``. Raises ConfigurationError naming the URL if the protocol
+    is unknown or its implementation is not installed.
     """
     protocol = get_protocol(url)
     options = {**_DEFAULT_OPTIONS.get(protocol, {}), **(storage_options or {})}
@@ -101,7 +123,7 @@ def open_filesystem(
         raise ConfigurationError(
             f"checkpoint storage {url!r} has an unknown protocol {protocol!r}: {exc}"
         ) from exc
-    return CheckpointFileSystem(fs_class(**options))
+    return CheckpointFileSystem(fs_class(**options), checksum_algorithm)
 
 
 @contextmanager
@@ -124,10 +146,13 @@ class CheckpointFileSystem:
     ``bytes_read`` and ``bytes_written`` count the bytes this object moved between this
     process and storage; server-side copies (``copy`` on object stores) count nothing.
     Pickling gives a new object on the same storage with its counters at zero.
+    Files written get checksums of ``checksum_algorithm`` (``checksums.py``).
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, checksum_algorithm: str = CRC32) -> None:
+        RunningChecksum(checksum_algorithm)  # raises on an unknown algorithm
         self._fs = fs
+        self.checksum_algorithm = checksum_algorithm
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self._atomic_rename = bool(protocols & _ATOMIC_RENAME_PROTOCOLS)
         self._lock = threading.Lock()
@@ -135,7 +160,12 @@ class CheckpointFileSystem:
         self._bytes_written = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (CheckpointFileSystem, (self._fs,))
+        return (CheckpointFileSystem, (self._fs, self.checksum_algorithm))
+
+    @property
+    def fsspec(self) -> fsspec.AbstractFileSystem:
+        """The fsspec file system underneath."""
+        return self._fs
 
     @property
     def bytes_read(self) -> int:
@@ -178,7 +208,7 @@ class CheckpointFileSystem:
                 raise CheckpointCancelledError(f"writing {path} was cancelled")
 
         size = 0
-        crc = 0
+        running = RunningChecksum(self.checksum_algorithm)
         with _io_errors("open for writing", path):
             f = self._fs.open(path, "wb")
         try:
@@ -187,7 +217,7 @@ class CheckpointFileSystem:
                 f.write(chunk)
                 self._count_written(len(chunk))
                 size += len(chunk)
-                crc = zlib.crc32(chunk, crc)
+                running.update(chunk)
             check_stop()
             f.close()
         except BaseException as exc:
@@ -195,7 +225,7 @@ class CheckpointFileSystem:
             if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
                 raise
             raise CheckpointError(f"could not write {path}: {exc}") from exc
-        return WrittenFile(path=path, size=size, checksum=format_crc(crc))
+        return WrittenFile(path=path, size=size, checksum=running.value())
 
     def _abandon(self, f: Any, path: str) -> None:
         """Drop an unfinished write so that nothing remains at ``path``."""
@@ -318,11 +348,11 @@ class CheckpointFileSystem:
                 f"{path}: size {actual_size} != expected {expected_size}; "
                 "the file is truncated or corrupted"
             )
-        crc = 0
+        running = RunningChecksum(algorithm_of(expected_checksum) or CRC32)
         with self.open_read(path) as f:
             while chunk := f.read(_READ_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        _compare_checksums(format_crc(crc), expected_checksum, path)
+                running.update(chunk)
+        _compare_checksums(running.value(), expected_checksum, path)
 
 
 class _CountingReader(io.RawIOBase):

@@ -5,23 +5,42 @@ and each subtask's state handles. Every file it references has a size and a chec
 paths are relative to the directory that holds ``_metadata``, so a savepoint can move
 (incremental checkpoints reference the job's shared files as ``../shared/...``; a
 savepoint holds copies of them).
+
+``_metadata`` is checked whenever it is loaded, before anything it references is read:
+per operator the subtasks are exactly 0..P-1, each once, their key-group ranges cover
+0..M-1 exactly, and every handle is well formed (paths inside the job's directory, sizes,
+checksums, indexes within their files). A violation is a CheckpointCorruptedError naming
+the file and what is wrong. A signed ``_metadata`` (format version 2, ``signing.py``)
+carries ``"signature": {"algorithm": "hmac-sha256", "value": <hex>}`` over the same
+document without that field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import posixpath
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
+from statebackend.checkpoint.signing import ALGORITHM, FILE_CHECKSUM, SigningKey
+from statebackend.checksums import algorithm_of
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
+from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.handles import StoredFile
+from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
+from statebackend.snapshot.keyed_format import KeyedStateHandle
 from statebackend.snapshot.keyed_handles import KeyedHandle, keyed_handle_from_json
-from statebackend.snapshot.operator_format import OperatorStateHandle
+from statebackend.snapshot.operator_format import OperatorStateHandle, Span
 from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format this release writes: 2 when signed, else 1 (which older releases read)."""
+_UNSIGNED_VERSION = 1
+SIGNATURE = "signature"
+_FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
@@ -154,10 +173,14 @@ class CheckpointMetadata:
         """Bytes of state over all operators."""
         return sum(op.state_bytes() for op in self.operators.values())
 
-    def to_bytes(self) -> bytes:
-        """The ``_metadata`` file's bytes."""
+    def to_bytes(self, signing_key: SigningKey | None = None) -> bytes:
+        """The ``_metadata`` file's bytes; signed (format version 2) with ``signing_key``.
+
+        Raises CheckpointError if signing was asked for but a referenced file has no
+        SHA-256 checksum (it was written by a file system opened without signing).
+        """
         document = {
-            "format_version": FORMAT_VERSION,
+            "format_version": _UNSIGNED_VERSION,
             "job_id": self.job_id,
             "checkpoint_id": self.checkpoint_id,
             "kind": "savepoint" if self.is_savepoint else "checkpoint",
@@ -173,14 +196,28 @@ class CheckpointMetadata:
                 for operator_id, op in sorted(self.operators.items())
             },
         }
-        return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
+        if signing_key is None:
+            return _canonical(document)
+        weak = [f.path for f in self.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
+        if weak:
+            raise CheckpointError(
+                f"cannot sign checkpoint {self.checkpoint_id}: {', '.join(weak)} have no "
+                f"{FILE_CHECKSUM} checksum; write checkpoints with the signing key set"
+            )
+        document["format_version"] = FORMAT_VERSION
+        signature = signing_key.sign(_canonical(document))
+        return _canonical({**document, SIGNATURE: {"algorithm": ALGORITHM, "value": signature}})
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> CheckpointMetadata:
-        """Parse ``_metadata`` read from ``where``.
+    def from_bytes(
+        cls, data: bytes, where: str, signing_key: SigningKey | None = None
+    ) -> CheckpointMetadata:
+        """Parse and check ``_metadata`` read from ``where`` (see the module docstring).
 
-        Raises IncompatibleStateError for a format version this release cannot read and
-        CheckpointCorruptedError naming ``where`` for anything malformed.
+        With ``signing_key`` the signature is checked first, and an unsigned file, or one
+        referencing a file without a SHA-256 checksum, is refused. Raises
+        IncompatibleStateError for a format version this release cannot read and
+        CheckpointCorruptedError naming ``where`` for anything malformed or not signed.
         """
         try:
             document = json.loads(data)
@@ -192,6 +229,9 @@ class CheckpointMetadata:
                 f"{where} has metadata format version {version!r}; this statebackend reads "
                 f"up to version {FORMAT_VERSION}: upgrade statebackend to restore it"
             )
+        signature = document.pop(SIGNATURE, None)
+        if signing_key is not None:
+            _check_signature(document, signature, signing_key, where)
         try:
             operators = {}
             for operator_id, op in document["operators"].items():
@@ -199,7 +239,7 @@ class CheckpointMetadata:
                 operators[operator_id] = OperatorSnapshot(
                     operator_id, int(op["parallelism"]), subtasks
                 )
-            return cls(
+            metadata = cls(
                 job_id=document["job_id"],
                 checkpoint_id=int(document["checkpoint_id"]),
                 max_parallelism=int(document["max_parallelism"]),
@@ -209,7 +249,174 @@ class CheckpointMetadata:
                 is_savepoint=document.get("kind") == "savepoint",
                 properties=dict(document.get("properties", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptedError(
-                f"{where}: malformed checkpoint metadata: {exc}"
+                f"{where}: malformed checkpoint metadata: {exc!r}"
             ) from exc
+        problem = metadata.problem()
+        if problem is not None:
+            raise CheckpointCorruptedError(f"{where} is invalid: {problem}")
+        if signing_key is not None:
+            weak = [f.path for f in metadata.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
+            if weak:
+                raise CheckpointCorruptedError(
+                    f"{where} is signed but {', '.join(weak)} have no {FILE_CHECKSUM} "
+                    "checksum, so their content is not protected: do not restore it"
+                )
+        return metadata
+
+    def problem(self) -> str | None:
+        """What is wrong with this metadata (see the module docstring), or None."""
+        m = self.max_parallelism
+        if not 1 <= m <= UPPER_BOUND_MAX_PARALLELISM:
+            return f"max parallelism {m} is not in 1..{UPPER_BOUND_MAX_PARALLELISM}"
+        for operator_id, op in sorted(self.operators.items()):
+            problem = _operator_problem(op, m)
+            if problem is not None:
+                return f"operator {operator_id!r}: {problem}"
+        return None
+
+
+def _canonical(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
+
+
+def _check_signature(
+    document: dict[str, Any], signature: Any, key: SigningKey, where: str
+) -> None:
+    """CheckpointCorruptedError naming ``where`` unless ``signature`` is ``key``'s
+    signature of ``document`` (without its signature field)."""
+    if signature is None:
+        raise CheckpointCorruptedError(
+            f"{where} is not signed, but a signing key was given: only restore or read it "
+            "without the key if you trust everyone who can write to its storage"
+        )
+    value = signature.get("value") if isinstance(signature, dict) else None
+    algorithm = signature.get("algorithm") if isinstance(signature, dict) else None
+    if (
+        algorithm != ALGORITHM
+        or not isinstance(value, str)
+        or not key.matches(_canonical(document), value)
+    ):
+        raise CheckpointCorruptedError(
+            f"{where}: the signature does not match: the checkpoint was changed after it "
+            "was written, or signed with another key; do not restore it"
+        )
+
+
+def _operator_problem(op: OperatorSnapshot, max_parallelism: int) -> str | None:
+    p = op.parallelism
+    if not 1 <= p <= max_parallelism:
+        return f"parallelism {p} is not in 1..{max_parallelism} (the max parallelism)"
+    indexes = [ack.subtask for ack in op.subtasks]
+    if indexes != list(range(p)):
+        return f"has subtasks {indexes}, but parallelism {p} needs each of 0..{p - 1} once"
+    for ack in op.subtasks:
+        if ack.operator_id != op.operator_id or ack.parallelism != p:
+            return (
+                f"subtask {ack.subtask} belongs to {ack.operator_id!r} at parallelism "
+                f"{ack.parallelism}"
+            )
+    keyed = [ack.keyed for ack in op.subtasks]
+    if any(handle is not None for handle in keyed):
+        ranges = sorted(
+            (h.key_group_range.start, h.key_group_range.end, i)
+            for i, h in enumerate(keyed)
+            if h is not None
+        )
+        expected_start = 0
+        for start, end, subtask in ranges:
+            if start != expected_start or end < start:
+                return (
+                    f"the key-group ranges do not cover 0..{max_parallelism - 1} exactly "
+                    f"(subtask {subtask} has {start}..{end}, expected to start at "
+                    f"{expected_start})"
+                )
+            expected_start = max(expected_start, end + 1)
+        if expected_start != max_parallelism:
+            return (
+                f"the key-group ranges end at {expected_start - 1}, not at "
+                f"{max_parallelism - 1}"
+            )
+    for ack in op.subtasks:
+        problem = _handle_problem(ack)
+        if problem is not None:
+            return f"subtask {ack.subtask}: {problem}"
+    return None
+
+
+def _path_problem(path: str) -> str | None:
+    """Why ``path`` is no file of a checkpoint: a relative path in its directory, or in
+    the job's shared directory (``../shared/<name>``)."""
+    if not isinstance(path, str) or not path or "://" in path or path.startswith("/"):
+        return f"file path {path!r} is not relative to the checkpoint directory"
+    parts = posixpath.normpath(path).split("/")
+    if parts[:2] == ["..", "shared"] and len(parts) == 3:
+        parts = parts[2:]
+    if ".." in parts or not all(_FILE_NAME.fullmatch(part) for part in parts):
+        return f"file path {path!r} leads outside the checkpoint"
+    return None
+
+
+def _file_problem(file: StoredFile) -> str | None:
+    problem = _path_problem(file.path)
+    if problem is not None:
+        return problem
+    if file.size < 0:
+        return f"file {file.path} has a negative size {file.size}"
+    if algorithm_of(file.checksum) is None:
+        return f"file {file.path} has a malformed checksum {file.checksum!r}"
+    return None
+
+
+def _spans_problem(spans: tuple[Span, ...], size: int, what: str) -> str | None:
+    for offset, length, _ in spans:
+        if offset < 0 or length < 0 or offset + length > size:
+            return f"{what}: an element at {offset}+{length} lies outside its {size} bytes"
+    return None
+
+
+def _index_problem(handle: KeyedStateHandle | RawKeyedStateHandle) -> str | None:
+    """What is wrong with a key-group index: a group outside the handle's range, entries
+    out of order, overlapping or beyond the end of the file."""
+    previous_end = -1
+    for group, offset, length in handle.key_groups:
+        if group not in handle.key_group_range:
+            return f"{handle.path}: key group {group} is outside its range"
+        if offset < previous_end or length <= 0 or offset + length > handle.size:
+            return f"{handle.path}: the index entry of key group {group} is out of order"
+        previous_end = offset + length
+    return None
+
+
+def _handle_problem(ack: SubtaskAck) -> str | None:
+    """What is malformed in the subtask's handles, or None."""
+    for file in ack.files():
+        problem = _file_problem(file)
+        if problem is not None:
+            return problem
+    keyed = ack.keyed
+    for indexed in (keyed, ack.raw_keyed):
+        if isinstance(indexed, (KeyedStateHandle, RawKeyedStateHandle)):
+            problem = _index_problem(indexed)
+            if problem is not None:
+                return problem
+    if isinstance(keyed, IncrementalKeyedStateHandle):
+        names = [f.name for f in (*keyed.shared, *keyed.private)]
+        bad = [n for n in names if not _FILE_NAME.fullmatch(n) or not n.strip(".")]
+        if bad or len(set(names)) != len(names):
+            return f"incremental handle has invalid or repeated file names {bad or names}"
+    handle = ack.operator_state
+    if handle is not None:
+        if handle.inline is None and handle.path is None:
+            return "operator state has neither a file nor inline bytes"
+        if handle.inline is not None and len(handle.inline) != handle.size:
+            return f"inline operator state has {len(handle.inline)} bytes, not {handle.size}"
+        if handle.size < 0 or algorithm_of(handle.checksum) is None:
+            return "operator state has a negative size or a malformed checksum"
+        for name, info in handle.states.items():
+            problem = _spans_problem(info.elements, handle.size, f"operator state {name!r}")
+            if problem is not None:
+                return problem
+        return _spans_problem(handle.raw, handle.size, "raw operator state")
+    return None

@@ -6,8 +6,9 @@ import dataclasses
 import posixpath
 from collections.abc import Callable, Iterator
 
-from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_url
 from statebackend.checkpoint.layout import join, metadata_path
+from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointError
 from statebackend.snapshot.handles import resolve_path
@@ -42,6 +43,7 @@ def copy_checkpoint(
     target_fs: CheckpointFileSystem,
     target_dir: str,
     progress: Progress | None = None,
+    signing_key: SigningKey | None = None,
 ) -> str:
     """Copy the completed checkpoint (or savepoint) in ``source_dir`` to a savepoint.
 
@@ -49,10 +51,13 @@ def copy_checkpoint(
     (an incremental checkpoint's shared files into the savepoint's own ``shared/``, the
     handles rewritten to match), then ``_metadata`` (marked as a savepoint) is written
     last, so an interrupted copy is never mistaken for a savepoint. The result restores
-    from wherever it is moved to. Returns ``target_dir``; raises CheckpointError if it
-    already holds a savepoint.
+    from wherever it is moved to. With ``signing_key`` the source must be signed with
+    it and the savepoint is signed with it too; without, the savepoint is not signed.
+    Returns ``target_dir`` (normalized); raises CheckpointError if it already holds a
+    savepoint.
     """
-    metadata = load_metadata(source_fs, source_dir)
+    target_dir = normalize_url(target_dir)
+    metadata = load_metadata(source_fs, source_dir, signing_key)
     if target_fs.exists(metadata_path(target_dir)):
         raise CheckpointError(
             f"{target_dir} already holds a checkpoint or savepoint: choose an empty directory"
@@ -68,5 +73,5 @@ def copy_checkpoint(
         if progress is not None:
             progress(size)
     savepoint = dataclasses.replace(metadata.with_keyed_paths(_inside), is_savepoint=True)
-    target_fs.write_atomic(metadata_path(target_dir), savepoint.to_bytes())
+    target_fs.write_atomic(metadata_path(target_dir), savepoint.to_bytes(signing_key))
     return target_dir

@@ -6,7 +6,11 @@ import json
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
-from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
+from statebackend.checkpoint.filesystem import (
+    CheckpointFileSystem,
+    normalize_url,
+    open_filesystem,
+)
 from statebackend.checkpoint.layout import (
     ACKS_DIR,
     METADATA_FILE,
@@ -18,6 +22,8 @@ from statebackend.checkpoint.layout import (
     parse_ack_name,
 )
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
+from statebackend.checkpoint.signing import FILE_CHECKSUM, SigningKey
+from statebackend.checksums import CRC32
 from statebackend.errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from statebackend.snapshot.incremental import SharedLocation
 from statebackend.snapshot.target import SnapshotDirectory
@@ -33,7 +39,9 @@ class CheckpointStorage:
     written on a pool of ``transfer_threads`` threads. With ``incremental=True`` keyed
     snapshots of RocksDB backends upload their native checkpoint's files, each SST file
     once, to the job's ``shared/`` directory (``snapshot/incremental.py``); heap backends
-    and the default write the full format.
+    and the default write the full format. With a ``signing_key`` files get SHA-256
+    checksums, ``_metadata`` is signed and only checkpoints it signed load
+    (``signing.py``). ``checkpoint_dir`` is normalized (``normalize_url``).
     """
 
     def __init__(
@@ -46,14 +54,20 @@ class CheckpointStorage:
         compression: str = "none",
         incremental: bool = False,
         filesystem: CheckpointFileSystem | None = None,
+        signing_key: SigningKey | None = None,
     ) -> None:
         if transfer_threads < 1:
             raise ConfigurationError(
                 f"transfer threads {transfer_threads!r} is invalid: give at least 1"
             )
-        self.layout = JobLayout(checkpoint_dir, job_id)
+        self.layout = JobLayout(normalize_url(checkpoint_dir), job_id)
         self.job_id = job_id
-        self.fs = filesystem or open_filesystem(checkpoint_dir, storage_options)
+        self.signing_key = signing_key
+        self.fs = filesystem or open_filesystem(
+            checkpoint_dir,
+            storage_options,
+            checksum_algorithm=CRC32 if signing_key is None else FILE_CHECKSUM,
+        )
         self.compression = compression
         self.incremental = incremental
         self._transfer_threads = transfer_threads
@@ -117,7 +131,7 @@ class CheckpointStorage:
         Returns the checkpoint's directory.
         """
         directory = self.layout.checkpoint_path(metadata.checkpoint_id)
-        self.fs.write_atomic(metadata_path(directory), metadata.to_bytes())
+        self.fs.write_atomic(metadata_path(directory), metadata.to_bytes(self.signing_key))
         self.fs.delete(join(directory, ACKS_DIR), recursive=True)
         return directory
 
@@ -148,7 +162,7 @@ class CheckpointStorage:
         """The directory of a checkpoint given by id, by directory, or by ``_metadata``."""
         if isinstance(path_or_id, int):
             return self.layout.checkpoint_path(path_or_id)
-        path = path_or_id.rstrip("/")
+        path = normalize_url(path_or_id)
         if path.endswith("/" + METADATA_FILE):
             path = path[: -len(METADATA_FILE) - 1]
         return path
@@ -159,11 +173,14 @@ class CheckpointStorage:
         Raises CheckpointNotFoundError if there is no ``_metadata`` (a pending or aborted
         checkpoint, or not a checkpoint at all).
         """
-        return load_metadata(self.fs, self.resolve(path_or_id))
+        return load_metadata(self.fs, self.resolve(path_or_id), self.signing_key)
 
 
-def load_metadata(fs: CheckpointFileSystem, directory: str) -> CheckpointMetadata:
-    """The ``_metadata`` of the checkpoint or savepoint in ``directory``."""
+def load_metadata(
+    fs: CheckpointFileSystem, directory: str, signing_key: SigningKey | None = None
+) -> CheckpointMetadata:
+    """The ``_metadata`` of the checkpoint or savepoint in ``directory``, checked (and
+    with ``signing_key``, its signature checked: ``CheckpointMetadata.from_bytes``)."""
     path = metadata_path(directory)
     if not fs.exists(path):
         raise CheckpointNotFoundError(
@@ -174,4 +191,4 @@ def load_metadata(fs: CheckpointFileSystem, directory: str) -> CheckpointMetadat
         data = fs.read_file(path)
     except CheckpointError as exc:
         raise CheckpointNotFoundError(f"cannot read {path}: {exc}") from exc
-    return CheckpointMetadata.from_bytes(data, path)
+    return CheckpointMetadata.from_bytes(data, path, signing_key)

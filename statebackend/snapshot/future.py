@@ -21,6 +21,9 @@ class SnapshotFuture(Generic[T]):
     ``work(should_stop)`` runs on the transfer executor; it must check ``should_stop``
     between chunks and leave nothing behind when it stops or fails. ``release`` frees the
     synchronous cut's local resources and runs exactly once, whatever happens.
+    ``discard(result)`` deletes what a finished ``work`` wrote: it runs when a cancel
+    landed after ``work``'s last check of ``should_stop`` (e.g. while its last file was
+    committed), so that a cancel that returned True never leaves a handle or a file.
     """
 
     def __init__(
@@ -29,18 +32,30 @@ class SnapshotFuture(Generic[T]):
         work: Callable[[ShouldStop], T],
         release: Callable[[], None],
         description: str,
+        discard: Callable[[T], None] | None = None,
     ) -> None:
         self.description = description
         self._cancelled = threading.Event()
         self._release_lock = threading.Lock()
         self._release: Callable[[], None] | None = release
+        self._discard = discard
+        # Decides between a cancel and the completion: whichever takes it first wins.
+        self._outcome_lock = threading.Lock()
+        self._completed = False
         self._future: Future[T] = executor.submit(self._run, work)
 
     def _run(self, work: Callable[[ShouldStop], T]) -> T:
         try:
             if self._cancelled.is_set():
                 raise CheckpointCancelledError(f"{self.description} was cancelled")
-            return work(self._cancelled.is_set)
+            result = work(self._cancelled.is_set)
+            with self._outcome_lock:
+                self._completed = not self._cancelled.is_set()
+            if not self._completed:
+                if self._discard is not None:
+                    self._discard(result)
+                raise CheckpointCancelledError(f"{self.description} was cancelled")
+            return result
         except CheckpointError:
             raise
         except Exception as exc:
@@ -58,11 +73,15 @@ class SnapshotFuture(Generic[T]):
         """Stop the upload at the next chunk boundary; what it wrote is deleted.
 
         Returns False if the snapshot had already completed (its files then belong to
-        the checkpoint, which the coordinator discards as a whole).
+        the checkpoint, which the coordinator discards as a whole); True means that no
+        handle is ever returned and nothing of the snapshot is left in storage.
         """
-        if self._future.done():
-            return self._future.cancelled()
-        self._cancelled.set()
+        with self._outcome_lock:
+            if self._completed:
+                return False
+            if self._future.done() and not self._cancelled.is_set():
+                return self._future.cancelled()
+            self._cancelled.set()
         if self._future.cancel():
             self._release_once()
         return True

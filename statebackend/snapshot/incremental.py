@@ -28,7 +28,6 @@ import json
 import tempfile
 import threading
 import uuid
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
@@ -40,7 +39,7 @@ from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMe
 from statebackend.backends.rocksdb import CheckpointReader, RocksDBCheckpointView
 from statebackend.backends.stores import Entry
 from statebackend.backends.timers import TimerSnapshotInfo
-from statebackend.checksums import format_crc
+from statebackend.checksums import CRC32, RunningChecksum, algorithm_of
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
@@ -59,6 +58,9 @@ _SST_SUFFIX = ".sst"
 
 class IncrementalFileSystem(Protocol):
     """What incremental snapshots need of a file system (``checkpoint.filesystem``)."""
+
+    checksum_algorithm: str
+    """The algorithm of the checksums of the files it writes (``checksums.py``)."""
 
     def write_file(
         self, path: str, chunks: Iterable[bytes], *, should_stop: Callable[[], bool] | None = None
@@ -223,12 +225,14 @@ def upload_native_checkpoint(
     cut: KeyedStateCut,
     should_stop: Callable[[], bool],
     threads: int = 4,
+    uploaded: list[str] | None = None,
 ) -> IncrementalKeyedStateHandle:
     """Upload the files of ``cut``'s native checkpoint for checkpoint ``checkpoint_id``:
     new SST files to ``shared``, the others into ``directory`` (the checkpoint's), each
     named after ``name`` (the subtask's unique prefix), up to ``threads`` files at a time.
     Checks ``should_stop`` before each file and chunk; on cancellation or failure deletes
-    what it uploaded and raises.
+    what it uploaded and raises. On success the paths it uploaded (not the shared files
+    it reuses) are appended to ``uploaded``.
     """
     native = cut.native
     if native is None:
@@ -240,7 +244,9 @@ def upload_native_checkpoint(
     for local in sorted(native.directory.iterdir()):
         is_sst = local.suffix == _SST_SUFFIX
         reused = previous.get((local.name, local.stat().st_size)) if is_sst else None
-        if reused is not None:
+        # A file recorded with another checksum algorithm (signing was switched on) is
+        # uploaded again, so that every file of a signed checkpoint has a SHA-256.
+        if reused is not None and algorithm_of(reused.checksum) == fs.checksum_algorithm:
             shared_files.append(reused)
             continue
         stored = f"{name}-{token}-{local.name}"
@@ -278,6 +284,8 @@ def upload_native_checkpoint(
                     fs.delete(remote)
         raise failures[0]
     written = [future.result() for future in futures]
+    if uploaded is not None:
+        uploaded.extend(remote for _, remote, _, _ in pending)
     shared_files += [file for file, item in zip(written, pending, strict=True) if item[3]]
     private_files = [file for file, item in zip(written, pending, strict=True) if not item[3]]
     record_uploads(native, checkpoint_id, shared, shared_files)
@@ -295,19 +303,19 @@ def upload_native_checkpoint(
 
 
 def _download(fs: IncrementalFileSystem, remote: str, file: NativeFile, target: Path) -> None:
-    size, crc = 0, 0
+    size, running = 0, RunningChecksum(algorithm_of(file.checksum) or CRC32)
     stream = fs.open_read(remote)
     try:
         with target.open("wb") as out:
             while chunk := stream.read(CHUNK_BYTES):
                 out.write(chunk)
                 size += len(chunk)
-                crc = zlib.crc32(chunk, crc)
+                running.update(chunk)
     finally:
         stream.close()
-    if size != file.size or format_crc(crc) != file.checksum:
+    if size != file.size or running.value() != file.checksum:
         raise CheckpointCorruptedError(
-            f"{remote}: size {size} and checksum {format_crc(crc)} != expected {file.size} "
+            f"{remote}: size {size} and checksum {running.value()} != expected {file.size} "
             f"and {file.checksum}; the file is truncated or corrupted"
         )
 

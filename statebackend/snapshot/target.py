@@ -32,6 +32,9 @@ encodes ahead of its upload."""
 class SnapshotFileSystem(Protocol):
     """What snapshots need of a file system (``checkpoint.filesystem`` provides it)."""
 
+    checksum_algorithm: str
+    """The algorithm of the checksums of the files it writes (``checksums.py``)."""
+
     def write_file(
         self, path: str, chunks: Iterable[bytes], *, should_stop: Callable[[], bool] | None = None
     ) -> Any:
@@ -113,11 +116,14 @@ class SnapshotDirectory:
             work,
             cut.release,
             f"keyed snapshot {self.name} of checkpoint {checkpoint_id}",
+            lambda _: self.filesystem.delete(f"{self.directory}/{relative}"),
         )
 
     def _write_incremental(
         self, checkpoint_id: int, cut: KeyedStateCut, shared: SharedLocation
     ) -> SnapshotFuture[KeyedHandle]:
+        uploaded: list[str] = []
+
         def work(should_stop: ShouldStop) -> KeyedHandle:
             return upload_native_checkpoint(
                 self.filesystem,
@@ -128,13 +134,19 @@ class SnapshotDirectory:
                 cut,
                 should_stop,
                 self.upload_threads,
+                uploaded,
             )
+
+        def discard(_: KeyedHandle) -> None:
+            for path in uploaded:
+                self.filesystem.delete(path)
 
         return SnapshotFuture(
             self.executor,
             work,
             cut.release,
             f"incremental keyed snapshot {self.name} of checkpoint {checkpoint_id}",
+            discard,
         )
 
     def write_raw_keyed_snapshot(
@@ -181,9 +193,14 @@ class SnapshotDirectory:
             )
             return OperatorStateHandle(relative, written.size, written.checksum, states, raw)
 
+        def discard(handle: OperatorStateHandle) -> None:
+            if handle.path is not None:
+                self.filesystem.delete(f"{self.directory}/{handle.path}")
+
         return SnapshotFuture(
             self.executor,
             work,
             lambda: None,
             f"operator snapshot {self.name} of checkpoint {checkpoint_id}",
+            discard,
         )

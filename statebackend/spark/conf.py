@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.coordinator import DEFAULT_RETAINED, DEFAULT_TIMEOUT_SECONDS
+from statebackend.checkpoint.signing import SigningKey, load_signing_key
 from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
 from statebackend.errors import ConfigurationError
 from statebackend.snapshot.frames import CODECS
@@ -80,6 +81,8 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "checkpoint.timeout": ("timeout_seconds", _positive_float),
     "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
     "checkpoint.max-retries": ("max_retries", _positive_int),
+    "checkpoint.signing-key": ("signing_key", _text),
+    "checkpoint.signing-key-file": ("signing_key_file", _text),
     "max-parallelism": ("max_parallelism", _optional_int),
     "parallelism": ("parallelism", _optional_int),
     "local.dir": ("local_dir", _text),
@@ -113,6 +116,8 @@ class StateBackendConf:
     local_dir: str = field(default_factory=default_local_dir)
     transfer_threads: int = DEFAULT_TRANSFER_THREADS
     compression: str = "lz4"
+    signing_key: str = field(default="", repr=False)
+    signing_key_file: str = ""
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, str]], **overrides: Any) -> StateBackendConf:
@@ -159,6 +164,12 @@ class StateBackendConf:
         if "storage_options" in changes:
             changes["storage_options"] = {**self.storage_options, **changes["storage_options"]}
         return dataclasses.replace(self, **changes)
+
+    def checkpoint_signing_key(self) -> SigningKey | None:
+        """The key that signs and checks this job's checkpoints (``checkpoint.signing-key``
+        or ``checkpoint.signing-key-file``), or None; ConfigurationError if both are set
+        or the key is too short."""
+        return load_signing_key(self.signing_key or None, self.signing_key_file or None)
 
     def require_checkpoint_dir(self) -> str:
         """The checkpoint directory, or ConfigurationError if none was set."""

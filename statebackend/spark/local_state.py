@@ -40,7 +40,8 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.restore import restore_keyed_state
-from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.checkpoint.signing import verified_reads
+from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import StateBackendError
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.serializers import Serializer
@@ -170,12 +171,14 @@ class LocalKeyedState:
             fs = self._storage.fs
             before = fs.bytes_read
             try:
-                metadata = load_metadata(fs, restore_dir)
-                restore_keyed_state(backend, fs, restore_dir, metadata, self._operator_id)
+                metadata = self._storage.load(restore_dir)
+                files, key = metadata.files(), self._storage.signing_key
+                with verified_reads(fs, restore_dir, files, key) as reads:
+                    restore_keyed_state(backend, reads, restore_dir, metadata, self._operator_id)
             except BaseException:
                 backend.dispose()
                 raise
-            self.restored_bytes = fs.bytes_read - before
+            self.restored_bytes = fs.bytes_read - before + (0 if reads is fs else reads.bytes_read)
         return backend
 
     def _open(self) -> RocksDBKeyedStateBackend:

@@ -45,6 +45,7 @@ from statebackend.checkpoint.restore import (
     check_operators,
     restore_operator_state,
 )
+from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointError,
@@ -269,6 +270,7 @@ class StatefulJob:
             storage_options=conf.storage_options,
             transfer_threads=conf.transfer_threads,
             compression=conf.compression,
+            signing_key=conf.checkpoint_signing_key(),
         )
         try:
             return self._run(storage, started)
@@ -358,12 +360,12 @@ class StatefulJob:
                 offsets_state(backend).update(share)
             self._next_batch = 0
         else:
-            self._source_states = [
-                restore_operator_state(
-                    self._storage.fs, self._restore_point, metadata, SOURCE_OPERATOR, i, p
-                )
-                for i in range(p)
-            ]
+            key, where = self._storage.signing_key, self._restore_point
+            with verified_reads(self._storage.fs, where, metadata.files(), key) as reads:
+                self._source_states = [
+                    restore_operator_state(reads, where, metadata, SOURCE_OPERATOR, i, p)
+                    for i in range(p)
+                ]
             self._next_batch = int(metadata.properties.get("next_batch", 0))
         self._generation += 1
         self._previous_batch: int | None = None
@@ -549,6 +551,7 @@ class StatefulJob:
                 conf.transfer_threads,
                 conf.compression,
                 conf.incremental,
+                self._storage.signing_key,
             ),
             local_dir=conf.local_dir,
             output_dir=self.output_dir if read_source else None,

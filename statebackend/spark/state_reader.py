@@ -6,12 +6,14 @@ checkpoint), each reading only its key groups with ranged reads. Keys and values
 decoded with the serializers the checkpoint recorded. A column is typed when its
 serializer says so (str, int, float, bool) for value-like state; everything else (lists,
 maps, pickled or JSON objects) is a JSON string. Values with a TTL are shown unwrapped.
+Pickled keys and values are unpickled only with ``allow_pickle=True`` (otherwise they are
+``{"serializer": "pickle", "base64": ...}``): unpickling runs code the checkpoint names.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import groupby
 from typing import Any
 
@@ -29,14 +31,15 @@ from pyspark.sql.types import (
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
-from statebackend.checkpoint.layout import METADATA_FILE
+from statebackend.checkpoint.signing import SigningKey, verified_reads
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointNotFoundError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
-from statebackend.serializers import Serializer, serializer_from_config
+from statebackend.serializers import OpaqueValue, Serializer, reading_serializer
 from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlValue
+from statebackend.tools.location import checkpoint_directory
 
 _SPARK_TYPES: dict[str, DataType] = {
     "str": StringType(),
@@ -51,11 +54,15 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, TtlValue) else value
 
 
+def _jsonable(value: Any) -> Any:
+    return value.to_json() if isinstance(value, OpaqueValue) else str(value)
+
+
 def _json(value: Any) -> str:
     try:
-        return json.dumps(value, sort_keys=True, default=str)
+        return json.dumps(value, sort_keys=True, default=_jsonable)
     except TypeError:  # e.g. a map with tuple keys
-        return json.dumps([[k, v] for k, v in value.items()], default=str)
+        return json.dumps([[k, v] for k, v in value.items()], default=_jsonable)
 
 
 def column_type(config: dict[str, Any]) -> DataType | None:
@@ -69,12 +76,12 @@ def column_type(config: dict[str, Any]) -> DataType | None:
 class _Decoder:
     """Turns one state's stored entries into (key, value) rows."""
 
-    def __init__(self, meta: StateMetaInfo, key_config: dict[str, Any]) -> None:
+    def __init__(self, meta: StateMetaInfo, key_config: dict[str, Any], allow_pickle: bool) -> None:
         self.kind = meta.kind
-        self.key: Serializer[Any] = serializer_from_config(key_config)
-        self.value: Serializer[Any] = serializer_from_config(meta.serializers["value"])
+        self.key: Serializer[Any] = reading_serializer(key_config, allow_pickle)
+        self.value: Serializer[Any] = reading_serializer(meta.serializers["value"], allow_pickle)
         self.user_key: Serializer[Any] | None = (
-            serializer_from_config(meta.serializers["user_key"])
+            reading_serializer(meta.serializers["user_key"], allow_pickle)
             if meta.kind is StateKind.MAP
             else None
         )
@@ -134,18 +141,22 @@ def read_state(
     operator_id: str,
     state_name: str,
     storage_options: dict[str, Any] | None = None,
+    *,
+    allow_pickle: bool = False,
+    signing_key: SigningKey | None = None,
 ) -> DataFrame:
     """The (key, value) rows of keyed state ``state_name`` of ``operator_id`` in the
     completed checkpoint or savepoint ``checkpoint`` (its directory or ``_metadata``).
 
-    Raises CheckpointNotFoundError if it is not a completed checkpoint or has no such
-    operator, StateAccessError if the operator has no such state.
+    Pickled keys and values are unpickled only with ``allow_pickle``. With
+    ``signing_key`` (``StateBackendConf.checkpoint_signing_key()``) the checkpoint must
+    be signed with it and its files unchanged. Raises CheckpointNotFoundError if it is
+    not a completed checkpoint or has no such operator, StateAccessError if the operator
+    has no such state, CheckpointCorruptedError if it is invalid or not signed.
     """
-    directory = checkpoint.rstrip("/")
-    if directory.endswith("/" + METADATA_FILE):
-        directory = directory[: -len(METADATA_FILE) - 1]
+    directory = checkpoint_directory(checkpoint)
     fs = open_filesystem(directory, storage_options)
-    metadata = load_metadata(fs, directory)
+    metadata = load_metadata(fs, directory, signing_key)
     snapshot = metadata.operators.get(operator_id)
     if snapshot is None:
         raise CheckpointNotFoundError(
@@ -158,13 +169,16 @@ def read_state(
             f"operator {operator_id!r} in {directory} has no keyed state {state_name!r}; "
             f"it has {sorted(metas)}"
         )
-    decoder = _Decoder(metas[state_name], handles[0].key_serializer)
+    decoder = _Decoder(metas[state_name], handles[0].key_serializer, allow_pickle)
     ranges = [handle.key_group_range for handle in handles]
+    files = metadata.files()
+
+    def read_partition(items: Iterable[KeyGroupRange]) -> Iterator[tuple[Any, Any]]:
+        with verified_reads(fs, directory, files, signing_key) as reads:
+            for key_groups in items:
+                yield from _read_range(reads, directory, handles, key_groups, state_name, decoder)
+
     rdd = spark.sparkContext.parallelize(ranges, max(1, len(ranges))).mapPartitions(
-        lambda items: (
-            row
-            for key_groups in items
-            for row in _read_range(fs, directory, handles, key_groups, state_name, decoder)
-        )
+        read_partition
     )
     return spark.createDataFrame(rdd, decoder.schema())

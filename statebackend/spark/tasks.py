@@ -25,6 +25,7 @@ from typing import Any
 
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import Serializer
@@ -48,6 +49,7 @@ class StorageSpec:
     transfer_threads: int
     compression: str
     incremental: bool = False
+    signing_key: SigningKey | None = None
 
     def _cache_key(self) -> str:
         return json.dumps(
@@ -58,6 +60,7 @@ class StorageSpec:
                 self.transfer_threads,
                 self.compression,
                 self.incremental,
+                None if self.signing_key is None else self.signing_key.sign(b"cache key"),
             ],
             sort_keys=True,
             default=str,
@@ -76,6 +79,7 @@ class StorageSpec:
                 transfer_threads=self.transfer_threads,
                 compression=self.compression,
                 incremental=self.incremental,
+                signing_key=self.signing_key,
             )
         return storage
 

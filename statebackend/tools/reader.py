@@ -6,13 +6,18 @@ decoded with the serializers the snapshot recorded; TTL-wrapped values are unwra
 expired ones skipped. Timers are read from their ``by_time`` stores
 (``backends/timers.py``). Operator state is read as a restore at parallelism 1 gets it: every
 element of split and union state, one copy of broadcast state.
+
+Pickled keys and values are not unpickled unless ``allow_pickle`` is given: unpickling
+runs whatever code the bytes name, and a checkpoint is only as trustworthy as everyone
+who can write to its storage. They come out as ``OpaqueValue``s (base64 with the
+serializer named, in ``to_jsonable``).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -27,7 +32,13 @@ from statebackend.checkpoint.savepoints import Progress
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.redistribution import DistributionMode
-from statebackend.serializers import Serializer, SerializerConfig, serializer_from_config
+from statebackend.serializers import (
+    OpaqueValue,
+    Serializer,
+    SerializerConfig,
+    reading_serializer,
+    serializer_from_config,
+)
 from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.snapshot.operator_format import OperatorStateInfo, OperatorStateReader
 from statebackend.state.descriptors import StateKind
@@ -133,8 +144,8 @@ def parse_key(text: str, config: SerializerConfig) -> Any:
 class _Decoder:
     """Decodes stored bytes of one state; TTL-wrapped values become (alive, inner value)."""
 
-    def __init__(self, config: SerializerConfig, now_ms: float) -> None:
-        self.serializer: Serializer[Any] = serializer_from_config(config)
+    def __init__(self, config: SerializerConfig, now_ms: float, allow_pickle: bool) -> None:
+        self.serializer: Serializer[Any] = reading_serializer(config, allow_pickle)
         self.ttl = config.get("identity") == TtlSerializer.identity
         self.now_ms = now_ms
 
@@ -201,23 +212,10 @@ def read_bytes(ref: CheckpointRef, selection: StateSelection, key: Any = NO_KEY)
     return sum(handle.bytes_for(groups) for handle, groups in plan)
 
 
-def read_keyed_state(
-    ref: CheckpointRef,
-    selection: StateSelection,
-    key: Any = NO_KEY,
-    progress: Progress | None = None,
-    now: float | None = None,
-) -> Iterator[Record]:
-    """``{"key", "value"}`` per key of a keyed state (only ``key`` if given), in key-group
-    order; map state values are dicts, list state values lists. Values expired at ``now``
-    (seconds, default the current time) are skipped."""
-    meta = selection.keyed
-    if meta is None:
-        raise ConfigurationError(f"state {selection.name!r} is not keyed state")
-    values = _Decoder(meta.serializers["value"], (time.time() if now is None else now) * 1000)
-    user_keys = (
-        serializer_from_config(meta.serializers["user_key"]) if meta.kind is StateKind.MAP else None
-    )
+def _counting_reads(
+    ref: CheckpointRef, progress: Progress | None
+) -> Callable[[str, int, int], bytes]:
+    """Ranged reads of the checkpoint's files that report the bytes read to ``progress``."""
 
     def read_range(path: str, start: int, length: int) -> bytes:
         data = ref.fs.read_range(path, start, length)
@@ -225,9 +223,35 @@ def read_keyed_state(
             progress(len(data))
         return data
 
+    return read_range
+
+
+def read_keyed_state(
+    ref: CheckpointRef,
+    selection: StateSelection,
+    key: Any = NO_KEY,
+    progress: Progress | None = None,
+    now: float | None = None,
+    allow_pickle: bool = False,
+) -> Iterator[Record]:
+    """``{"key", "value"}`` per key of a keyed state (only ``key`` if given), in key-group
+    order; map state values are dicts, list state values lists. Values expired at ``now``
+    (seconds, default the current time) are skipped. Pickled keys and values are
+    ``OpaqueValue``s unless ``allow_pickle``."""
+    meta = selection.keyed
+    if meta is None:
+        raise ConfigurationError(f"state {selection.name!r} is not keyed state")
+    now_ms = (time.time() if now is None else now) * 1000
+    values = _Decoder(meta.serializers["value"], now_ms, allow_pickle)
+    user_keys = (
+        reading_serializer(meta.serializers["user_key"], allow_pickle)
+        if meta.kind is StateKind.MAP
+        else None
+    )
+    read_range = _counting_reads(ref, progress)
     plan, key_bytes = keyed_read_plan(ref, selection, key)
     for handle, groups in plan:
-        keys = serializer_from_config(handle.key_serializer)
+        keys = reading_serializer(handle.key_serializer, allow_pickle)
         entries = (
             entry
             for name, _, entry in read_keyed_handle(
@@ -246,21 +270,17 @@ def read_timers(
     selection: StateSelection,
     key: Any = NO_KEY,
     progress: Progress | None = None,
+    allow_pickle: bool = False,
 ) -> Iterator[Record]:
     """``{"domain", "timestamp", "key"}`` per timer of the selection's operator (only
     ``key``'s if given): key group by key group, in each event time then processing
-    time, by (timestamp, serialized key)."""
+    time, by (timestamp, serialized key). Pickled keys are ``OpaqueValue``s unless
+    ``allow_pickle``."""
     names = {by_time_name(domain): domain for domain in TIME_DOMAINS}
-
-    def read_range(path: str, start: int, length: int) -> bytes:
-        data = ref.fs.read_range(path, start, length)
-        if progress is not None:
-            progress(len(data))
-        return data
-
+    read_range = _counting_reads(ref, progress)
     plan, key_bytes = keyed_read_plan(ref, selection, key)
     for handle, groups in plan:
-        keys = serializer_from_config(handle.key_serializer)
+        keys = reading_serializer(handle.key_serializer, allow_pickle)
         for name, _, (ts8, timer_key, _) in read_keyed_handle(
             ref.fs, ref.directory, handle, groups, read_range=read_range
         ):
@@ -273,13 +293,13 @@ def read_timers(
                 }
 
 
-def decode_operator_state(state: NamedStateCut) -> list[Record]:
+def decode_operator_state(state: NamedStateCut, allow_pickle: bool = False) -> list[Record]:
     """The records of one restored operator state: ``{"value"}`` per list element,
-    ``{"key", "value"}`` per broadcast entry."""
-    values = serializer_from_config(state.serializers[VALUE_ROLE])
+    ``{"key", "value"}`` per broadcast entry; pickled ones opaque unless ``allow_pickle``."""
+    values = reading_serializer(state.serializers[VALUE_ROLE], allow_pickle)
     if state.mode is not DistributionMode.BROADCAST:
         return [{"value": values.deserialize(e)} for e in state.entries if isinstance(e, bytes)]
-    keys = serializer_from_config(state.serializers[KEY_ROLE])
+    keys = reading_serializer(state.serializers[KEY_ROLE], allow_pickle)
     return [
         {"key": keys.deserialize(e[0]), "value": values.deserialize(e[1])}
         for e in state.entries
@@ -300,15 +320,16 @@ def read_state(
     selection: StateSelection,
     key: Any = NO_KEY,
     progress: Progress | None = None,
+    allow_pickle: bool = False,
 ) -> Iterator[Record]:
     """The records of the selected state (see ``read_keyed_state``); for operator state
     every element (broadcast: every entry of one copy), filtered by ``key`` for broadcast
-    state."""
+    state. Pickled keys and values are ``OpaqueValue``s unless ``allow_pickle``."""
     if selection.keyed is not None:
-        yield from read_keyed_state(ref, selection, key, progress)
+        yield from read_keyed_state(ref, selection, key, progress, allow_pickle=allow_pickle)
         return
     states = restored_operator_states(ref, selection.operator, 0, 1)
-    for record in decode_operator_state(states[selection.name]):
+    for record in decode_operator_state(states[selection.name], allow_pickle):
         if key is NO_KEY or record.get("key", NO_KEY) == key:
             yield record
 
@@ -327,8 +348,27 @@ def parse_selection_key(selection: StateSelection, text: str) -> Any:
     return parse_key(text, info.serializers[KEY_ROLE])
 
 
+def _expose_opaque(value: Any) -> Any:
+    """``value`` with every ``OpaqueValue`` in it (in lists, tuples, dict values) as its
+    JSON, and as its base64 text where it is a dict key."""
+    if isinstance(value, OpaqueValue):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [_expose_opaque(item) for item in value]
+    if isinstance(value, dict):
+        return {
+            (f"{k.serializer}:{k.to_json()['base64']}" if isinstance(k, OpaqueValue) else k): (
+                _expose_opaque(v)
+            )
+            for k, v in value.items()
+        }
+    return value
+
+
 def to_jsonable(value: Any) -> Any:
-    """``value`` if JSON can encode it, else its repr."""
+    """``value`` if JSON can encode it (``OpaqueValue``s as ``{"serializer", "base64"}``),
+    else its repr."""
+    value = _expose_opaque(value)
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):

@@ -1,0 +1,193 @@
+"""A checkpoint's location and ``_metadata`` are checked before anything is restored,
+on file:// and s3://: a URL with ``//`` in its path restores, and a ``_metadata`` that
+lost a subtask, repeats one, leaves key groups uncovered or holds a malformed handle is
+refused by restore, ``verify`` and every command, naming the file and the fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from statebackend.checkpoint.layout import metadata_path
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.cli import main
+from statebackend.errors import CheckpointCorruptedError
+from tests.conftest import Storage
+from tests.s3.test_checkpoint_storage import (
+    OPERATOR,
+    Job,
+    assert_restores,
+    new_job,
+    raw_fs,
+    restore_all,
+)
+
+
+def cli(capsys: pytest.CaptureFixture[str], location: Storage, *argv: str) -> tuple[int, str, str]:
+    """Run the command with the location's storage options; (status, stdout, stderr)."""
+    capsys.readouterr()
+    options = [f"--storage-option={k}={v}" for k, v in location.storage_options.items()]
+    status = main([*argv, *options])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def job(checkpoint_url: Storage) -> Iterator[Job]:
+    created = new_job(checkpoint_url)
+    yield created
+    created.close()
+
+
+def test_a_url_with_double_slashes_restores(checkpoint_url: Storage) -> None:
+    """Defect 6: ``<dir>/team//ckpts`` completed checkpoints that restore said "missing"."""
+    location = Storage(f"{checkpoint_url.url}/team//ckpts/", checkpoint_url.storage_options)
+    job = new_job(location)
+    try:
+        first, _ = job.checkpoint()
+        second, directory = job.checkpoint()
+        assert "//" not in directory.split("://", 1)[1]
+        assert_restores(job, first)
+        assert_restores(job, second)
+        # A second run given the same URL, spelled either way, finds and restores them.
+        for url in (location.url, f"{checkpoint_url.url}/team/ckpts"):
+            again = CheckpointStorage(url, "job", storage_options=location.storage_options)
+            assert again.completed_checkpoint_ids() == [first, second]
+            assert again.resolve(f"{url}/job/chk-{second}/_metadata") == directory
+            keyed, _ = restore_all(again.fs, again.resolve(second))
+            assert keyed == job.models[second]
+            again.close()
+    finally:
+        job.close()
+
+
+def test_the_cli_takes_a_url_with_double_slashes(
+    checkpoint_url: Storage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    location = Storage(f"{checkpoint_url.url}//team//ckpts", checkpoint_url.storage_options)
+    job = new_job(location)
+    try:
+        checkpoint_id, _ = job.checkpoint()
+        spelled = f"{location.url}/job//chk-{checkpoint_id}/"
+        status, out, err = cli(capsys, location, "verify", spelled)
+        assert status == 0, err
+        status, out, err = cli(
+            capsys, location, "read", spelled, "--operator", OPERATOR, "--state", "count"
+        )
+        assert status == 0, err
+        counts = {r["key"]: r["value"] for r in map(json.loads, out.splitlines())}
+        assert counts == {k: c for k, (c, _) in job.models[checkpoint_id].items()}
+        status, out, err = cli(capsys, location, "list", f"{location.url}/job/", "--json")
+        assert status == 0, err
+        (listed,) = json.loads(out)
+        assert [c["checkpoint_id"] for c in listed["checkpoints"]] == [checkpoint_id]
+    finally:
+        job.close()
+
+
+Document = dict[str, Any]
+
+
+def _subtasks(document: Document) -> list[Document]:
+    subtasks: list[Document] = document["operators"][OPERATOR]["subtasks"]
+    return subtasks
+
+
+def _drop_subtask(document: Document) -> None:
+    del _subtasks(document)[1]
+
+
+def _repeat_subtask(document: Document) -> None:
+    _subtasks(document)[1] = _subtasks(document)[0]
+
+
+def _more_parallelism(document: Document) -> None:
+    document["operators"][OPERATOR]["parallelism"] = 3
+
+
+def _key_group_gap(document: Document) -> None:
+    keyed = _subtasks(document)[1]["keyed"]
+    keyed["key_group_range"][0] += 1
+    keyed["key_groups"] = [g for g in keyed["key_groups"] if g[0] >= keyed["key_group_range"][0]]
+
+
+def _overlap(document: Document) -> None:
+    _subtasks(document)[1]["keyed"]["key_group_range"][0] -= 1
+
+
+def _path_outside(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["path"] = "../../../../etc/passwd"
+
+
+def _absolute_path(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["path"] = "/etc/passwd"
+
+
+def _negative_size(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["size"] = -1
+
+
+def _bad_checksum(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["checksum"] = "crc32:xyz"
+
+
+def _index_beyond_file(document: Document) -> None:
+    keyed = _subtasks(document)[0]["keyed"]
+    keyed["key_groups"][-1][2] += keyed["size"]
+
+
+def _span_beyond_blob(document: Document) -> None:
+    state = _subtasks(document)[0]["operator_state"]
+    state["states"]["offsets"]["elements"][0][0] = state["size"]
+
+
+MUTATIONS: dict[str, tuple[Callable[[Document], None], str]] = {
+    "dropped subtask": (_drop_subtask, "has subtasks [0], but parallelism 2 needs each of 0..1"),
+    "repeated subtask": (_repeat_subtask, "has subtasks [0, 0]"),
+    "parallelism": (_more_parallelism, "parallelism 3 needs each of 0..2 once"),
+    "key-group gap": (_key_group_gap, "do not cover 0..127 exactly"),
+    "key-group overlap": (_overlap, "do not cover 0..127 exactly"),
+    "path outside": (_path_outside, "leads outside the checkpoint"),
+    "absolute path": (_absolute_path, "is not relative to the checkpoint directory"),
+    "negative size": (_negative_size, "negative size -1"),
+    "bad checksum": (_bad_checksum, "malformed checksum 'crc32:xyz'"),
+    "index beyond the file": (_index_beyond_file, "index entry of key group"),
+    "span beyond the blob": (_span_beyond_blob, "lies outside its"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(MUTATIONS))
+def test_invalid_metadata_is_refused_everywhere(
+    job: Job, fault: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect 8: a ``_metadata`` that lost a subtask restored half the keys silently."""
+    mutate, reason = MUTATIONS[fault]
+    checkpoint_id, directory = job.checkpoint()
+    assert_restores(job, checkpoint_id)
+    path = metadata_path(directory)
+    fs = raw_fs(job.location)
+    document = json.loads(fs.cat_file(path))
+    mutate(document)
+    fs.pipe_file(path, json.dumps(document).encode())
+
+    with pytest.raises(CheckpointCorruptedError) as caught:
+        job.storage.load(checkpoint_id)
+    assert path in str(caught.value) and reason in str(caught.value)
+    with pytest.raises(CheckpointCorruptedError, match="is invalid"):
+        restore_all(job.storage.fs, directory)
+    for argv in (
+        ("verify", directory),
+        ("inspect", directory),
+        ("plan", directory, "-p", "3"),
+        ("read", directory, "--operator", OPERATOR, "--state", "count"),
+        ("savepoint", "create", "--from", directory, "--to", f"{job.location.url}/sp"),
+    ):
+        status, out, err = cli(capsys, job.location, *argv)
+        assert status == 1 and out == "", (argv, out, err)
+        assert err.count("\n") == 1 and path in err and reason in err, (argv, err)
+    status, out, _ = cli(capsys, job.location, "list", job.storage.layout.job_dir)
+    assert status == 0 and "unreadable" in out and reason in out
