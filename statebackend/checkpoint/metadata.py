@@ -25,13 +25,18 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class SubtaskAck:
-    """One subtask's acknowledgement of a checkpoint: its handles (None = no such state)."""
+    """One subtask's acknowledgement of a checkpoint: its handles (None = no such state),
+    the coordinator run that triggered the checkpoint (``run``; the coordinator ignores
+    acks of other runs) and the task attempt that wrote the handles (``attempt``; None for
+    a single attempt and in checkpoints written before these fields existed)."""
 
     operator_id: str
     subtask: int
     parallelism: int
     keyed: KeyedHandle | None
     operator_state: OperatorStateHandle | None
+    run: str | None = None
+    attempt: str | None = None
 
     def files(self) -> list[StoredFile]:
         """Every file the subtask's handles reference."""
@@ -43,7 +48,7 @@ class SubtaskAck:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (an ack file's content and part of ``_metadata``)."""
-        return {
+        document = {
             "operator": self.operator_id,
             "subtask": self.subtask,
             "parallelism": self.parallelism,
@@ -52,6 +57,8 @@ class SubtaskAck:
                 None if self.operator_state is None else self.operator_state.to_json()
             ),
         }
+        identity = {"run": self.run, "attempt": self.attempt}
+        return document | {name: value for name, value in identity.items() if value is not None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SubtaskAck:
@@ -65,6 +72,8 @@ class SubtaskAck:
             operator_state=(
                 None if operator_state is None else OperatorStateHandle.from_json(operator_state)
             ),
+            run=data.get("run"),
+            attempt=data.get("attempt"),
         )
 
 

@@ -131,11 +131,15 @@ class Job:
         for i, source in enumerate(self.sources):
             target = storage.snapshot_target(checkpoint_id, "source", i)
             handle = target.write_operator_snapshot(checkpoint_id, source.sync_cut()).result()
-            storage.write_ack(checkpoint_id, SubtaskAck("source", i, P, None, handle))
+            storage.write_ack(
+                checkpoint_id, SubtaskAck("source", i, P, None, handle, self.coordinator.run_id)
+            )
         for i, backend in enumerate(self.keyed):
             target = storage.snapshot_target(checkpoint_id, "user-totals", i)
             keyed = backend.snapshot(checkpoint_id, target).result()
-            storage.write_ack(checkpoint_id, SubtaskAck("user-totals", i, P, keyed, None))
+            storage.write_ack(
+                checkpoint_id, SubtaskAck("user-totals", i, P, keyed, None, self.coordinator.run_id)
+            )
 
     def checkpoint(self, savepoint_dir: str | None = None) -> str:
         """Take a checkpoint (or savepoint) and return its directory."""

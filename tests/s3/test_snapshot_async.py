@@ -196,7 +196,9 @@ def checkpoint(
     ops = target.write_operator_snapshot(
         checkpoint_id, (operator_state or OperatorStateBackend()).sync_cut()
     )
-    storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed.result(), ops.result()))
+    storage.write_ack(
+        checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed.result(), ops.result(), coordinator.run_id)
+    )
     assert coordinator.poll(checkpoint_id) is not None
     return checkpoint_id
 
@@ -284,7 +286,10 @@ def test_writes_during_the_upload_are_not_in_the_snapshot(
     assert read_state(backend) == non_empty(model)
     fs.gate.set()
 
-    storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed.result(WAIT), ops.result()))
+    storage.write_ack(
+        checkpoint_id,
+        SubtaskAck(OPERATOR, 0, 1, keyed.result(WAIT), ops.result(), coordinator.run_id),
+    )
     assert coordinator.poll(checkpoint_id) is not None
     assert fs.chunks_passed > 1
     assert restored_model(storage, checkpoint_id) == at_cut
