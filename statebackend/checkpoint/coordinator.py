@@ -123,8 +123,9 @@ class CheckpointCoordinator:
         self._next_id = max([*storage.checkpoint_ids(), storage.checkpoint_id_mark()]) + 1
         self.last_completed_id: int | None = None
         """The newest checkpoint this coordinator completed (its ``_metadata`` written)."""
-        self._unfinished: set[int] = set()
-        """Completed checkpoints whose marker and acks are still to be removed."""
+        self._unfinished: dict[int, frozenset[str]] = {}
+        """Completed checkpoints whose marker and acks are still to be removed, with the
+        files their ``_metadata`` references."""
         self._discard_due = False
 
     def _claim_leadership(self) -> int:
@@ -310,7 +311,9 @@ class CheckpointCoordinator:
         # From here on the checkpoint is complete, whatever fails afterwards.
         del self.pending[pending.checkpoint_id]
         self.last_completed_id = pending.checkpoint_id
-        self._unfinished.add(pending.checkpoint_id)
+        self._unfinished[pending.checkpoint_id] = self.registry.paths_of(
+            pending.checkpoint_id, pending.acks.values()
+        )
         self._discard_due = True
         self._finish_completed()
         if pending.savepoint_dir is not None:
@@ -333,8 +336,8 @@ class CheckpointCoordinator:
         trigger or poll; completed checkpoints stay complete."""
         try:
             for checkpoint_id in sorted(self._unfinished):
-                self._finish(checkpoint_id)
-                self._unfinished.discard(checkpoint_id)
+                self._finish(checkpoint_id, self._unfinished[checkpoint_id])
+                del self._unfinished[checkpoint_id]
             if self._discard_due:
                 self._discard_older()
                 self._discard_due = False
@@ -343,13 +346,16 @@ class CheckpointCoordinator:
                 "cleaning up after completed checkpoints failed; will retry", exc_info=True
             )
 
-    def _finish(self, checkpoint_id: int) -> None:
+    def _finish(self, checkpoint_id: int, kept: frozenset[str]) -> None:
+        """Remove checkpoint N's marker, the files of acks it did not take (other task
+        attempts', other runs'), then its acks."""
         self.storage.end_pending(checkpoint_id)
         acks = self.storage.read_acks(checkpoint_id)
-        unused = self.registry.of_acks(checkpoint_id, acks) - self.registry.of_checkpoint(
-            checkpoint_id
-        )
-        self._delete_unreferenced(unused)
+        unused = self.registry.paths_of(checkpoint_id, acks) - kept
+        shared = self.registry.of_acks(checkpoint_id, acks) & unused
+        for path in sorted(unused - shared):
+            self.storage.fs.delete(path)
+        self._delete_unreferenced(shared)
         self.storage.delete_acks(checkpoint_id)
 
     def _discard_older(self) -> None:
@@ -369,7 +375,7 @@ class CheckpointCoordinator:
             used = frozenset()
         for checkpoint_id in discarded:
             self.storage.discard(checkpoint_id)
-            self._unfinished.discard(checkpoint_id)
+            self._unfinished.pop(checkpoint_id, None)
         self.registry.forget(discarded)
         self._delete_unreferenced(used)
 

@@ -21,6 +21,12 @@ generation (every keyed subtask wipes its local copy and restores from the lates
 completed checkpoint), resets the source offsets to that checkpoint's, and replays. State
 is exactly-once. Deterministic errors (a malformed input line, incompatible state) stop
 the run at once instead; other failures are retried up to ``max_retries`` times.
+
+One driver per job directory: each run's coordinator claims a new leader epoch, so a
+second driver started on the same directory fences the first, whose next checkpoint
+raises CheckpointFencedError and ends its run (see ``checkpoint/coordinator.py``). A
+checkpoint whose ``_metadata`` was written counts as completed even if the savepoint copy
+after it failed (the savepoint request is answered with the error).
 """
 
 from __future__ import annotations
