@@ -20,8 +20,8 @@ Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoin
 - **Acks name their run.** A coordinator has a ``run_id``; triggering N writes
   ``chk-<N>/_pending`` naming it, every acknowledgement names the run (and the task
   attempt) it belongs to, and the coordinator ignores acknowledgements of other runs. Of
-  several attempts of one subtask the first acknowledgement read is taken; the shared
-  files of the others are deleted once N completed.
+  several attempts of one subtask the first acknowledgement read is taken; the files of
+  the others are deleted once N completed.
 - **Abort reaches the uploads.** Aborting N removes its pending marker first: uploads
   poll it between chunks, stop, and a snapshot that finishes anyway deletes its own
   files; ``write_ack`` writes nothing once the marker is gone. Retention also reads the
@@ -33,11 +33,16 @@ Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoin
   the checkpoint into an aborted one. ``last_completed_id`` tells a caller that caught a
   savepoint-copy error that the checkpoint itself did complete.
 - **Fencing.** Each coordinator claims a new leader epoch, ``_leader/epoch-<E>.json``
-  (one more than the newest there, naming its run). Before it triggers and before it
+  (one more than the newest there, naming its run), when it triggers its first
+  checkpoint; a driver that fails before that (e.g. on bad input) fences nobody. Before
+  it triggers and before it
   writes ``_metadata`` it checks that the newest claim is still its own; otherwise it
   raises CheckpointFencedError: another driver took over the job, this one must stop.
   Two drivers that claim at the same moment both write ``epoch-<E>``; the claim read
-  back afterwards decides, so at most one of them goes on.
+  back afterwards decides, so at most one of them goes on. Check and write are not one
+  atomic step (object stores offer no conditional write here): a takeover in between
+  lets the old driver complete the one checkpoint it had pending, under an id the new
+  driver never uses, never a checkpoint of the new driver.
 """
 
 from __future__ import annotations
@@ -88,9 +93,9 @@ class PendingCheckpoint:
 class CheckpointCoordinator:
     """Coordinates the checkpoints of one job in one ``CheckpointStorage``.
 
-    Constructing it claims the job's next leader epoch for run ``run_id`` (a new random
-    id by default), which fences every coordinator constructed before on the same job
-    directory (see the module docstring).
+    Its first trigger claims the job's next leader epoch for run ``run_id`` (a new random
+    id by default), which fences every coordinator that claimed one before on the same
+    job directory (see the module docstring).
     """
 
     def __init__(
@@ -119,19 +124,26 @@ class CheckpointCoordinator:
         self.pending: dict[int, PendingCheckpoint] = {}
         self.registry = SharedFileRegistry(storage)
         self.run_id = run_id or uuid.uuid4().hex[:12]
-        self.epoch = self._claim_leadership()
-        self._next_id = max([*storage.checkpoint_ids(), storage.checkpoint_id_mark()]) + 1
+        self.epoch: int | None = None
+        """The leader epoch this coordinator claimed (None before its first trigger)."""
         self.last_completed_id: int | None = None
         """The newest checkpoint this coordinator completed (its ``_metadata`` written)."""
         self._unfinished: dict[int, frozenset[str]] = {}
         """Completed checkpoints whose marker and acks are still to be removed, with the
         files their ``_metadata`` references."""
         self._discard_due = False
+        # Directories written before the high-water mark existed count too.
+        self._next_id = max(storage.checkpoint_ids(), default=0) + 1
 
-    def _claim_leadership(self) -> int:
+    def claim_leadership(self) -> int:
+        """Claim the job's next leader epoch (once; later calls return it), fencing every
+        coordinator that claimed an earlier one."""
+        if self.epoch is not None:
+            return self.epoch
         epochs = self.storage.leader_epochs()
         epoch = (epochs[-1] if epochs else 0) + 1
         self.storage.write_leader(epoch, self.run_id, self.clock())
+        self.epoch = epoch
         for older in epochs:
             try:
                 self.storage.delete_leader(older)
@@ -139,14 +151,15 @@ class CheckpointCoordinator:
                 _log.warning("could not delete the superseded leader epoch %s", older)
         return epoch
 
-    def check_leader(self) -> None:
-        """Raise CheckpointFencedError unless this coordinator's epoch claim is still the
-        newest in the job directory."""
+    def check_leader(self) -> int:
+        """This coordinator's leader epoch (claimed first if it has none); raises
+        CheckpointFencedError unless its claim is still the newest in the job directory."""
+        epoch = self.claim_leadership()
         epochs = self.storage.leader_epochs()
         newest = epochs[-1] if epochs else None
         claim = {} if newest is None else self.storage.read_leader(newest)
-        if newest == self.epoch and claim.get("run") == self.run_id:
-            return
+        if newest == epoch and claim.get("run") == self.run_id:
+            return epoch
         raise CheckpointFencedError(
             f"another driver (run {claim.get('run')}, leader epoch {newest}) took over the "
             f"checkpoints of job {self.storage.job_id} in {self.storage.layout.job_dir}; "
@@ -169,7 +182,7 @@ class CheckpointCoordinator:
         CheckpointFencedError if another coordinator took over the job.
         """
         self._finish_completed()
-        self.check_leader()
+        epoch = self.check_leader()
         if len(self.pending) >= self.max_concurrent:
             raise CheckpointError(
                 f"checkpoint {min(self.pending)} is still pending: wait for it to complete "
@@ -177,10 +190,11 @@ class CheckpointCoordinator:
             )
         if not expected or any(p < 1 for p in expected.values()):
             raise ConfigurationError(f"a checkpoint needs operators with subtasks, not {expected}")
-        checkpoint_id = self._next_id
+        # Above every id ever triggered in the job directory, by any driver.
+        checkpoint_id = max(self._next_id, self.storage.checkpoint_id_mark() + 1)
         self.storage.set_checkpoint_id_mark(checkpoint_id)
-        self._next_id += 1
-        self.storage.mark_pending(checkpoint_id, self.run_id, self.epoch)
+        self._next_id = checkpoint_id + 1
+        self.storage.mark_pending(checkpoint_id, self.run_id, epoch)
         self.pending[checkpoint_id] = PendingCheckpoint(
             checkpoint_id,
             self.clock(),
@@ -331,7 +345,7 @@ class CheckpointCoordinator:
 
     def _finish_completed(self) -> None:
         """The work after completions: remove the completed checkpoints' pending markers
-        and acks (deleting the shared files of acknowledgements that were not taken), and
+        and acks (deleting the files of acknowledgements that were not taken), and
         discard older checkpoints. A failure is logged, and the work retried at the next
         trigger or poll; completed checkpoints stay complete."""
         try:

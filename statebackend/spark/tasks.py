@@ -112,8 +112,8 @@ class KeyedPlan:
     output_dir: str | None
     checkpoint_id: int | None
     wait_for_upload: bool
-    run_id: str = ""
-    """The coordinator run that triggered ``checkpoint_id``; named in the acks."""
+    run_id: str
+    """The coordinator run that triggered ``checkpoint_id``: named in its files and acks."""
 
 
 @dataclass
