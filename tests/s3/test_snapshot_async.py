@@ -28,6 +28,7 @@ from statebackend.backends.operator import OperatorStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
+from statebackend.checkpoint.layout import PENDING_FILE
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state, restore_operator_state
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -212,10 +213,13 @@ def restored_model(storage: CheckpointStorage, checkpoint_id: int) -> Model:
 
 
 def files_of(storage: CheckpointStorage, checkpoint_id: int) -> list[str]:
-    """Every file left in checkpoint ``checkpoint_id``'s directory (recursively)."""
+    """Every file left in checkpoint ``checkpoint_id``'s directory (recursively), but the
+    coordinator's pending marker."""
     directory = storage.resolve(checkpoint_id)
     found: list[str] = []
     for name in storage.fs.list_dir(directory):
+        if name == PENDING_FILE:
+            continue
         below = storage.fs.list_dir(f"{directory}/{name}")
         if below and below != [name]:
             found.extend(f"{name}/{b}" for b in below)
