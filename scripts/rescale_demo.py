@@ -83,7 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         target = storage.snapshot_target(checkpoint_id, "user-totals", i)
         keyed = backend.snapshot(checkpoint_id, target)
         operator_state = target.write_operator_snapshot(checkpoint_id, operator.sync_cut())
-        ack = SubtaskAck("user-totals", i, parallelism, keyed.result(), operator_state.result())
+        ack = SubtaskAck(
+            "user-totals",
+            i,
+            parallelism,
+            keyed.result(),
+            operator_state.result(),
+            coordinator.run_id,
+        )
         coordinator.acknowledge(checkpoint_id, ack)
     for backend in backends:
         backend.dispose()

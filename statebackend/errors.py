@@ -40,6 +40,11 @@ class CheckpointCancelledError(CheckpointError):
     """A snapshot's asynchronous part was cancelled before it finished."""
 
 
+class CheckpointFencedError(CheckpointError):
+    """Another driver claimed the job's checkpoint directory: this one may not trigger or
+    complete checkpoints there any more."""
+
+
 class SourceError(StateBackendError):
     """Input could not be read (e.g. a malformed line in a source partition)."""
 

@@ -375,7 +375,7 @@ def write_old_checkpoint(
             for i, backend in enumerate(backends)
         ]
         for i, future in enumerate(futures):
-            ack = SubtaskAck("op", i, OLD_PARALLELISM, future.result(), None)
+            ack = SubtaskAck("op", i, OLD_PARALLELISM, future.result(), None, coordinator.run_id)
             storage.write_ack(checkpoint_id, ack)
         assert coordinator.poll(checkpoint_id) is not None
     finally:

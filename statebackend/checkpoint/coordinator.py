@@ -11,12 +11,45 @@ abort only once no retained completed checkpoint and no pending checkpoint's
 acknowledgement references them (``registry.py``). A pending checkpoint whose snapshots
 reused a shared file that was deleted meanwhile (possible only with concurrent
 checkpoints) fails on completion instead of completing with a missing file.
+
+Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoint):
+
+- **Ids are never reused** in a job directory: every trigger records its id in
+  ``_checkpoint_id`` (a durable high-water mark) before anything of it is written, and a
+  new coordinator starts above both that mark and every ``chk-<N>`` it lists.
+- **Acks name their run.** A coordinator has a ``run_id``; triggering N writes
+  ``chk-<N>/_pending`` naming it, every acknowledgement names the run (and the task
+  attempt) it belongs to, and the coordinator ignores acknowledgements of other runs. Of
+  several attempts of one subtask the first acknowledgement read is taken; the files of
+  the others are deleted once N completed.
+- **Abort reaches the uploads.** Aborting N removes its pending marker first: uploads
+  poll it between chunks, stop, and a snapshot that finishes anyway deletes its own
+  files; ``write_ack`` writes nothing once the marker is gone. Retention also reads the
+  acknowledgements left in incomplete directories, so the shared files of an ack that
+  raced the abort are deleted with them.
+- **``_metadata`` written = complete.** ``_metadata`` is never overwritten. Whatever fails
+  after it was written (removing the marker and acks, discarding older checkpoints,
+  copying a savepoint) is logged and retried at the next trigger or poll; it never turns
+  the checkpoint into an aborted one. ``last_completed_id`` tells a caller that caught a
+  savepoint-copy error that the checkpoint itself did complete.
+- **Fencing.** Each coordinator claims a new leader epoch, ``_leader/epoch-<E>.json``
+  (one more than the newest there, naming its run), when it triggers its first
+  checkpoint; a driver that fails before that (e.g. on bad input) fences nobody. Before
+  it triggers and before it
+  writes ``_metadata`` it checks that the newest claim is still its own; otherwise it
+  raises CheckpointFencedError: another driver took over the job, this one must stop.
+  Two drivers that claim at the same moment both write ``epoch-<E>``; the claim read
+  back afterwards decides, so at most one of them goes on. Check and write are not one
+  atomic step (object stores offer no conditional write here): a takeover in between
+  lets the old driver complete the one checkpoint it had pending, under an id the new
+  driver never uses, never a checkpoint of the new driver.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +58,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapsho
 from statebackend.checkpoint.registry import SharedFileRegistry
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.errors import CheckpointError, CheckpointFencedError, ConfigurationError
 from statebackend.state.ttl import Clock
 
 _log = logging.getLogger(__name__)
@@ -58,7 +91,12 @@ class PendingCheckpoint:
 
 
 class CheckpointCoordinator:
-    """Coordinates the checkpoints of one job in one ``CheckpointStorage``."""
+    """Coordinates the checkpoints of one job in one ``CheckpointStorage``.
+
+    Its first trigger claims the job's next leader epoch for run ``run_id`` (a new random
+    id by default), which fences every coordinator that claimed one before on the same
+    job directory (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -69,6 +107,7 @@ class CheckpointCoordinator:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         max_concurrent: int = 1,
         clock: Clock = time.time,
+        run_id: str | None = None,
     ) -> None:
         if retained < 1:
             raise ConfigurationError(f"retained checkpoints {retained!r} is invalid: keep >= 1")
@@ -84,7 +123,49 @@ class CheckpointCoordinator:
         self.clock = clock
         self.pending: dict[int, PendingCheckpoint] = {}
         self.registry = SharedFileRegistry(storage)
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.epoch: int | None = None
+        """The leader epoch this coordinator claimed (None before its first trigger)."""
+        self.last_completed_id: int | None = None
+        """The newest checkpoint this coordinator completed (its ``_metadata`` written)."""
+        self._unfinished: dict[int, frozenset[str]] = {}
+        """Completed checkpoints whose marker and acks are still to be removed, with the
+        files their ``_metadata`` references."""
+        self._discard_due = False
+        # Directories written before the high-water mark existed count too.
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
+
+    def claim_leadership(self) -> int:
+        """Claim the job's next leader epoch (once; later calls return it), fencing every
+        coordinator that claimed an earlier one."""
+        if self.epoch is not None:
+            return self.epoch
+        epochs = self.storage.leader_epochs()
+        epoch = (epochs[-1] if epochs else 0) + 1
+        self.storage.write_leader(epoch, self.run_id, self.clock())
+        self.epoch = epoch
+        for older in epochs:
+            try:
+                self.storage.delete_leader(older)
+            except CheckpointError:  # a stale claim left behind fences nobody new
+                _log.warning("could not delete the superseded leader epoch %s", older)
+        return epoch
+
+    def check_leader(self) -> int:
+        """This coordinator's leader epoch (claimed first if it has none); raises
+        CheckpointFencedError unless its claim is still the newest in the job directory."""
+        epoch = self.claim_leadership()
+        epochs = self.storage.leader_epochs()
+        newest = epochs[-1] if epochs else None
+        claim = {} if newest is None else self.storage.read_leader(newest)
+        if newest == epoch and claim.get("run") == self.run_id:
+            return epoch
+        raise CheckpointFencedError(
+            f"another driver (run {claim.get('run')}, leader epoch {newest}) took over the "
+            f"checkpoints of job {self.storage.job_id} in {self.storage.layout.job_dir}; "
+            f"this driver (run {self.run_id}, epoch {self.epoch}) must stop: run one "
+            f"driver per job"
+        )
 
     def trigger(
         self,
@@ -97,8 +178,11 @@ class CheckpointCoordinator:
 
         With ``savepoint_dir`` the completed checkpoint is also copied there as a
         self-contained savepoint. ``properties`` (JSON-able) go into ``_metadata``.
-        Raises CheckpointError if as many checkpoints as allowed are pending already.
+        Raises CheckpointError if as many checkpoints as allowed are pending already,
+        CheckpointFencedError if another coordinator took over the job.
         """
+        self._finish_completed()
+        epoch = self.check_leader()
         if len(self.pending) >= self.max_concurrent:
             raise CheckpointError(
                 f"checkpoint {min(self.pending)} is still pending: wait for it to complete "
@@ -106,8 +190,11 @@ class CheckpointCoordinator:
             )
         if not expected or any(p < 1 for p in expected.values()):
             raise ConfigurationError(f"a checkpoint needs operators with subtasks, not {expected}")
-        checkpoint_id = self._next_id
-        self._next_id += 1
+        # Above every id ever triggered in the job directory, by any driver.
+        checkpoint_id = max(self._next_id, self.storage.checkpoint_id_mark() + 1)
+        self.storage.set_checkpoint_id_mark(checkpoint_id)
+        self._next_id = checkpoint_id + 1
+        self.storage.mark_pending(checkpoint_id, self.run_id, epoch)
         self.pending[checkpoint_id] = PendingCheckpoint(
             checkpoint_id,
             self.clock(),
@@ -122,9 +209,21 @@ class CheckpointCoordinator:
         """Record one subtask's acknowledgement; completes the checkpoint with the last one.
 
         Returns the directory of the completed checkpoint (or savepoint, if one was
-        asked for) when this acknowledgement completed it, else None.
+        asked for) when this acknowledgement completed it, else None. Ignores (returns
+        None for) an acknowledgement of another run, and one of a subtask that has
+        acknowledged already (another task attempt's).
         """
         pending = self._pending(checkpoint_id)
+        if ack.run != self.run_id or (ack.operator_id, ack.subtask) in pending.acks:
+            _log.info(
+                "checkpoint %s: ignored the ack of %s subtask %s (run %s, attempt %s)",
+                checkpoint_id,
+                ack.operator_id,
+                ack.subtask,
+                ack.run,
+                ack.attempt,
+            )
+            return None
         if pending.expected.get(ack.operator_id) != ack.parallelism:
             raise CheckpointError(
                 f"checkpoint {checkpoint_id} got an acknowledgement from {ack.operator_id} "
@@ -139,9 +238,10 @@ class CheckpointCoordinator:
         Returns what ``acknowledge`` returns. Aborts the checkpoint (and raises
         CheckpointError) when it has timed out.
         """
+        self._finish_completed()
         pending = self._pending(checkpoint_id)
-        for key, ack in self.storage.read_acks(checkpoint_id).items():
-            if key not in pending.acks:
+        for ack in self.storage.read_acks(checkpoint_id):
+            if ack.run == self.run_id and (ack.operator_id, ack.subtask) not in pending.acks:
                 result = self.acknowledge(checkpoint_id, ack)
                 if result is not None:
                     return result
@@ -158,9 +258,10 @@ class CheckpointCoordinator:
         """Abandon a pending checkpoint and delete its files (its shared files too, unless
         another checkpoint references them)."""
         pending = self.pending.pop(checkpoint_id, None)
+        self.storage.end_pending(checkpoint_id)
         acks = [
             *(pending.acks.values() if pending else ()),
-            *self.storage.read_acks(checkpoint_id).values(),
+            *self.storage.read_acks(checkpoint_id),
         ]
         uploaded = self.registry.of_acks(checkpoint_id, acks)
         self.storage.discard(checkpoint_id)
@@ -202,6 +303,7 @@ class CheckpointCoordinator:
 
     def _complete(self, pending: PendingCheckpoint) -> str:
         self._check_shared_files(pending)
+        self.check_leader()
         operators = {
             operator: OperatorSnapshot(
                 operator,
@@ -220,17 +322,59 @@ class CheckpointCoordinator:
             properties=pending.properties,
         )
         directory = self.storage.complete(metadata)
+        # From here on the checkpoint is complete, whatever fails afterwards.
         del self.pending[pending.checkpoint_id]
-        self._discard_older()
+        self.last_completed_id = pending.checkpoint_id
+        self._unfinished[pending.checkpoint_id] = self.registry.paths_of(
+            pending.checkpoint_id, pending.acks.values()
+        )
+        self._discard_due = True
+        self._finish_completed()
         if pending.savepoint_dir is not None:
-            return copy_checkpoint(
-                self.storage.fs,
-                directory,
-                self.storage.fs,
-                pending.savepoint_dir,
-                signing_key=self.storage.signing_key,
-            )
+            try:
+                return copy_checkpoint(
+                    self.storage.fs,
+                    directory,
+                    self.storage.fs,
+                    pending.savepoint_dir,
+                    signing_key=self.storage.signing_key,
+                )
+            except Exception as exc:  # whatever it is, the checkpoint stays complete
+                raise CheckpointError(
+                    f"checkpoint {pending.checkpoint_id} completed in {directory}, but "
+                    f"copying it to the savepoint {pending.savepoint_dir} failed: {exc}; "
+                    f"ask for the savepoint again"
+                ) from exc
         return directory
+
+    def _finish_completed(self) -> None:
+        """The work after completions: remove the completed checkpoints' pending markers
+        and acks (deleting the files of acknowledgements that were not taken), and
+        discard older checkpoints. A failure is logged, and the work retried at the next
+        trigger or poll; completed checkpoints stay complete."""
+        try:
+            for checkpoint_id in sorted(self._unfinished):
+                self._finish(checkpoint_id, self._unfinished[checkpoint_id])
+                del self._unfinished[checkpoint_id]
+            if self._discard_due:
+                self._discard_older()
+                self._discard_due = False
+        except Exception:  # any failure: the checkpoint stays complete, the work is retried
+            _log.warning(
+                "cleaning up after completed checkpoints failed; will retry", exc_info=True
+            )
+
+    def _finish(self, checkpoint_id: int, kept: frozenset[str]) -> None:
+        """Remove checkpoint N's marker, the files of acks it did not take (other task
+        attempts', other runs'), then its acks."""
+        self.storage.end_pending(checkpoint_id)
+        acks = self.storage.read_acks(checkpoint_id)
+        unused = self.registry.paths_of(checkpoint_id, acks) - kept
+        shared = self.registry.of_acks(checkpoint_id, acks) & unused
+        for path in sorted(unused - shared):
+            self.storage.fs.delete(path)
+        self._delete_unreferenced(shared)
+        self.storage.delete_acks(checkpoint_id)
 
     def _discard_older(self) -> None:
         completed = self.storage.completed_checkpoint_ids()
@@ -239,12 +383,17 @@ class CheckpointCoordinator:
         # Older incomplete directories are leftovers of aborted or crashed attempts.
         discarded = [n for n in self.storage.checkpoint_ids() if n not in keep and n < newest]
         try:
-            used = frozenset().union(*(self.registry.of_checkpoint(n) for n in discarded))
+            # An incomplete directory's acks may reference shared files (e.g. a late ack).
+            used = frozenset().union(
+                *(self.registry.of_checkpoint(n) for n in discarded),
+                *(self.registry.of_acks(n, self.storage.read_acks(n)) for n in discarded),
+            )
         except CheckpointError:
             _log.warning("cannot read what %s reference: their shared files stay", discarded)
             used = frozenset()
         for checkpoint_id in discarded:
             self.storage.discard(checkpoint_id)
+            self._unfinished.pop(checkpoint_id, None)
         self.registry.forget(discarded)
         self._delete_unreferenced(used)
 

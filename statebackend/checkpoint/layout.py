@@ -2,12 +2,16 @@
 
 ```
 <dir>/<job_id>/chk-<N>/_metadata                  written last: N is complete
+<dir>/<job_id>/chk-<N>/_pending                   while N may still be acknowledged
 <dir>/<job_id>/chk-<N>/<file>                     files only checkpoint N uses
 <dir>/<job_id>/chk-<N>/acks/<operator>-<i>.json   subtask i's acknowledgement
+<dir>/<job_id>/chk-<N>/acks/<operator>-<i>.<attempt>.json    ... by task attempt <attempt>
 <dir>/<job_id>/shared/<file>                      files several checkpoints use
 <dir>/<job_id>/savepoints/savepoint-<N>-<suffix>/_metadata   (or a user-given dir)
 <dir>/<job_id>/changelog/<B>/<operator>-<i>-<attempt>   an attempt's state changes of batch B
 <dir>/<job_id>/manifests/<B>                       batch B's manifest: B is committed
+<dir>/<job_id>/_checkpoint_id                     the highest checkpoint id ever triggered
+<dir>/<job_id>/_leader/epoch-<E>.json             the driver that claimed leader epoch E
 ```
 ``<dir>`` is any URL or path the checkpoint file system accepts; the layout only appends
 ``/``-separated names to it.
@@ -28,6 +32,9 @@ SAVEPOINTS_DIR = "savepoints"
 ACKS_DIR = "acks"
 CHANGELOG_DIR = "changelog"
 MANIFESTS_DIR = "manifests"
+PENDING_FILE = "_pending"
+CHECKPOINT_ID_FILE = "_checkpoint_id"
+LEADER_DIR = "_leader"
 
 _CHECKPOINT_PREFIX = "chk-"
 _SAVEPOINT_PREFIX = "savepoint-"
@@ -37,6 +44,9 @@ _CHECKPOINT_NAME = re.compile(r"chk-(0|[1-9][0-9]*)")
 _SAVEPOINT_NAME = re.compile(r"savepoint-(0|[1-9][0-9]*)-[A-Za-z0-9._-]+")
 _ACK_NAME = re.compile(r"([A-Za-z0-9._-]+)-(0|[1-9][0-9]*)\.json")
 _BATCH_NAME = re.compile(r"0|[1-9][0-9]*")
+_ACK_NAME = re.compile(r"([A-Za-z0-9._-]+)-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]+)?\.json")
+_ATTEMPT_PATTERN = re.compile(r"[A-Za-z0-9]+")
+_EPOCH_NAME = re.compile(r"epoch-([1-9][0-9]*)\.json")
 
 
 def validate_id(value: str, what: str) -> str:
@@ -49,6 +59,16 @@ def validate_id(value: str, what: str) -> str:
         raise ConfigurationError(
             f"{what} {value!r} is invalid: use a non-empty name of letters, digits, "
             "'.', '_' and '-' (and not only dots)"
+        )
+    return value
+
+
+def validate_attempt(value: str) -> str:
+    """Return ``value`` if it is a valid task attempt tag (letters and digits only), else
+    raise ConfigurationError."""
+    if not isinstance(value, str) or not _ATTEMPT_PATTERN.fullmatch(value):
+        raise ConfigurationError(
+            f"task attempt {value!r} is invalid: use a non-empty tag of letters and digits"
         )
     return value
 
@@ -99,9 +119,16 @@ def batch_ids(names: Iterable[str]) -> list[int]:
 
 
 def parse_ack_name(name: str) -> tuple[str, int] | None:
-    """(operator id, subtask index) of an acknowledgement file name, else None."""
+    """(operator id, subtask index) of an acknowledgement file name (with or without a
+    task attempt), else None."""
     match = _ACK_NAME.fullmatch(_last_name(name))
     return (match.group(1), int(match.group(2))) if match else None
+
+
+def epoch_of(name: str) -> int | None:
+    """E if ``name`` is a leader claim ``epoch-<E>.json``, else None."""
+    match = _EPOCH_NAME.fullmatch(_last_name(name))
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -147,7 +174,7 @@ class JobLayout:
 
     def exclusive_path(self, checkpoint_id: int, name: str) -> str:
         """``<dir>/<job_id>/chk-<N>/<name>``: a file only checkpoint N uses."""
-        if name in (METADATA_FILE, ACKS_DIR):
+        if name in (METADATA_FILE, PENDING_FILE, ACKS_DIR):
             raise ConfigurationError(f"file name {name!r} is reserved in a checkpoint directory")
         return join(self.checkpoint_path(checkpoint_id), validate_id(name, "file name"))
 
@@ -159,11 +186,34 @@ class JobLayout:
         """``<dir>/<job_id>/chk-<N>/acks``."""
         return join(self.checkpoint_path(checkpoint_id), ACKS_DIR)
 
-    def ack_path(self, checkpoint_id: int, operator_id: str, subtask: int) -> str:
-        """``<dir>/<job_id>/chk-<N>/acks/<operator>-<subtask>.json``."""
+    def ack_path(
+        self, checkpoint_id: int, operator_id: str, subtask: int, attempt: str | None = None
+    ) -> str:
+        """``<dir>/<job_id>/chk-<N>/acks/<operator>-<subtask>[.<attempt>].json``: one file
+        per task attempt, so that attempts never overwrite each other's acknowledgement."""
         operator = validate_id(operator_id, "operator id")
         index = _check_number(subtask, "subtask index")
-        return join(self.acks_dir(checkpoint_id), f"{operator}-{index}{_ACK_SUFFIX}")
+        tag = "" if attempt is None else f".{validate_attempt(attempt)}"
+        return join(self.acks_dir(checkpoint_id), f"{operator}-{index}{tag}{_ACK_SUFFIX}")
+
+    def pending_marker_path(self, checkpoint_id: int) -> str:
+        """``<dir>/<job_id>/chk-<N>/_pending``: exists from the trigger until N is aborted
+        or its completion is cleaned up; uploads and acks of N stop once it is gone."""
+        return join(self.checkpoint_path(checkpoint_id), PENDING_FILE)
+
+    @property
+    def checkpoint_id_path(self) -> str:
+        """``<dir>/<job_id>/_checkpoint_id``: the high-water mark of checkpoint ids."""
+        return join(self.job_dir, CHECKPOINT_ID_FILE)
+
+    @property
+    def leader_dir(self) -> str:
+        """``<dir>/<job_id>/_leader``: the drivers' leader epoch claims."""
+        return join(self.job_dir, LEADER_DIR)
+
+    def leader_path(self, epoch: int) -> str:
+        """``<dir>/<job_id>/_leader/epoch-<E>.json``."""
+        return join(self.leader_dir, f"epoch-{_check_number(epoch, 'leader epoch')}.json")
 
     def savepoint_path(self, checkpoint_id: int, suffix: str | None = None) -> str:
         """``<dir>/<job_id>/savepoints/savepoint-<N>-<suffix>``; a random suffix if None."""

@@ -45,13 +45,18 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 @dataclass(frozen=True)
 class SubtaskAck:
-    """One subtask's acknowledgement of a checkpoint: its handles (None = no such state)."""
+    """One subtask's acknowledgement of a checkpoint: its handles (None = no such state),
+    the coordinator run that triggered the checkpoint (``run``; the coordinator ignores
+    acks of other runs) and the task attempt that wrote the handles (``attempt``; None for
+    a single attempt and in checkpoints written before these fields existed)."""
 
     operator_id: str
     subtask: int
     parallelism: int
     keyed: KeyedHandle | None
     operator_state: OperatorStateHandle | None
+    run: str | None = None
+    attempt: str | None = None
     raw_keyed: RawKeyedStateHandle | None = None
 
     def files(self) -> list[StoredFile]:
@@ -65,8 +70,8 @@ class SubtaskAck:
         return found
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict (an ack file's content and part of ``_metadata``); ``raw_keyed``
-        only when the subtask has raw keyed state, so older readers load the rest."""
+        """A JSON-able dict (an ack file's content and part of ``_metadata``); ``raw_keyed``,
+        ``run`` and ``attempt`` only when set, so older readers load the rest."""
         document: dict[str, Any] = {
             "operator": self.operator_id,
             "subtask": self.subtask,
@@ -78,7 +83,8 @@ class SubtaskAck:
         }
         if self.raw_keyed is not None:
             document["raw_keyed"] = self.raw_keyed.to_json()
-        return document
+        identity = {"run": self.run, "attempt": self.attempt}
+        return document | {name: value for name, value in identity.items() if value is not None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SubtaskAck:
@@ -94,6 +100,8 @@ class SubtaskAck:
                 None if operator_state is None else OperatorStateHandle.from_json(operator_state)
             ),
             raw_keyed=None if raw_keyed is None else RawKeyedStateHandle.from_json(raw_keyed),
+            run=data.get("run"),
+            attempt=data.get("attempt"),
         )
 
 

@@ -28,10 +28,18 @@ class SharedFileRegistry:
         self.deletions = 0
         """How many shared files this registry deleted so far."""
 
-    def _shared(self, checkpoint_id: int, files: Iterable[StoredFile]) -> frozenset[str]:
+    def _paths(self, checkpoint_id: int, files: Iterable[StoredFile]) -> frozenset[str]:
         directory = self._storage.resolve(checkpoint_id)
-        paths = (resolve_path(directory, f.path) for f in files)
-        return frozenset(p for p in paths if p.startswith(self._shared_prefix))
+        return frozenset(resolve_path(directory, f.path) for f in files)
+
+    def _shared(self, checkpoint_id: int, files: Iterable[StoredFile]) -> frozenset[str]:
+        return frozenset(
+            p for p in self._paths(checkpoint_id, files) if p.startswith(self._shared_prefix)
+        )
+
+    def paths_of(self, checkpoint_id: int, acks: Iterable[SubtaskAck]) -> frozenset[str]:
+        """Every file (shared or not) the acknowledgements of checkpoint N reference."""
+        return self._paths(checkpoint_id, (f for ack in acks for f in ack.files()))
 
     def of_checkpoint(self, checkpoint_id: int) -> frozenset[str]:
         """The shared files completed checkpoint N references (none if N is not complete).

@@ -12,11 +12,11 @@ from statebackend.checkpoint.filesystem import (
     open_filesystem,
 )
 from statebackend.checkpoint.layout import (
-    ACKS_DIR,
     METADATA_FILE,
     SHARED_DIR,
     JobLayout,
     checkpoint_ids,
+    epoch_of,
     join,
     metadata_path,
     parse_ack_name,
@@ -26,7 +26,7 @@ from statebackend.checkpoint.signing import FILE_CHECKSUM, SigningKey
 from statebackend.checksums import CRC32
 from statebackend.errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from statebackend.snapshot.incremental import SharedLocation
-from statebackend.snapshot.target import SnapshotDirectory
+from statebackend.snapshot.target import AbortSignal, SnapshotDirectory
 
 DEFAULT_TRANSFER_THREADS = 4
 
@@ -91,53 +91,134 @@ class CheckpointStorage:
     # -- writing a checkpoint -------------------------------------------------------------
 
     def snapshot_target(
-        self, checkpoint_id: int, operator_id: str, subtask: int
+        self,
+        checkpoint_id: int,
+        operator_id: str,
+        subtask: int,
+        run: str | None = None,
+        attempt: str | None = None,
     ) -> SnapshotDirectory:
-        """Where subtask ``subtask`` of ``operator_id`` writes its part of checkpoint N."""
+        """Where subtask ``subtask`` of ``operator_id`` (in coordinator run ``run``, task
+        attempt ``attempt``, both named in its files' names) writes its part of
+        checkpoint N. In a run (a coordinator triggered N), its uploads stop, and delete
+        what they wrote, once N is aborted."""
+        name = "-".join([operator_id, str(subtask), *(part for part in (run, attempt) if part)])
         return SnapshotDirectory(
             self.fs,
             self.layout.checkpoint_path(checkpoint_id),
-            f"{operator_id}-{subtask}",
+            name,
             self.executor,
             self.compression,
             self.shared_location() if self.incremental else None,
             self._transfer_threads,
+            None if run is None else self.abort_signal(checkpoint_id),
         )
+
+    def abort_signal(self, checkpoint_id: int) -> AbortSignal:
+        """Tells an upload of checkpoint N that N was aborted (its pending marker is gone)."""
+        return AbortSignal(lambda: self.is_pending(checkpoint_id))
 
     def shared_location(self) -> SharedLocation:
         """The job's ``shared/`` directory, for incremental snapshots."""
         return SharedLocation(self.layout.shared_dir, f"../{SHARED_DIR}", self.is_completed)
 
-    def write_ack(self, checkpoint_id: int, ack: SubtaskAck) -> None:
-        """Record a subtask's acknowledgement (its state handles) of checkpoint N."""
-        path = self.layout.ack_path(checkpoint_id, ack.operator_id, ack.subtask)
-        self.fs.write_atomic(path, json.dumps(ack.to_json()).encode("utf-8"))
+    def mark_pending(self, checkpoint_id: int, run: str, epoch: int) -> None:
+        """Write checkpoint N's pending marker (naming the coordinator's run and epoch):
+        subtasks acknowledge N, and keep uploading for it, only while it exists."""
+        document = {"checkpoint_id": checkpoint_id, "run": run, "epoch": epoch}
+        self.fs.write_atomic(
+            self.layout.pending_marker_path(checkpoint_id), json.dumps(document).encode()
+        )
 
-    def read_acks(self, checkpoint_id: int) -> dict[tuple[str, int], SubtaskAck]:
-        """The acknowledgements of checkpoint N so far, by (operator id, subtask)."""
+    def is_pending(self, checkpoint_id: int) -> bool:
+        """Whether checkpoint N still takes acknowledgements (its pending marker exists)."""
+        return self.fs.exists(self.layout.pending_marker_path(checkpoint_id))
+
+    def write_ack(self, checkpoint_id: int, ack: SubtaskAck) -> bool:
+        """Record a subtask's acknowledgement (its state handles) of checkpoint N, in one
+        file per task attempt, written atomically.
+
+        Writes nothing and returns False if N is no longer pending (aborted, or completed
+        and cleaned up), so that a late ack does not recreate its directory.
+        """
+        if not self.is_pending(checkpoint_id):
+            return False
+        path = self.layout.ack_path(checkpoint_id, ack.operator_id, ack.subtask, ack.attempt)
+        self.fs.write_atomic(path, json.dumps(ack.to_json()).encode("utf-8"))
+        return True
+
+    def read_acks(self, checkpoint_id: int) -> list[SubtaskAck]:
+        """Every acknowledgement of checkpoint N so far (of every run and task attempt),
+        in the order of their file names."""
         directory = self.layout.acks_dir(checkpoint_id)
-        acks = {}
-        for name in self.fs.list_dir(directory):
-            if parse_ack_name(name) is not None:
-                data = json.loads(self.fs.read_file(join(directory, name)))
-                ack = SubtaskAck.from_json(data)
-                acks[(ack.operator_id, ack.subtask)] = ack
-        return acks
+        return [
+            SubtaskAck.from_json(json.loads(self.fs.read_file(join(directory, name))))
+            for name in self.fs.list_dir(directory)
+            if parse_ack_name(name) is not None
+        ]
 
     def complete(self, metadata: CheckpointMetadata) -> str:
         """Make checkpoint N complete by writing its ``_metadata`` last, atomically.
 
-        The acks directory is removed afterwards: ``_metadata`` holds all it said.
-        Returns the checkpoint's directory.
+        Raises CheckpointError, writing nothing, if N already has a ``_metadata``: it is
+        never overwritten. Returns the checkpoint's directory. The pending marker and
+        the acks stay until ``end_pending`` and ``delete_acks``.
         """
         directory = self.layout.checkpoint_path(metadata.checkpoint_id)
-        self.fs.write_atomic(metadata_path(directory), metadata.to_bytes(self.signing_key))
-        self.fs.delete(join(directory, ACKS_DIR), recursive=True)
+        path = metadata_path(directory)
+        if self.fs.exists(path):
+            raise CheckpointError(
+                f"{path} exists already: checkpoint {metadata.checkpoint_id} was completed "
+                "by another coordinator; check that only one driver runs the job"
+            )
+        self.fs.write_atomic(path, metadata.to_bytes(self.signing_key))
         return directory
 
+    def end_pending(self, checkpoint_id: int) -> None:
+        """Remove checkpoint N's pending marker: its running uploads stop and delete what
+        they wrote, and no acknowledgement of N is written any more."""
+        self.fs.delete(self.layout.pending_marker_path(checkpoint_id))
+
+    def delete_acks(self, checkpoint_id: int) -> None:
+        """Remove checkpoint N's acknowledgements (once ``_metadata`` holds what they said)."""
+        self.fs.delete(self.layout.acks_dir(checkpoint_id), recursive=True)
+
     def discard(self, checkpoint_id: int) -> None:
-        """Delete checkpoint N and every file in its directory."""
+        """Delete checkpoint N and every file in its directory; its pending marker first,
+        so that its running uploads stop."""
+        self.end_pending(checkpoint_id)
         self.fs.delete(self.layout.checkpoint_path(checkpoint_id), recursive=True)
+
+    # -- checkpoint ids and leader epochs ------------------------------------------------------
+
+    def checkpoint_id_mark(self) -> int:
+        """The highest checkpoint id ever triggered in the job directory (0 if none)."""
+        path = self.layout.checkpoint_id_path
+        if not self.fs.exists(path):
+            return 0
+        return int(self.fs.read_file(path))
+
+    def set_checkpoint_id_mark(self, checkpoint_id: int) -> None:
+        """Record that checkpoint ``checkpoint_id`` was triggered."""
+        self.fs.write_atomic(self.layout.checkpoint_id_path, str(checkpoint_id).encode())
+
+    def leader_epochs(self) -> list[int]:
+        """The leader epochs claimed in the job directory, ascending."""
+        names = self.fs.list_dir(self.layout.leader_dir)
+        return sorted(e for e in map(epoch_of, names) if e is not None)
+
+    def read_leader(self, epoch: int) -> dict[str, Any]:
+        """The claim of leader epoch E: ``{"epoch", "run", "claimed_at"}``."""
+        return dict(json.loads(self.fs.read_file(self.layout.leader_path(epoch))))
+
+    def write_leader(self, epoch: int, run: str, claimed_at: float) -> None:
+        """Claim leader epoch E for coordinator run ``run``."""
+        document = {"epoch": epoch, "run": run, "claimed_at": claimed_at}
+        self.fs.write_atomic(self.layout.leader_path(epoch), json.dumps(document).encode())
+
+    def delete_leader(self, epoch: int) -> None:
+        """Remove the claim of a superseded leader epoch."""
+        self.fs.delete(self.layout.leader_path(epoch))
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -226,13 +226,16 @@ def upload_native_checkpoint(
     should_stop: Callable[[], bool],
     threads: int = 4,
     uploaded: list[str] | None = None,
+    abandoned: Callable[[], bool] = lambda: False,
 ) -> IncrementalKeyedStateHandle:
     """Upload the files of ``cut``'s native checkpoint for checkpoint ``checkpoint_id``:
     new SST files to ``shared``, the others into ``directory`` (the checkpoint's), each
     named after ``name`` (the subtask's unique prefix), up to ``threads`` files at a time.
     Checks ``should_stop`` before each file and chunk; on cancellation or failure deletes
-    what it uploaded and raises. On success the paths it uploaded (not the shared files
-    it reuses) are appended to ``uploaded``.
+    what it uploaded and raises. Asks ``abandoned`` once all files are written: if the
+    checkpoint was aborted meanwhile, it deletes them too and raises
+    CheckpointCancelledError, so that a late upload leaves nothing behind. On success the
+    paths it uploaded (not the shared files it reuses) are appended to ``uploaded``.
     """
     native = cut.native
     if native is None:
@@ -276,6 +279,13 @@ def upload_native_checkpoint(
     with ThreadPoolExecutor(max(1, min(threads, len(pending))), "statebackend-file") as pool:
         futures = [pool.submit(upload, *item) for item in pending]
         wait(futures)
+    if not failures and abandoned():
+        failures.append(
+            CheckpointCancelledError(
+                f"checkpoint {checkpoint_id} was aborted while {name} uploaded; "
+                "its files were deleted"
+            )
+        )
     if failures:
         # write_file leaves nothing of a file it did not finish; delete the finished ones.
         for (_, remote, _, _), future in zip(pending, futures, strict=True):

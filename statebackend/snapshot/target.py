@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -11,6 +13,7 @@ from statebackend.backends.keyed import KeyedStateCut
 from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.raw_keyed import RawKeyedStateCut
 from statebackend.checksums import checksum
+from statebackend.errors import CheckpointCancelledError
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.future import ShouldStop, SnapshotFuture
 from statebackend.snapshot.incremental import SharedLocation, upload_native_checkpoint
@@ -27,6 +30,42 @@ from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle, encode_r
 PREFETCH_FRAMES = 16
 """Frames (``keyed_format.FRAME_BYTES`` each, before compression) a keyed snapshot
 encodes ahead of its upload."""
+
+
+ABORT_POLL_SECONDS = 1.0
+"""How often a running upload asks storage whether its checkpoint was aborted."""
+
+
+class AbortSignal:
+    """Whether the coordinator abandoned a checkpoint, as seen from a (remote) upload.
+
+    ``still_pending()`` asks storage (e.g. whether the checkpoint's pending marker exists).
+    Called between chunks, the signal asks at most every ``interval`` seconds; ``now()``
+    always asks. Once the checkpoint is seen abandoned, the answer stays True.
+    """
+
+    def __init__(
+        self, still_pending: Callable[[], bool], interval: float = ABORT_POLL_SECONDS
+    ) -> None:
+        self._still_pending = still_pending
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._next_check = time.monotonic() + interval
+        self._aborted = False
+
+    def __call__(self) -> bool:
+        """True if the checkpoint is known to be abandoned (rate-limited look-ups)."""
+        with self._lock:
+            if self._aborted or time.monotonic() < self._next_check:
+                return self._aborted
+            self._next_check = time.monotonic() + self._interval
+        return self.now()
+
+    def now(self) -> bool:
+        """True if the checkpoint is abandoned, asking storage now."""
+        if not self._aborted and not self._still_pending():
+            self._aborted = True
+        return self._aborted
 
 
 class SnapshotFileSystem(Protocol):
@@ -55,10 +94,14 @@ class SnapshotDirectory:
     """Writes the snapshots of one (operator, subtask) into one checkpoint directory.
 
     File names are ``<name>-<kind>-<random>``, relative to ``directory``, so that a
-    retried or concurrent snapshot never overwrites another's file. With ``shared`` set,
-    keyed snapshots of cuts that have a native checkpoint (RocksDB) are incremental
-    (``snapshot/incremental.py``), uploading up to ``upload_threads`` files at a time;
-    other cuts are written in the full format.
+    retried or concurrent snapshot never overwrites another's file (``name`` names the
+    subtask and its task attempt). With ``shared`` set, keyed snapshots of cuts that have
+    a native checkpoint (RocksDB) are incremental (``snapshot/incremental.py``), uploading
+    up to ``upload_threads`` files at a time; other cuts are written in the full format.
+
+    With ``abort`` set, uploads also stop (between chunks) once the checkpoint was
+    aborted, and a snapshot that finishes after that deletes what it wrote and raises
+    CheckpointCancelledError instead of yielding a handle.
     """
 
     def __init__(
@@ -70,6 +113,7 @@ class SnapshotDirectory:
         compression: str = "none",
         shared: SharedLocation | None = None,
         upload_threads: int = 4,
+        abort: AbortSignal | None = None,
     ) -> None:
         self.filesystem = filesystem
         self.directory = directory.rstrip("/")
@@ -78,6 +122,25 @@ class SnapshotDirectory:
         self.codec = check_codec(compression)
         self.shared = shared
         self.upload_threads = upload_threads
+        self.abort = abort
+
+    def _stop(self, should_stop: ShouldStop) -> ShouldStop:
+        abort = self.abort
+        return should_stop if abort is None else lambda: should_stop() or abort()
+
+    def _abandoned(self) -> bool:
+        return self.abort is not None and self.abort.now()
+
+    def _keep_unless_abandoned(self, checkpoint_id: int, paths: list[str]) -> None:
+        """Delete ``paths`` and raise CheckpointCancelledError if the checkpoint was
+        aborted while they were written."""
+        if self._abandoned():
+            for path in paths:
+                self.filesystem.delete(path)
+            raise CheckpointCancelledError(
+                f"checkpoint {checkpoint_id} was aborted while {self.name} uploaded its "
+                "snapshot; the upload was deleted"
+            )
 
     def _new_file(self, kind: str) -> str:
         return f"{self.name}-{kind}-{uuid.uuid4().hex[:12]}"
@@ -95,10 +158,12 @@ class SnapshotDirectory:
             index: list[tuple[int, int, int]] = []
             # Frames are encoded on a producer thread while earlier ones are written; it
             # has ended when the block is left, before ``cut.release`` may run.
+            path = f"{self.directory}/{relative}"
             with prefetched(encode_keyed_cut(cut, self.codec, index), PREFETCH_FRAMES) as frames:
                 written = self.filesystem.write_file(
-                    f"{self.directory}/{relative}", frames, should_stop=should_stop
+                    path, frames, should_stop=self._stop(should_stop)
                 )
+            self._keep_unless_abandoned(checkpoint_id, [path])
             return KeyedStateHandle(
                 path=relative,
                 size=written.size,
@@ -132,9 +197,10 @@ class SnapshotDirectory:
                 shared,
                 checkpoint_id,
                 cut,
-                should_stop,
+                self._stop(should_stop),
                 self.upload_threads,
                 uploaded,
+                self._abandoned,
             )
 
         def discard(_: KeyedHandle) -> None:
@@ -188,9 +254,9 @@ class SnapshotDirectory:
             blob, states, raw = encode_operator_cut(cut)
             if len(blob) < INLINE_LIMIT:
                 return OperatorStateHandle(None, len(blob), checksum(blob), states, raw, blob)
-            written = self.filesystem.write_file(
-                f"{self.directory}/{relative}", [blob], should_stop=should_stop
-            )
+            path = f"{self.directory}/{relative}"
+            written = self.filesystem.write_file(path, [blob], should_stop=self._stop(should_stop))
+            self._keep_unless_abandoned(checkpoint_id, [path])
             return OperatorStateHandle(relative, written.size, written.checksum, states, raw)
 
         def discard(handle: OperatorStateHandle) -> None:

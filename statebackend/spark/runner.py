@@ -21,6 +21,12 @@ generation (every keyed subtask wipes its local copy and restores from the lates
 completed checkpoint), resets the source offsets to that checkpoint's, and replays. State
 is exactly-once. Deterministic errors (a malformed input line, incompatible state) stop
 the run at once instead; other failures are retried up to ``max_retries`` times.
+
+One driver per job directory: each run's coordinator claims a new leader epoch, so a
+second driver started on the same directory fences the first, whose next checkpoint
+raises CheckpointFencedError and ends its run (see ``checkpoint/coordinator.py``). A
+checkpoint whose ``_metadata`` was written counts as completed even if the savepoint copy
+after it failed (the savepoint request is answered with the error).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointError,
+    CheckpointFencedError,
     ConfigurationError,
     IncompatibleStateError,
     SerializationError,
@@ -291,14 +298,16 @@ class StatefulJob:
         check_parallelism(self.parallelism, max_parallelism)
         self._storage = storage
         self._max_parallelism = max_parallelism
+        self._run_id = uuid.uuid4().hex[:12]
+        # Claims the job's next leader epoch: a driver still running the job is fenced.
         self._coordinator = CheckpointCoordinator(
             storage,
             max_parallelism=max_parallelism,
             retained=self.conf.retained,
             timeout_seconds=self.conf.timeout_seconds,
+            run_id=self._run_id,
         )
         self._summary = RunSummary(self.job_id, self.parallelism, max_parallelism, restore_dir)
-        self._run_id = uuid.uuid4().hex[:12]
         self._generation = 0
         self._pending: _Pending | None = None
         self._restore_point = restore_dir
@@ -433,21 +442,31 @@ class StatefulJob:
             if pending.checkpoint_id in self._coordinator.pending:
                 # e.g. writing _metadata failed: abort it, or no checkpoint could follow.
                 self._coordinator.abort(pending.checkpoint_id)
-            self._summary.aborted += 1
+            if isinstance(exc, CheckpointFencedError):
+                raise
             if pending.savepoint_request is not None:
                 self._answer(pending.savepoint_request, None, str(exc))
+            if self._coordinator.last_completed_id == pending.checkpoint_id:
+                # Only the savepoint copy failed: the checkpoint itself is complete.
+                self._completed(pending)
+                return True
+            self._summary.aborted += 1
             return False
         if result is None:
             return False
         self._pending = None
-        self._covered_batch = pending.batch_id
-        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
-        self._summary.checkpoints.append(checkpoint_dir)
-        self._restore_point = checkpoint_dir
+        self._completed(pending)
         if pending.savepoint_request is not None:
             self._summary.savepoints.append(result)
             self._answer(pending.savepoint_request, result, None)
         return True
+
+    def _completed(self, pending: _Pending) -> None:
+        """Make the completed checkpoint of ``pending`` the restore point."""
+        self._covered_batch = pending.batch_id
+        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
+        self._summary.checkpoints.append(checkpoint_dir)
+        self._restore_point = checkpoint_dir
 
     def _check_uploads(self, pending: _Pending) -> None:
         """Abort the pending checkpoint (CheckpointError) if a keyed subtask's background
@@ -516,12 +535,13 @@ class StatefulJob:
         return checkpoint_id
 
     def _acknowledge_source(self, checkpoint_id: int) -> None:
+        run = self._coordinator.run_id
         for subtask, backend in enumerate(self._source_states):
-            target = self._storage.snapshot_target(checkpoint_id, SOURCE_OPERATOR, subtask)
+            target = self._storage.snapshot_target(checkpoint_id, SOURCE_OPERATOR, subtask, run)
             handle = target.write_operator_snapshot(checkpoint_id, backend.sync_cut()).result()
             self._storage.write_ack(
                 checkpoint_id,
-                SubtaskAck(SOURCE_OPERATOR, subtask, self.parallelism, None, handle),
+                SubtaskAck(SOURCE_OPERATOR, subtask, self.parallelism, None, handle, run),
             )
 
     # -- one batch --------------------------------------------------------------------------
@@ -557,6 +577,7 @@ class StatefulJob:
             output_dir=self.output_dir if read_source else None,
             checkpoint_id=checkpoint_id,
             wait_for_upload=self._wait_for_uploads or not read_source,
+            run_id=self._coordinator.run_id,
         )
         sc = self.spark.sparkContext
         sc.setJobDescription(f"statebackend {self.job_id} batch {batch_id}")

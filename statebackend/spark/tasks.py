@@ -27,6 +27,7 @@ from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import CheckpointCancelledError
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import Serializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
@@ -115,6 +116,8 @@ class KeyedPlan:
     output_dir: str | None
     checkpoint_id: int | None
     wait_for_upload: bool
+    run_id: str
+    """The coordinator run that triggered ``checkpoint_id``: named in its files and acks."""
 
 
 @dataclass
@@ -190,10 +193,12 @@ class _Heartbeat:
     after ``checkpoint.upload-stall-timeout`` instead of ``checkpoint.timeout``.
 
     The lock orders the last beat before the ack: no beat is written once the ack is,
-    so a completed checkpoint (whose acks directory is deleted) never gets one back."""
+    so a completed checkpoint (whose acks directory is deleted) never gets one back. It
+    stops once the checkpoint is no longer pending (aborted or completed)."""
 
-    def __init__(self, storage: CheckpointStorage, path: str) -> None:
+    def __init__(self, storage: CheckpointStorage, checkpoint_id: int, path: str) -> None:
         self._storage = storage
+        self._checkpoint_id = checkpoint_id
         self._path = path
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -224,6 +229,8 @@ class _Heartbeat:
                 if self._stopped.is_set():
                     return
                 try:
+                    if not self._storage.is_pending(self._checkpoint_id):
+                        return
                     self._storage.fs.write_atomic(self._path, str(beat).encode())
                 except Exception:  # a missed beat; the next one may get through
                     _log.warning("could not write the upload heartbeat %s", self._path)
@@ -231,9 +238,18 @@ class _Heartbeat:
 
 def _acknowledge(storage: CheckpointStorage, checkpoint_id: int, ack: SubtaskAck) -> None:
     try:
-        storage.write_ack(checkpoint_id, ack)
+        if not storage.write_ack(checkpoint_id, ack):
+            _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
     except Exception:  # the checkpoint then times out and is aborted
         _log.exception("could not acknowledge checkpoint %s", checkpoint_id)
+
+
+def _task_attempt() -> str | None:
+    """The Spark task attempt running this code (unique within the application)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    return None if context is None else str(context.taskAttemptId())
 
 
 def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
@@ -241,22 +257,31 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
     assert plan.checkpoint_id is not None and local.backend is not None
     checkpoint_id = plan.checkpoint_id
     storage = plan.storage.open()
+    attempt = _task_attempt()
     started = time.perf_counter()
     future = local.backend.snapshot(
-        checkpoint_id, storage.snapshot_target(checkpoint_id, plan.operator_id, subtask)
+        checkpoint_id,
+        storage.snapshot_target(checkpoint_id, plan.operator_id, subtask, plan.run_id, attempt),
     )
     sync_seconds = time.perf_counter() - started
     parallelism = plan.version.parallelism
 
-    if plan.wait_for_upload:
-        uploaded_handle = future.result()
-        storage.write_ack(
-            checkpoint_id,
-            SubtaskAck(plan.operator_id, subtask, parallelism, uploaded_handle, None),
+    def ack(handle: Any) -> SubtaskAck:
+        return SubtaskAck(
+            plan.operator_id, subtask, parallelism, handle, None, plan.run_id, attempt
         )
+
+    if plan.wait_for_upload:
+        try:
+            uploaded_handle = future.result()
+        except CheckpointCancelledError:  # aborted meanwhile: the driver knows
+            _log.info("the upload of checkpoint %s was cancelled", checkpoint_id)
+            return sync_seconds
+        if not storage.write_ack(checkpoint_id, ack(uploaded_handle)):
+            _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
         return sync_seconds
     path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
-    heartbeat = _Heartbeat(storage, path)
+    heartbeat = _Heartbeat(storage, checkpoint_id, path)
 
     def uploaded(done: Any) -> None:
         try:
@@ -266,11 +291,7 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
             heartbeat.stop()
             return
         with heartbeat.stopping():
-            _acknowledge(
-                storage,
-                checkpoint_id,
-                SubtaskAck(plan.operator_id, subtask, parallelism, handle, None),
-            )
+            _acknowledge(storage, checkpoint_id, ack(handle))
 
     future.add_done_callback(uploaded)
     heartbeat.start()

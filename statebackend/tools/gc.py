@@ -140,7 +140,7 @@ def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     acks_readable = True
     for checkpoint_id in view.incomplete:
         try:
-            acks = storage.read_acks(checkpoint_id).values()
+            acks = storage.read_acks(checkpoint_id)
         except (StateBackendError, ValueError, KeyError, TypeError):
             acks_readable = False  # being completed or aborted right now, or unknown
             continue

@@ -242,7 +242,14 @@ def build_checkpoint(
             ops.get_list_state("offsets", IntSerializer()).add(-1)
             ops.get_broadcast_state("rules", StrSerializer(), IntSerializer()).put("late", 1)
         for i, (keyed, operator_state) in enumerate(futures):
-            ack = SubtaskAck(OPERATOR, i, parallelism, keyed.result(), operator_state.result())
+            ack = SubtaskAck(
+                OPERATOR,
+                i,
+                parallelism,
+                keyed.result(),
+                operator_state.result(),
+                coordinator.run_id,
+            )
             checkpoints.write_ack(checkpoint_id, ack)
         assert coordinator.poll(checkpoint_id) is not None
     finally:

@@ -115,7 +115,10 @@ class Job:
             )
             operator = target.write_operator_snapshot(checkpoint_id, ops.sync_cut())
             self.storage.write_ack(
-                checkpoint_id, SubtaskAck(OPERATOR, i, P, keyed.result(), operator.result())
+                checkpoint_id,
+                SubtaskAck(
+                    OPERATOR, i, P, keyed.result(), operator.result(), self.coordinator.run_id
+                ),
             )
 
     def remember(self, checkpoint_id: int) -> None:

@@ -131,7 +131,8 @@ class Job:
         """Start every subtask's snapshot of checkpoint N; their futures."""
         return [
             backend.snapshot(
-                checkpoint_id, self.storage.snapshot_target(checkpoint_id, OPERATOR, i)
+                checkpoint_id,
+                self.storage.snapshot_target(checkpoint_id, OPERATOR, i, self.coordinator.run_id),
             )
             for i, backend in enumerate(self.backends)
         ]
@@ -140,7 +141,14 @@ class Job:
         """Take and complete a checkpoint of the current state; its id."""
         checkpoint_id = self.coordinator.trigger({OPERATOR: len(self.backends)})
         for i, future in enumerate(self.snapshot(checkpoint_id)):
-            ack = SubtaskAck(OPERATOR, i, len(self.backends), future.result(WAIT), None)
+            ack = SubtaskAck(
+                OPERATOR,
+                i,
+                len(self.backends),
+                future.result(WAIT),
+                None,
+                self.coordinator.run_id,
+            )
             self.storage.write_ack(checkpoint_id, ack)
         assert self.coordinator.poll(checkpoint_id) is not None
         self.models[checkpoint_id] = {k: (c, dict(t)) for k, (c, t) in self.model.items()}
@@ -414,7 +422,8 @@ def test_cancel_or_failure_leaves_no_new_shared_file(
         assert isinstance(info.value, CheckpointCancelledError) == (how == "cancel")
         assert fs.shared_writes >= 1
         assert shared_names(job) == before
-        assert job.storage.fs.list_dir(job.storage.resolve(checkpoint_id)) == []
+        # Only the pending marker, until the coordinator aborts the checkpoint.
+        assert job.storage.fs.list_dir(job.storage.resolve(checkpoint_id)) == ["_pending"]
         job.coordinator.abort(checkpoint_id)
         assert shared_names(job) == before
         directory = job.storage.resolve(good)

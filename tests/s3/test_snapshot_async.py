@@ -28,6 +28,7 @@ from statebackend.backends.operator import OperatorStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
+from statebackend.checkpoint.layout import PENDING_FILE
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state, restore_operator_state
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -196,7 +197,9 @@ def checkpoint(
     ops = target.write_operator_snapshot(
         checkpoint_id, (operator_state or OperatorStateBackend()).sync_cut()
     )
-    storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed.result(), ops.result()))
+    storage.write_ack(
+        checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed.result(), ops.result(), coordinator.run_id)
+    )
     assert coordinator.poll(checkpoint_id) is not None
     return checkpoint_id
 
@@ -210,10 +213,13 @@ def restored_model(storage: CheckpointStorage, checkpoint_id: int) -> Model:
 
 
 def files_of(storage: CheckpointStorage, checkpoint_id: int) -> list[str]:
-    """Every file left in checkpoint ``checkpoint_id``'s directory (recursively)."""
+    """Every file left in checkpoint ``checkpoint_id``'s directory (recursively), but the
+    coordinator's pending marker."""
     directory = storage.resolve(checkpoint_id)
     found: list[str] = []
     for name in storage.fs.list_dir(directory):
+        if name == PENDING_FILE:
+            continue
         below = storage.fs.list_dir(f"{directory}/{name}")
         if below and below != [name]:
             found.extend(f"{name}/{b}" for b in below)
@@ -284,7 +290,10 @@ def test_writes_during_the_upload_are_not_in_the_snapshot(
     assert read_state(backend) == non_empty(model)
     fs.gate.set()
 
-    storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed.result(WAIT), ops.result()))
+    storage.write_ack(
+        checkpoint_id,
+        SubtaskAck(OPERATOR, 0, 1, keyed.result(WAIT), ops.result(), coordinator.run_id),
+    )
     assert coordinator.poll(checkpoint_id) is not None
     assert fs.chunks_passed > 1
     assert restored_model(storage, checkpoint_id) == at_cut
