@@ -18,7 +18,7 @@ whole input; every retained checkpoint passes ``verify``; the gc dry run finds n
 that belongs to no retained checkpoint. Prints one line per trial and ``N/N trials
 exact``, with the seed; exit status 1 if a trial failed.
 
-    .venv/bin/python scripts/chaos.py --trials 20 --seed 1 [--cluster]
+    .venv/bin/python scripts/chaos.py --trials 20 --seed 1 [--cluster] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=3000, help="initial events per trial")
     parser.add_argument("--batch-size", type=int, default=40, help="records per partition")
     parser.add_argument("--max-kills", type=int, default=3, help="kills per trial, at most")
+    parser.add_argument("--jobs", type=int, default=1, help="trials run at the same time")
     parser.add_argument("--workdir", default=None, help="default: a new temp directory")
     args = parser.parse_args(argv)
     require_java(17)
@@ -309,11 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     exact = 0
     kills: Counter[str] = Counter()
-    for number in range(1, args.trials + 1):
-        trial = run_trial(number, seed, workdir / f"trial-{number}", args)
-        kills += trial.kills
-        exact += not trial.problems
-        print(trial.describe(), flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        trials = [
+            pool.submit(run_trial, number, seed, workdir / f"trial-{number}", args)
+            for number in range(1, args.trials + 1)
+        ]
+        for done in as_completed(trials):
+            trial = done.result()
+            kills += trial.kills
+            exact += not trial.problems
+            print(trial.describe(), flush=True)
     total = ", ".join(f"{kind} x{n}" for kind, n in sorted(kills.items()))
     print(f"kills: {total}")
     print(f"{exact}/{args.trials} trials exact (seed {seed})")
