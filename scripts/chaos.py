@@ -12,7 +12,9 @@ its own process group) several times, each run killed with SIGKILL at a random m
   run must recover by itself and finish.
 
 Runs restart with ``--restore latest``, often at another ``--parallelism``, and input is
-sometimes appended between runs. A last run finishes undisturbed. Then the trial checks:
+sometimes appended between runs. A run that finishes before its kill's moment comes is
+counted as missed, and the kill is tried again in another run (up to three times as
+many runs as kills). A last run finishes undisturbed. Then the trial checks:
 the state of the newest completed checkpoint equals a plain-Python computation of the
 whole input; every retained checkpoint passes ``verify``; the gc dry run finds no file
 that belongs to no retained checkpoint. Prints one line per trial and ``N/N trials
@@ -184,7 +186,7 @@ def _wait_for_moment(
     """Wait until the moment to kill for ``kind`` comes; False if the run ended first."""
     deadline = time.monotonic() + MOMENT_TIMEOUT_SECONDS
     if kind == "driver":
-        deadline = time.monotonic() + rng.uniform(2.0, 30.0)
+        deadline = time.monotonic() + rng.uniform(2.0, 15.0)
     start_completed = runner.completed()
     newest = start_completed[-1] if start_completed else 0
     while time.monotonic() < deadline:
@@ -264,14 +266,18 @@ def run_trial(number: int, seed: int, workdir: Path, args: argparse.Namespace) -
     kinds = MOMENTS + (("executor",) if args.cluster else ())
     parallelism = rng.choice((1, 2, 3, 4))
     try:
-        for _ in range(rng.randint(1, args.max_kills)):
+        planned = rng.randint(1, args.max_kills)
+        for _ in range(3 * planned):  # a kill whose moment did not come is tried again
+            if sum(trial.kills.values()) == planned:
+                break
             kind = rng.choice(kinds)
             trial.parallelisms.append(parallelism)
-            if _kill_run(runner, rng, kind, parallelism):
+            killed = _kill_run(runner, rng, kind, parallelism)
+            if killed:
                 trial.kills[kind] += 1
             else:
                 trial.missed += 1
-            if rng.random() < 0.5:
+            if not killed or rng.random() < 0.5:  # the next run has something to do
                 generate_events(
                     runner.input, args.events // 4, USERS, PARTITIONS, rng.randrange(1 << 30)
                 )
