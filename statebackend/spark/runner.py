@@ -134,7 +134,7 @@ class RunSummary:
     aborted: int = 0
     """Checkpoints aborted (timed out, or an upload stalled) while the job went on."""
     fallbacks: list[str] = field(default_factory=list)
-    """Unreadable restore points replaced by an older checkpoint: "<from> -> <to>"."""
+    """Unreadable restore points replaced by an older checkpoint: "<from> -> <to> (<why>)"."""
     checkpoints: list[str] = field(default_factory=list)
     savepoints: list[str] = field(default_factory=list)
     checkpoint_waits: list[float] = field(default_factory=list)
