@@ -117,7 +117,7 @@ class Runner:
             "SPARK_LOCAL_IP": "127.0.0.1",
         }
         if cluster:
-            self.env["SPARK_HOME"] = str(make_spark_home(workdir.parent / "spark-home"))
+            self.env["SPARK_HOME"] = str(make_spark_home(workdir / "spark-home"))
 
     def start(self, parallelism: int) -> subprocess.Popen[bytes]:
         """Start one run (its own process group), appending its output to the log."""
