@@ -36,6 +36,16 @@ class CheckpointCorruptedError(CheckpointError):
     """A checkpoint file is missing, truncated or fails its checksum."""
 
 
+class CheckpointUnreadableError(CheckpointError):
+    """A completed checkpoint or savepoint could not be restored from: one of its files is
+    missing, corrupted, or could not be read even after retries."""
+
+
+class LocalStateError(StateBackendError):
+    """An executor's local state directory (``local.dir``) cannot be used: it is not
+    writable, or its disk is full."""
+
+
 class CheckpointCancelledError(CheckpointError):
     """A snapshot's asynchronous part was cancelled before it finished."""
 

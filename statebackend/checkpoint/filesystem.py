@@ -5,6 +5,13 @@ Paths given to a ``CheckpointFileSystem`` are URLs of its protocol (``s3://bucke
 system come out as statebackend errors naming the path: a missing file is a
 ``CheckpointCorruptedError``, any other failure a ``CheckpointError`` with the cause chained.
 
+Transient failures (a reset or refused connection, a timeout, a response cut short) of
+idempotent operations (reads, sizes, listings, deletes, ``write_atomic``, ``copy``) are
+retried here, with exponential backoff (``RetryPolicy``), on top of whatever the fsspec
+implementation retries itself; whether an error is transient is a property of its type
+(``is_transient``). A streaming ``write_file`` is not retried: its chunks are consumed, so
+the snapshot (and with it the checkpoint) fails, and the next checkpoint starts afresh.
+
 Checksums are CRC-32 (``"crc32:<8 hex digits>"``) unless the file system was opened with
 ``checksum_algorithm="sha256"`` (signed checkpoints, ``signing.py``); a file is always
 checked with the algorithm its recorded checksum names (``checksums.py``). A whole-file
@@ -20,12 +27,14 @@ while handles resolve their relative paths through ``posixpath.normpath``.
 from __future__ import annotations
 
 import io
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
@@ -42,6 +51,8 @@ from statebackend.errors import (
 from statebackend.snapshot.handles import normalize_path
 
 _READ_CHUNK = 1 << 20
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Protocols whose rename is atomic, so write_atomic may write a temp file and rename it.
 # On object stores a rename is a copy + delete, and a single PUT is the atomic write.
@@ -76,6 +87,62 @@ def _compare_checksums(actual: str, expected: str, where: str) -> None:
         )
 
 
+def _transient_error_types() -> tuple[type[BaseException], ...]:
+    """Connection failures, timeouts and short responses of the clients fsspec uses."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    with suppress(ImportError):
+        import asyncio
+
+        types.append(asyncio.TimeoutError)  # not a TimeoutError before Python 3.11
+    with suppress(ImportError):
+        from botocore import exceptions as botocore_errors
+
+        types += [
+            botocore_errors.ConnectionError,  # refused, closed, endpoint unreachable
+            botocore_errors.HTTPClientError,  # read timeouts, connections closed midway
+            botocore_errors.IncompleteReadError,
+        ]
+    with suppress(ImportError):
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    return tuple(types)
+
+
+_TRANSIENT_ERRORS = _transient_error_types()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a transient I/O failure
+    (a reset or refused connection, a timeout, a response cut short) worth retrying."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, _TRANSIENT_ERRORS):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How idempotent storage operations are retried after a transient error: up to
+    ``attempts`` tries in all, waiting ``first_delay`` seconds after the first failure and
+    twice as long after each further one, at most ``max_delay``."""
+
+    attempts: int = 4
+    first_delay: float = 0.2
+    max_delay: float = 5.0
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failed try."""
+        return float(min(self.first_delay * 2 ** (failures - 1), self.max_delay))
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
 @dataclass(frozen=True)
 class WrittenFile:
     """A file ``write_file`` completed: its path, size in bytes and checksum."""
@@ -101,6 +168,7 @@ def open_filesystem(
     storage_options: dict[str, Any] | None = None,
     *,
     checksum_algorithm: str = CRC32,
+    retry: RetryPolicy = DEFAULT_RETRY,
 ) -> CheckpointFileSystem:
     """Open the file system of ``url`` (any fsspec protocol; a plain path is local).
 
@@ -123,7 +191,7 @@ def open_filesystem(
         raise ConfigurationError(
             f"checkpoint storage {url!r} has an unknown protocol {protocol!r}: {exc}"
         ) from exc
-    return CheckpointFileSystem(fs_class(**options), checksum_algorithm)
+    return CheckpointFileSystem(fs_class(**options), checksum_algorithm, retry)
 
 
 @contextmanager
@@ -142,6 +210,7 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
 class CheckpointFileSystem:
     """The file operations checkpoints need, on one fsspec file system.
 
+    Transient errors of idempotent operations are retried as ``retry`` says.
     Thread-safe as far as the fsspec implementation is (local, s3fs and memory are).
     ``bytes_read`` and ``bytes_written`` count the bytes this object moved between this
     process and storage; server-side copies (``copy`` on object stores) count nothing.
@@ -149,10 +218,16 @@ class CheckpointFileSystem:
     Files written get checksums of ``checksum_algorithm`` (``checksums.py``).
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, checksum_algorithm: str = CRC32) -> None:
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        checksum_algorithm: str = CRC32,
+        retry: RetryPolicy = DEFAULT_RETRY,
+    ) -> None:
         RunningChecksum(checksum_algorithm)  # raises on an unknown algorithm
         self._fs = fs
         self.checksum_algorithm = checksum_algorithm
+        self._retry = retry
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self._atomic_rename = bool(protocols & _ATOMIC_RENAME_PROTOCOLS)
         self._lock = threading.Lock()
@@ -160,7 +235,7 @@ class CheckpointFileSystem:
         self._bytes_written = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (CheckpointFileSystem, (self._fs, self.checksum_algorithm))
+        return (CheckpointFileSystem, (self._fs, self.checksum_algorithm, self._retry))
 
     @property
     def fsspec(self) -> fsspec.AbstractFileSystem:
@@ -176,6 +251,30 @@ class CheckpointFileSystem:
     def bytes_written(self) -> int:
         """Bytes written to storage through this object so far."""
         return self._bytes_written
+
+    def _retrying(self, action: str, path: str, operation: Callable[[], _T]) -> _T:
+        """``operation()``, its errors translated as by ``_io_errors``, retried after
+        transient ones as the retry policy says; the last error is raised."""
+        failures = 0
+        while True:
+            try:
+                with _io_errors(action, path):
+                    return operation()
+            except CheckpointError as exc:
+                failures += 1
+                if failures >= self._retry.attempts or not is_transient(exc):
+                    raise
+                delay = self._retry.delay(failures)
+                _log.warning(
+                    "could not %s %s (try %d of %d), retrying in %.1f s: %s",
+                    action,
+                    path,
+                    failures,
+                    self._retry.attempts,
+                    delay,
+                    exc,
+                )
+                time.sleep(delay)
 
     def _count_read(self, n: int) -> None:
         with self._lock:
@@ -247,10 +346,10 @@ class CheckpointFileSystem:
         renames it over ``path``; on object stores (s3, memory) it is a single PUT.
         """
         target = f"{path}.{uuid.uuid4().hex}.tmp" if self._atomic_rename else path
-        with _io_errors("write", path):
+
+        def write() -> None:
             try:
                 self._fs.pipe_file(target, data)
-                self._count_written(len(data))
                 if target != path:
                     self._fs.mv(target, path)
             except BaseException:
@@ -259,10 +358,12 @@ class CheckpointFileSystem:
                         self._fs.rm_file(target)
                 raise
 
+        self._retrying("write", path, write)
+        self._count_written(len(data))
+
     def read_file(self, path: str) -> bytes:
         """The whole content of the file at ``path``."""
-        with _io_errors("read", path):
-            data = bytes(self._fs.cat_file(path))
+        data = self._retrying("read", path, lambda: bytes(self._fs.cat_file(path)))
         self._count_read(len(data))
         return data
 
@@ -275,8 +376,9 @@ class CheckpointFileSystem:
             raise ValueError(f"invalid range start={start} length={length} of {path}")
         if length == 0:
             return b""  # fsspec implementations read an empty range as the whole file
-        with _io_errors("read", path):
-            data = bytes(self._fs.cat_file(path, start=start, end=start + length))
+        data = self._retrying(
+            "read", path, lambda: bytes(self._fs.cat_file(path, start=start, end=start + length))
+        )
         self._count_read(len(data))
         if len(data) != length:
             raise CheckpointCorruptedError(
@@ -286,14 +388,13 @@ class CheckpointFileSystem:
 
     def open_read(self, path: str) -> io.RawIOBase:
         """A seekable binary stream of ``path`` that reads as it goes; close it after use."""
-        with _io_errors("open", path):
-            return _CountingReader(self._fs.open(path, "rb"), path, self._count_read)
+        f = self._retrying("open", path, lambda: self._fs.open(path, "rb"))
+        return _CountingReader(f, path, self._count_read)
 
     def size(self, path: str) -> int:
         """The size in bytes of the file at ``path``."""
         self._fs.invalidate_cache(path)
-        with _io_errors("get the size of", path):
-            return int(self._fs.size(path))
+        return self._retrying("get the size of", path, lambda: int(self._fs.size(path)))
 
     def modified(self, path: str) -> float:
         """When the file at ``path`` was last written, as a POSIX timestamp of the storage's
@@ -305,8 +406,7 @@ class CheckpointFileSystem:
     def exists(self, path: str) -> bool:
         """Whether a file or directory (on object stores: any key under it) is at ``path``."""
         self._fs.invalidate_cache(path)
-        with _io_errors("check", path):
-            return bool(self._fs.exists(path))
+        return self._retrying("check", path, lambda: bool(self._fs.exists(path)))
 
     def list_dir(self, path: str) -> list[str]:
         """The sorted names (not paths) of the entries in directory ``path``; [] if none.
@@ -316,8 +416,7 @@ class CheckpointFileSystem:
         """
         self._fs.invalidate_cache(path)
         try:
-            with _io_errors("list", path):
-                entries = self._fs.ls(path, detail=False)
+            entries = self._retrying("list", path, lambda: self._fs.ls(path, detail=False))
         except CheckpointCorruptedError:
             return []
         return sorted({str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries})
@@ -327,8 +426,8 @@ class CheckpointFileSystem:
 
         Deleting something that does not exist is not an error.
         """
-        with suppress(CheckpointCorruptedError), _io_errors("delete", path):
-            self._fs.rm(path, recursive=recursive)
+        with suppress(CheckpointCorruptedError):
+            self._retrying("delete", path, lambda: self._fs.rm(path, recursive=recursive))
 
     def copy(self, src: str, dst: str) -> None:
         """Copy the file ``src`` to ``dst`` on this file system.
@@ -336,8 +435,7 @@ class CheckpointFileSystem:
         Object stores copy server-side; a local copy streams. Parent directories of ``dst``
         are created as needed.
         """
-        with _io_errors(f"copy to {dst}", src):
-            self._fs.cp_file(src, dst)
+        self._retrying(f"copy to {dst}", src, lambda: self._fs.cp_file(src, dst))
 
     def verify(self, path: str, expected_size: int, expected_checksum: str) -> None:
         """Raise CheckpointCorruptedError naming ``path`` unless the file exists with that

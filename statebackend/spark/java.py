@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 from statebackend.errors import ConfigurationError
 
@@ -84,3 +85,20 @@ def require_java(min_major: int = 17) -> int:
             + _install_hint(min_major)
         )
     return major
+
+
+def make_spark_home(target: Path) -> Path:
+    """Make ``target`` a SPARK_HOME whose entries are symlinks into the pyspark package.
+
+    For ``local-cluster`` masters: their in-process standalone Worker writes executor work
+    directories to ``$SPARK_HOME/work`` (ignoring SPARK_WORKER_DIR), which must not be
+    inside site-packages. Set SPARK_HOME to it before the JVM starts.
+    """
+    import pyspark
+
+    package_dir = Path(pyspark.__file__).parent
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in package_dir.iterdir():
+        if entry.name != "work" and not (target / entry.name).exists():
+            (target / entry.name).symlink_to(entry)
+    return target

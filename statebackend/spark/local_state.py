@@ -13,8 +13,15 @@ each task what it expects:
 - ``previous_batch`` None (first batch of a generation): the directory is wiped and the
   subtask's key groups are restored from ``restore_dir`` (or start empty).
 
-The marker is removed before the batch changes the DB and written again once the DB is
-closed, so a task that dies midway never leaves a directory that looks current.
+The marker is removed before the batch changes the DB (before a restore wipes the
+directory) and written again once the DB is closed, so a task that dies midway never
+leaves a directory that looks current. A restore is all or nothing: if it fails, the
+partly restored DB is deleted and CheckpointUnreadableError names the checkpoint, so that
+the driver can fall back to an older one.
+
+If the local directory cannot be used (not writable, disk full), the task fails with one
+LocalStateError naming it, instead of a RocksDB or OS error: a probe file is written to
+tell a broken directory from other failures.
 
 With the ``heap`` backend the state lives in the Python worker's memory instead: a
 process-wide table maps (root, subtask) to (marker, backend). A worker that holds the
@@ -31,6 +38,8 @@ import fcntl
 import json
 import os
 import shutil
+import threading
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -42,7 +51,12 @@ from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import StateBackendError
+from statebackend.errors import (
+    CheckpointError,
+    CheckpointUnreadableError,
+    LocalStateError,
+    StateBackendError,
+)
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.serializers import Serializer
 
@@ -64,6 +78,8 @@ class LocalVersion:
     """The last batch ``restore_dir`` holds, if it is the run's own checkpoint."""
 
 
+_PROBE_BYTES = 1 << 20
+"""Bytes written to tell whether the local directory still takes writes."""
 _Backend = TypeVar("_Backend", bound=KeyedStateBackend)
 _HEAP_COPIES: dict[tuple[str, int], tuple[dict[str, Any], HeapKeyedStateBackend]] = {}
 """This process's heap state: (root, subtask) -> (version marker, backend)."""
@@ -121,16 +137,47 @@ class LocalKeyedState:
         if self._kind == "heap":
             self.backend = self._open_heap()
             return self
-        self.directory.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             self.backend = self._open()
             self._marker.unlink(missing_ok=True)
-        except BaseException:
+        except BaseException as exc:
             self._unlock()
+            unusable = self._unusable_directory(exc)
+            if unusable is not None:
+                raise unusable from exc
             raise
         return self
+
+    def _unusable_directory(self, exc: BaseException) -> LocalStateError | None:
+        """A LocalStateError naming the local directory if ``exc`` (an OS or RocksDB
+        error) came from it being unusable: it cannot be created, or a probe file cannot
+        be written into it (read-only, full). None for any other failure."""
+        if self._kind == "heap" or not isinstance(exc, Exception):
+            return None
+        if isinstance(exc, StateBackendError):
+            return None
+        root = self.directory.parent
+        probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with probe.open("wb") as f:
+                f.write(bytes(_PROBE_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:
+            return LocalStateError(
+                f"the local state directory {root} on this executor is unusable "
+                f"({error.strerror or error}): free space there, or set "
+                f"spark.statebackend.local.dir to a writable directory with room; the "
+                f"job's checkpoints are intact"
+            )
+        finally:
+            with suppress(OSError):
+                probe.unlink(missing_ok=True)
+        return None
 
     def _options(self) -> dict[str, Any]:
         version = self._version
@@ -175,6 +222,12 @@ class LocalKeyedState:
                 files, key = metadata.files(), self._storage.signing_key
                 with verified_reads(fs, restore_dir, files, key) as reads:
                     restore_keyed_state(backend, reads, restore_dir, metadata, self._operator_id)
+            except CheckpointError as exc:
+                backend.dispose()
+                raise CheckpointUnreadableError(
+                    f"subtask {self._subtask} of {self._operator_id} cannot restore from "
+                    f"{restore_dir}: {exc}"
+                ) from exc
             except BaseException:
                 backend.dispose()
                 raise
@@ -194,6 +247,7 @@ class LocalKeyedState:
                 )
             self.reused = True
             return RocksDBKeyedStateBackend(self.directory, open_existing=True, **options)
+        self._marker.unlink(missing_ok=True)
         shutil.rmtree(self.directory, ignore_errors=True)
         return self._restore(RocksDBKeyedStateBackend(self.directory, **options))
 
@@ -231,3 +285,6 @@ class LocalKeyedState:
                 self.backend = None
         finally:
             self._unlock()
+        unusable = None if exc is None else self._unusable_directory(exc)
+        if unusable is not None:
+            raise unusable from exc

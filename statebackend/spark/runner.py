@@ -19,8 +19,16 @@ batch starts (see ``local_state``).
 On a failed batch the driver aborts pending checkpoints, starts a new restore
 generation (every keyed subtask wipes its local copy and restores from the latest
 completed checkpoint), resets the source offsets to that checkpoint's, and replays. State
-is exactly-once. Deterministic errors (a malformed input line, incompatible state) stop
-the run at once instead; other failures are retried up to ``max_retries`` times.
+is exactly-once. Deterministic errors (a malformed input line, incompatible state, an
+unusable local directory) stop the run at once instead; other failures are retried up to
+``max_retries`` times.
+
+A restore point that cannot be read (its ``_metadata`` or a state file missing, corrupted,
+or unreadable after the file system's retries), at the start or when a batch fails
+restoring from it, is replaced by the previous completed checkpoint of the run's lineage
+(the job's retained checkpoints with ``restore="latest"``, and those this run completed),
+as Flink does; the fallback is logged and recorded in the summary. Only when no older one
+can be read does the run fail, leaving the checkpoints as they are.
 
 One driver per job directory: each run's coordinator claims a new leader epoch, so a
 second driver started on the same directory fences the first, whose next checkpoint
@@ -31,6 +39,7 @@ after it failed (the savepoint request is answered with the error).
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -56,8 +65,10 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointError,
     CheckpointFencedError,
+    CheckpointUnreadableError,
     ConfigurationError,
     IncompatibleStateError,
+    LocalStateError,
     SerializationError,
     SourceError,
     StateAccessError,
@@ -87,6 +98,8 @@ from statebackend.spark.tasks import (
     source_task,
 )
 
+_log = logging.getLogger(__name__)
+
 SOURCE_OPERATOR = "source"
 _POLL_FIRST_SECONDS = 0.002
 _POLL_MAX_SECONDS = 0.05
@@ -100,7 +113,11 @@ _FATAL_ERRORS: dict[str, type[StateBackendError]] = {
         SerializationError,
         StateAccessError,
         ConfigurationError,
+        LocalStateError,
     )
+}
+_UNREADABLE_ERRORS: dict[str, type[StateBackendError]] = {
+    CheckpointUnreadableError.__name__: CheckpointUnreadableError
 }
 _TASK_ERROR = re.compile(r"statebackend\.errors\.(\w+): ([^\n]*)")
 
@@ -124,6 +141,8 @@ class RunSummary:
     failures: int = 0
     aborted: int = 0
     """Checkpoints aborted (timed out, or an upload stalled) while the job went on."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Unreadable restore points replaced by an older checkpoint: "<from> -> <to> (<why>)"."""
     checkpoints: list[str] = field(default_factory=list)
     savepoints: list[str] = field(default_factory=list)
     checkpoint_waits: list[float] = field(default_factory=list)
@@ -151,6 +170,7 @@ class RunSummary:
             f"restored from {self.restored_from or 'nothing'}; {len(self.checkpoints)} "
             f"checkpoints (wait max {max(waits) * 1000:.0f} ms), {self.failures} failures "
             f"recovered; last checkpoint {self.last_checkpoint}"
+            + "".join(f"; fell back from unreadable {fallback}" for fallback in self.fallbacks)
         )
 
 
@@ -158,10 +178,13 @@ def _describe_key_by(key_by: Any) -> str:
     return key_by if isinstance(key_by, str) else getattr(key_by, "__qualname__", repr(key_by))
 
 
-def _task_error(exc: BaseException) -> StateBackendError | None:
-    """The deterministic statebackend error a Spark job failed with, if any."""
+def task_error(
+    exc: BaseException, kinds: dict[str, type[StateBackendError]] = _FATAL_ERRORS
+) -> StateBackendError | None:
+    """The statebackend error of one of ``kinds`` (default: the deterministic ones) a
+    Spark job failed with, if any."""
     for name, message in _TASK_ERROR.findall(str(exc)):
-        cls = _FATAL_ERRORS.get(name)
+        cls = kinds.get(name)
         if cls is not None:
             return cls(message)
     return None
@@ -230,15 +253,64 @@ class StatefulJob:
         # completed before the next batch starts, so that a subtask running in another
         # worker than in its last batch restores exactly that batch's state.
         self._heap = self.conf.backend == "heap"
+        self._lineage: list[str] = []
+        """Completed checkpoints the run may restore from, oldest first."""
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def _resolve_restore(self, storage: CheckpointStorage) -> str | None:
+    def _initial_lineage(self, storage: CheckpointStorage) -> list[str]:
+        """The checkpoints the run may restore from, oldest first; the last is the one
+        asked for: with ``latest`` the job's completed checkpoints, else the given one."""
         if self.restore is None or self.restore == "none":
-            return None
+            return []
         if self.restore == "latest":
-            return storage.latest_completed()
-        return storage.resolve(self.restore)
+            return [storage.layout.checkpoint_path(n) for n in storage.completed_checkpoint_ids()]
+        return [storage.resolve(self.restore)]
+
+    def _restart_from(self, directory: str | None) -> CheckpointMetadata | None:
+        """Make ``directory`` (None: nothing) the restore point and reset the driver's
+        state to it; while it cannot be read, fall back to the previous checkpoint of the
+        lineage. Returns the restore point's metadata."""
+        while directory is not None:
+            try:
+                metadata = self._storage.load(directory)
+                self._check_metadata(metadata, directory)
+                self._restore_point: str | None = directory
+                self._reset(metadata)
+                return metadata
+            except CheckpointError as exc:
+                directory = self._fall_back(directory, exc)
+        self._restore_point = None
+        self._reset(None)
+        return None
+
+    def _fall_back(self, unreadable: str, exc: BaseException) -> str:
+        """The checkpoint before ``unreadable`` in the lineage, which forgets
+        ``unreadable`` and anything newer; raises ``exc`` (JobFailedError after an
+        earlier fallback) if there is none."""
+        older = (
+            self._lineage[: self._lineage.index(unreadable)] if unreadable in self._lineage else []
+        )
+        self._lineage = older
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        if not older:
+            if not self._summary.fallbacks:
+                raise exc
+            raise JobFailedError(
+                f"job {self.job_id}: no retained checkpoint can be restored; the last one "
+                f"tried, {unreadable}, failed: {reason}. The checkpoints are left as they "
+                f"are: fix access to the storage and rerun with --restore latest"
+            ) from exc
+        _log.warning(
+            "checkpoint %s cannot be restored (%s): falling back to %s",
+            unreadable,
+            reason,
+            older[-1],
+        )
+        self._summary.fallbacks.append(f"{unreadable} -> {older[-1]} ({reason})")
+        if self._summary.restored_from == unreadable:
+            self._summary.restored_from = older[-1]
+        return older[-1]
 
     def _check_metadata(self, metadata: CheckpointMetadata, where: str) -> None:
         if metadata.job_id != self.job_id and not metadata.is_savepoint:
@@ -285,18 +357,19 @@ class StatefulJob:
             storage.close()
 
     def _run(self, storage: CheckpointStorage, started: float) -> RunSummary:
-        restore_dir = self._resolve_restore(storage)
-        metadata = None
-        if restore_dir is not None:
-            metadata = storage.load(restore_dir)
-            self._check_metadata(metadata, restore_dir)
+        self._storage = storage
+        self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
+        self._lineage = self._initial_lineage(storage)
+        self._generation = 0
+        self._pending: _Pending | None = None
+        metadata = self._restart_from(self._lineage[-1] if self._lineage else None)
+        if metadata is not None:
             max_parallelism = check_max_parallelism(metadata, self.conf.max_parallelism)
         else:
             max_parallelism = self.conf.max_parallelism or compute_default_max_parallelism(
                 self.parallelism
             )
         check_parallelism(self.parallelism, max_parallelism)
-        self._storage = storage
         self._max_parallelism = max_parallelism
         self._run_id = uuid.uuid4().hex[:12]
         # Claims the job's next leader epoch: a driver still running the job is fenced.
@@ -307,11 +380,8 @@ class StatefulJob:
             timeout_seconds=self.conf.timeout_seconds,
             run_id=self._run_id,
         )
-        self._summary = RunSummary(self.job_id, self.parallelism, max_parallelism, restore_dir)
-        self._generation = 0
-        self._pending: _Pending | None = None
-        self._restore_point = restore_dir
-        self._reset(metadata)
+        self._summary.max_parallelism = max_parallelism
+        self._summary.restored_from = self._restore_point
         retries = 0
         since_checkpoint = 0
         while True:
@@ -397,15 +467,21 @@ class StatefulJob:
         )
 
     def _recover(self, exc: Exception, retries: int) -> int:
-        fatal = _task_error(exc)
+        fatal = task_error(exc)
+        unreadable = task_error(exc, _UNREADABLE_ERRORS)
         self._coordinator.abort_all()
         if self._pending is not None and self._pending.savepoint_request is not None:
             self._answer(self._pending.savepoint_request, None, f"the job failed: {exc}")
         self._pending = None
         if fatal is not None:
             raise fatal from None
-        retries += 1
         self._summary.failures += 1
+        failed = self._restore_point
+        if unreadable is not None and failed is not None:
+            # A subtask could not restore from it (after the file system's retries).
+            self._restart_from(self._fall_back(failed, unreadable))
+            return retries
+        retries += 1
         if retries > self.conf.max_retries:
             raise JobFailedError(
                 f"job {self.job_id} failed {retries} times in a row, giving up; the last "
@@ -413,8 +489,7 @@ class StatefulJob:
                 f"Its completed checkpoints are intact: fix the cause and rerun with "
                 f"--restore latest"
             ) from exc
-        metadata = None if self._restore_point is None else self._storage.load(self._restore_point)
-        self._reset(metadata)
+        self._restart_from(failed)
         return retries
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -466,6 +541,7 @@ class StatefulJob:
         self._covered_batch = pending.batch_id
         checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
         self._summary.checkpoints.append(checkpoint_dir)
+        self._lineage.append(checkpoint_dir)
         self._restore_point = checkpoint_dir
 
     def _check_uploads(self, pending: _Pending) -> None:

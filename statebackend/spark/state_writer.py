@@ -45,7 +45,7 @@ from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import PickleSerializer, Serializer, StrSerializer
-from statebackend.spark.runner import _task_error
+from statebackend.spark.runner import task_error
 from statebackend.spark.state_reader import column_type
 from statebackend.state.descriptors import StateDescriptor, StateKind
 from statebackend.tools.location import checkpoint_directory
@@ -319,7 +319,7 @@ class StateWriter:
         try:
             written = routed.mapPartitionsWithIndex(write).collect()
         except Exception as exc:
-            error = _task_error(exc)
+            error = task_error(exc)
             if error is None:
                 raise
             raise error from None

@@ -25,12 +25,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyspark
 import pytest
 from pyspark.sql import SparkSession
 
 from statebackend.errors import ConfigurationError
-from statebackend.spark.java import require_java
+from statebackend.spark.java import make_spark_home, require_java
 
 LOCAL_MASTER = "local[2]"
 CLUSTER_MASTER = "local-cluster[2,1,1024]"
@@ -38,16 +37,6 @@ CLUSTER_EXECUTORS = 2
 EXECUTOR_WAIT_SECONDS = 120.0
 
 _STARTUP_TIMES = pytest.StashKey[list[tuple[str, float]]]()
-
-
-def _spark_home_farm(target: Path) -> Path:
-    """Make `target` a SPARK_HOME whose entries are symlinks into the pyspark package."""
-    package_dir = Path(pyspark.__file__).parent
-    target.mkdir(parents=True, exist_ok=True)
-    for entry in package_dir.iterdir():
-        if entry.name != "work":
-            (target / entry.name).symlink_to(entry)
-    return target
 
 
 def _executor_ids(spark: SparkSession) -> list[str]:
@@ -123,7 +112,7 @@ def _spark_sessions(
         pytest.fail(str(exc), pytrace=False)
     base_dir = tmp_path_factory.mktemp("spark")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPARK_HOME", str(_spark_home_farm(base_dir / "spark-home")))
+        mp.setenv("SPARK_HOME", str(make_spark_home(base_dir / "spark-home")))
         mp.setenv("PYSPARK_PYTHON", sys.executable)
         mp.setenv("PYSPARK_DRIVER_PYTHON", sys.executable)
         mp.setenv("SPARK_LOCAL_IP", "127.0.0.1")
