@@ -18,10 +18,10 @@ garbage only if all of these hold:
    - a file in a completed ``chk-<N>`` that its ``_metadata`` does not reference (a
      retried task's upload, a left-over ``acks/``);
    - a file of a ``chk-<N>`` without ``_metadata`` older than the newest completed
-     checkpoint (an aborted attempt, a late upload): checkpoints are triggered in id order
-     and one at a time, so it will never complete (with concurrent checkpoints, which the
-     Spark runtime does not take, only the grace period protects an older one still
-     pending);
+     checkpoint (an aborted attempt, a late upload), unless ``chk-<N>`` still has the
+     pending marker (``_pending``) of the job's newest leader epoch: that coordinator may
+     still complete it (concurrent checkpoints); a marker of a superseded (fenced) leader
+     does not protect it;
    - a file in ``shared/`` written before the newest completed checkpoint was triggered.
      An incremental snapshot uploads its SST files to ``shared/`` before anything of its
      ``chk-<N>`` exists, so a pending checkpoint may be invisible; but it was triggered
@@ -39,6 +39,7 @@ being written), ``requests/``, and every other file or directory in the job's di
 
 from __future__ import annotations
 
+import json
 import posixpath
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import (
     ACKS_DIR,
     METADATA_FILE,
+    PENDING_FILE,
     SAVEPOINTS_DIR,
     SHARED_DIR,
     checkpoint_id_of,
@@ -85,6 +87,8 @@ class _JobView:
 
     completed: dict[int, CheckpointMetadata]
     incomplete: list[int]
+    live: set[int]
+    """The incomplete checkpoints whose coordinator may still complete them."""
     in_use: set[str]
     shared_before: float | None
     """Shared files modified at or after this may belong to a pending checkpoint."""
@@ -118,14 +122,29 @@ def _load_completed(fs: CheckpointFileSystem, directory: str) -> CheckpointMetad
         return None
 
 
+def _pending_epoch(storage: CheckpointStorage, checkpoint_id: int) -> int:
+    """The leader epoch of the coordinator that marked checkpoint N pending; -1 if the
+    marker is gone or unreadable (N was aborted meanwhile). A checkpoint marked by the
+    newest leader may still complete; one marked by a superseded (fenced) leader cannot."""
+    try:
+        marker = json.loads(storage.fs.read_file(storage.layout.pending_marker_path(checkpoint_id)))
+        return int(marker["epoch"])
+    except (StateBackendError, ValueError, KeyError, TypeError):
+        return -1
+
+
 def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     parent, _, job_id = job_dir.rpartition("/")
     storage = CheckpointStorage(parent or ".", job_id, filesystem=fs)
-    view = _JobView({}, [], set(), None)
+    view = _JobView({}, [], set(), set(), None)
+    leader = max(storage.leader_epochs(), default=0)
     for checkpoint_id in checkpoint_ids(fs.list_dir(job_dir)):
         directory = join(job_dir, f"chk-{checkpoint_id}")
-        if METADATA_FILE not in fs.list_dir(directory):
+        names = fs.list_dir(directory)
+        if METADATA_FILE not in names:
             view.incomplete.append(checkpoint_id)
+            if PENDING_FILE in names and _pending_epoch(storage, checkpoint_id) >= leader:
+                view.live.add(checkpoint_id)
         elif (metadata := _load_completed(fs, directory)) is not None:
             view.completed[checkpoint_id] = metadata
             view.in_use |= _references(directory, metadata.files())
@@ -168,7 +187,7 @@ def _candidates(fs: CheckpointFileSystem, job_dir: str, view: _JobView) -> list[
             if posixpath.basename(path) != METADATA_FILE
         ]
     for checkpoint_id in view.incomplete:
-        if checkpoint_id < newest:
+        if checkpoint_id < newest and checkpoint_id not in view.live:
             candidates += [
                 (path, f"chk-{checkpoint_id} never completed and chk-{newest} is newer")
                 for path in _files(fs, join(job_dir, f"chk-{checkpoint_id}"))

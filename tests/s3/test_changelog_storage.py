@@ -128,7 +128,7 @@ def build_history(kind: str, storage: Storage, parallelism: int, local_root: Pat
         ]
         run_batch(changelog, backends, 3, rng, models)
         for i, future in enumerate(futures):
-            ack = SubtaskAck(OPERATOR, i, parallelism, future.result(), None)
+            ack = SubtaskAck(OPERATOR, i, parallelism, future.result(), None, coordinator.run_id)
             coordinator.acknowledge(checkpoint_id, ack)
         changelog.materialized(checkpoint_id, 2)
         manifest = run_batch(changelog, backends, 4, rng, models)
@@ -321,7 +321,9 @@ def test_retention_truncation_and_base(checkpoint_url: Storage, tmp_path: Path) 
         handle = backend.snapshot(checkpoint_id, target).result()
         with pytest.raises(CheckpointError, match="not a completed checkpoint"):
             changelog.materialized(checkpoint_id, 4)
-        coordinator.acknowledge(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None))
+        coordinator.acknowledge(
+            checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None, coordinator.run_id)
+        )
         changelog.materialized(checkpoint_id, 4)
         manifest = run_batch(changelog, [backend], 5, rng, models)
         assert manifest.base is not None and manifest.base.batch_id == 4
@@ -363,7 +365,9 @@ def test_a_damaged_or_missing_record_or_base_is_reported(
         handle = backend.snapshot(
             checkpoint_id, checkpoints.snapshot_target(checkpoint_id, OPERATOR, 0)
         ).result()
-        coordinator.acknowledge(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None))
+        coordinator.acknowledge(
+            checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None, coordinator.run_id)
+        )
         changelog.materialized(checkpoint_id, 1)
         manifest = run_batch(changelog, [backend], 2, rng, {})
     finally:

@@ -77,7 +77,7 @@ def take_checkpoint(
     target = storage.snapshot_target(checkpoint_id, OPERATOR, 0)
     keyed = backend.snapshot(checkpoint_id, target).result()
     ops = target.write_operator_snapshot(checkpoint_id, operator_state.sync_cut()).result()
-    storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed, ops))
+    storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, keyed, ops, coordinator.run_id))
     directory = coordinator.poll(checkpoint_id)
     assert directory is not None
     return directory

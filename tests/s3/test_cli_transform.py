@@ -92,6 +92,7 @@ def build(storage: Storage, parallelism: int) -> tuple[str, dict[str, Any]]:
             1,
             None,
             source_target.write_operator_snapshot(checkpoint_id, source_state.sync_cut()).result(),
+            coordinator.run_id,
         ),
     )
     for i, backend in enumerate(keyed):
@@ -109,6 +110,7 @@ def build(storage: Storage, parallelism: int) -> tuple[str, dict[str, Any]]:
             parallelism,
             backend.snapshot(checkpoint_id, target).result(),
             target.write_operator_snapshot(checkpoint_id, operator_state.sync_cut()).result(),
+            coordinator.run_id,
             raw_keyed=target.write_raw_keyed_snapshot(checkpoint_id, raw.sync_cut()).result(),
         )
         checkpoints.write_ack(checkpoint_id, ack)

@@ -146,7 +146,9 @@ def shared_paths(job: Job) -> set[str]:
 def acknowledge(job: Job, checkpoint_id: int, futures: list[Any]) -> None:
     """Write the acknowledgements of the finished snapshots of checkpoint N."""
     for i, future in enumerate(futures):
-        ack = SubtaskAck(OPERATOR, i, len(job.backends), future.result(WAIT), None)
+        ack = SubtaskAck(
+            OPERATOR, i, len(job.backends), future.result(WAIT), None, job.coordinator.run_id
+        )
         job.storage.write_ack(checkpoint_id, ack)
 
 
@@ -235,7 +237,7 @@ def test_shared_files_of_a_pending_checkpoint_are_kept_before_its_directory_exis
             time.sleep(0.01)
         uploaded = new_shared_files(job, before)
         assert uploaded
-        assert fs.list_dir(job.storage.resolve(checkpoint_id)) == []
+        assert fs.list_dir(job.storage.resolve(checkpoint_id)) == ["_pending"]  # only the marker
 
         assert listed(job, grace_seconds=0, now=FAR_FUTURE) == {orphan}
         status, deleted = cli_gc(capsys, job, "--grace", "0", "--apply")
@@ -264,8 +266,10 @@ def test_shared_files_a_pending_acknowledgement_references_are_kept(
     """With concurrent checkpoints, checkpoint 2 is acknowledged but not complete when
     checkpoint 3 completes: gc keeps the files 2's acknowledgement references (its SST
     files, though older than 3's trigger, and its private files) and deletes an
-    unreferenced file of the same age. gc takes 2 for aborted (3 is newer): once its
-    acknowledgement is deleted, the files it referenced are garbage."""
+    unreferenced file of the same age. 2 keeps its pending marker of the newest leader
+    epoch, so it may still complete: nothing of it is garbage. Once another driver claims
+    a newer epoch, 2 can never complete: its acknowledgements go first, then the files
+    they referenced."""
     job = make_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
     try:
         job.write(2000)
@@ -289,11 +293,20 @@ def test_shared_files_a_pending_acknowledgement_references_are_kept(
         assert acks and private
 
         garbage = find_garbage(job.storage.fs, job_dir(job), grace_seconds=0)
-        assert {g.path for g in garbage} == {orphan} | acks
+        assert {g.path for g in garbage} == {orphan}
         deleted = delete_garbage(job.storage.fs, job_dir(job), garbage, grace_seconds=0)
         assert deleted == garbage
         assert acknowledged <= shared_paths(job)
-        assert listed(job, grace_seconds=0) == acknowledged | private
+        assert listed(job, grace_seconds=0) == set()
+
+        fenced_by = max(job.storage.leader_epochs()) + 1
+        job.storage.write_leader(fenced_by, "another-driver", time.time())
+        garbage = find_garbage(job.storage.fs, job_dir(job), grace_seconds=0)
+        marker = job.storage.layout.pending_marker_path(pending)
+        assert {g.path for g in garbage} == acks | {marker}
+        delete_garbage(job.storage.fs, job_dir(job), garbage, grace_seconds=0)
+        assert acknowledged <= shared_paths(job)
+        assert listed(job, grace_seconds=0) == acknowledged | (private - {marker})
         assert_restores(job, newest, tmp_path / "restore")
     finally:
         job.close()
@@ -303,8 +316,9 @@ def test_deleting_decides_again_from_a_fresh_listing(
     checkpoint_url: Storage, tmp_path: Path
 ) -> None:
     """Between ``find_garbage`` and ``delete_garbage``, checkpoint 2 (pending while the
-    newer 3 completed) completes and a stray file is written again: neither is deleted,
-    and checkpoint 2 verifies and restores."""
+    newer 3 completed; its pending marker is the newest leader's, so none of its files is
+    listed) completes and a stray file is written again: nothing is deleted, and both
+    checkpoints verify and restore."""
     job = make_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
     try:
         job.write(2000)
@@ -321,7 +335,7 @@ def test_deleting_decides_again_from_a_fresh_listing(
         garbage = find_garbage(job.storage.fs, job_dir(job), grace_seconds=0)
         pending_dir = job.storage.resolve(pending)
         assert stray in {g.path for g in garbage}
-        assert any(g.path.startswith(pending_dir + "/") for g in garbage)
+        assert not any(g.path.startswith(pending_dir + "/") for g in garbage)
         assert job.coordinator.poll(pending) is not None
         settle(checkpoint_url)
         job.storage.fs.write_atomic(stray, b"second attempt")

@@ -85,7 +85,9 @@ def build_checkpoint(storage: Storage, parallelism: int) -> tuple[Storage, int, 
             state.write(group, b"late")
     try:
         for i, future in enumerate(futures):
-            ack = SubtaskAck(OPERATOR, i, parallelism, None, None, raw_keyed=future.result())
+            ack = SubtaskAck(
+                OPERATOR, i, parallelism, None, None, coordinator.run_id, raw_keyed=future.result()
+            )
             checkpoints.write_ack(checkpoint_id, ack)
         assert coordinator.poll(checkpoint_id) is not None
     finally:

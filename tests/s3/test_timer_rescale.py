@@ -130,7 +130,8 @@ def build_checkpoint(
                     backend.timer_service.register_event_time_timer(7)
         for i, future in enumerate(futures):
             checkpoints.write_ack(
-                checkpoint_id, SubtaskAck(OPERATOR, i, parallelism, future.result(), None)
+                checkpoint_id,
+                SubtaskAck(OPERATOR, i, parallelism, future.result(), None, coordinator.run_id),
             )
         assert coordinator.poll(checkpoint_id) is not None
     finally:
@@ -272,7 +273,9 @@ def test_one_million_timers_restore(tmp_path: Path) -> None:
                 service.register_event_time_timer(t * 1000 + len(name))
         checkpoint_id = coordinator.trigger({OPERATOR: 1})
         future = source.snapshot(checkpoint_id, storage.snapshot_target(checkpoint_id, OPERATOR, 0))
-        storage.write_ack(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, future.result(), None))
+        storage.write_ack(
+            checkpoint_id, SubtaskAck(OPERATOR, 0, 1, future.result(), None, coordinator.run_id)
+        )
         assert coordinator.poll(checkpoint_id) is not None
     finally:
         source.dispose()
