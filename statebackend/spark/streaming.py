@@ -199,6 +199,11 @@ class StatefulStream:
             conf.compression,
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
+        newest = self.committer.newest_batch()
+        if newest is not None and conf.max_parallelism is None:
+            # Key groups are fixed for the job's life: a restart at another parallelism keeps them.
+            self.max_parallelism = self.committer.changelog.load_manifest(newest).max_parallelism
+            check_parallelism(parallelism, self.max_parallelism)
         self.binding_id: str | None = None
         """The id of the binding to a Spark checkpointLocation, once a query started."""
 

@@ -188,6 +188,35 @@ def test_checkpoint_location_is_bound_to_one_job(spark: SparkSession, tmp_path: 
     start("bound", first)  # its own location still works
 
 
+def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_path: Path) -> None:
+    batches = make_batches(3, seed=7)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches)
+
+    def run() -> None:
+        query = (
+            _stateful(spark, input_dir, "json-sink", parallelism=2)
+            .writeStream.format("json")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run()
+    # A driver dying after our commit and publish but before Spark's commits/2:
+    (checkpoint / "commits" / "2").unlink()
+    (checkpoint / "commits" / ".2.crc").unlink(missing_ok=True)
+    run()  # Spark runs batch 2 again
+    assert (checkpoint / "commits" / "2").exists()
+    written = Counter(
+        (row.user, row["count"], row.total, row.amounts)
+        for row in spark.read.schema(example.OUTPUT_SCHEMA).json(str(out)).collect()
+    )
+    assert written == Counter(row for (_, row) in expected_output(batches).elements())
+
+
 def _run_script(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as sink:
         return subprocess.Popen(
