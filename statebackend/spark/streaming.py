@@ -7,7 +7,7 @@
 
 An unmodified ``pyspark.sql.streaming.StatefulProcessor`` (or our ``KeyedFunction``)
 runs over a RocksDB per keyed subtask instead of Spark's state store: every micro-batch
-goes through ``foreachBatch``, where ``arrow_path.keyed_output`` shuffles its rows by key
+goes through ``foreachBatch``, where ``arrow_path.keyed_batch`` shuffles its rows by key
 group to P keyed subtasks over Arrow and runs the processor there. Arguments are checked
 up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
 PRE_INIT) to parse the states' DDL schemas.
