@@ -12,6 +12,9 @@
 <dir>/<job_id>/manifests/<B>                       batch B's manifest: B is committed
 <dir>/<job_id>/_checkpoint_id                     the highest checkpoint id ever triggered
 <dir>/<job_id>/_leader/epoch-<E>.json             the driver that claimed leader epoch E
+<dir>/<job_id>/outputs/<B>/<operator>-<i>-<attempt>.parquet   an attempt's staged output rows
+<dir>/<job_id>/published/<B>                       batch B's output reached an append sink
+<dir>/<job_id>/spark-binding.json                  the Spark checkpointLocation bound to the job
 ```
 ``<dir>`` is any URL or path the checkpoint file system accepts; the layout only appends
 ``/``-separated names to it.
@@ -35,6 +38,9 @@ MANIFESTS_DIR = "manifests"
 PENDING_FILE = "_pending"
 CHECKPOINT_ID_FILE = "_checkpoint_id"
 LEADER_DIR = "_leader"
+OUTPUTS_DIR = "outputs"
+PUBLISHED_DIR = "published"
+SPARK_BINDING_FILE = "spark-binding.json"
 
 _CHECKPOINT_PREFIX = "chk-"
 _SAVEPOINT_PREFIX = "savepoint-"
@@ -250,3 +256,31 @@ class JobLayout:
     def manifest_path(self, batch_id: int) -> str:
         """``<dir>/<job_id>/manifests/<B>``."""
         return join(self.manifests_dir, str(_check_number(batch_id, "batch id")))
+
+    @property
+    def outputs_dir(self) -> str:
+        """``<dir>/<job_id>/outputs``: the subtasks' staged output rows, per batch."""
+        return join(self.job_dir, OUTPUTS_DIR)
+
+    def batch_outputs_dir(self, batch_id: int) -> str:
+        """``<dir>/<job_id>/outputs/<B>``."""
+        return join(self.outputs_dir, str(_check_number(batch_id, "batch id")))
+
+    def output_path(self, batch_id: int, operator_id: str, subtask: int, attempt: str) -> str:
+        """``<dir>/<job_id>/outputs/<B>/<operator>-<subtask>-<attempt>.parquet``."""
+        name = self.changelog_name(operator_id, subtask, attempt)
+        return join(self.batch_outputs_dir(batch_id), f"{name}.parquet")
+
+    @property
+    def published_dir(self) -> str:
+        """``<dir>/<job_id>/published``: markers of batches whose output was appended."""
+        return join(self.job_dir, PUBLISHED_DIR)
+
+    def published_path(self, batch_id: int) -> str:
+        """``<dir>/<job_id>/published/<B>``."""
+        return join(self.published_dir, str(_check_number(batch_id, "batch id")))
+
+    @property
+    def spark_binding_path(self) -> str:
+        """``<dir>/<job_id>/spark-binding.json``: the Spark checkpointLocation of the job."""
+        return join(self.job_dir, SPARK_BINDING_FILE)

@@ -1,7 +1,7 @@
 """The Arrow data path of one micro-batch, from Spark to our keyed subtasks and back.
 
-``keyed_output`` turns a batch's input (and, in batch 0, the initial state) into the
-output DataFrame of the processor:
+``keyed_batch`` runs a batch's input (and, in batch 0, the initial state) through the
+processor, one metadata row per keyed subtask:
 
 1. input and initial-state rows share one schema (initial-state columns prefixed
    ``__sb_init_``) with a kind and an arrival sequence number;
@@ -12,30 +12,41 @@ output DataFrame of the processor:
    (its timers fire);
 4. ``repartitionById(P, subtask)`` (Spark >= 4.1): partition id == subtask;
    ``sortWithinPartitions`` by (key group, key, kind, sequence);
-5. ``mapInArrow(keyed task)``: the subtask opens its local RocksDB, runs the processor
-   (``processor_runner.run_keyed_subtask``) and yields the output as Arrow batches.
+5. ``mapInArrow(keyed task)``: the subtask opens its local RocksDB (rebuilt from the
+   newest batch manifest unless its marker says it is at batch N-1), runs the processor
+   (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
+   (``changelog/N/<op>-<i>-<attempt>``) and its output rows
+   (``outputs/N/<op>-<i>-<attempt>.parquet``) durably, marks the local copy at N and
+   yields one metadata row: ``streaming_commit`` commits and publishes them.
 
 No record is pickled on the way: rows cross the JVM/Python boundary as Arrow.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark import TaskContext
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
 
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import StateBackendError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.arrow_keys import key_groups
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, StaleLocalStateError
 from statebackend.spark.processor_handle import BatchClock, BatchTimes
 from statebackend.spark.processor_runner import (
     CONTROL,
@@ -49,6 +60,7 @@ from statebackend.spark.processor_runner import (
     ProcessorSpec,
     run_keyed_subtask,
 )
+from statebackend.spark.streaming_commit import METADATA_SCHEMA
 from statebackend.spark.tasks import StorageSpec
 
 OPERATOR_ID = "transform-with-state"
@@ -65,6 +77,9 @@ class KeyedBatchPlan:
     batch_id: int
     times: BatchTimes
     version: LocalVersion
+    """The binding (generation), parallelism and max parallelism of the local copies."""
+    restore_batch: int | None
+    """The newest committed batch (N-1), or None for a job without manifests."""
     storage: StorageSpec
     local_dir: str
 
@@ -87,10 +102,62 @@ def _key_groups(
     return assign
 
 
+@contextmanager
+def _current_state(
+    plan: KeyedBatchPlan, subtask: int, storage: CheckpointStorage
+) -> Iterator[LocalKeyedState]:
+    """The subtask's local state at the end of batch ``plan.restore_batch``: the local
+    copy if its marker says so (same binding, key groups and batch), else rebuilt from
+    manifest ``restore_batch`` (base checkpoint + changelog, any old parallelism), or
+    empty for a job without manifests."""
+    root = Path(plan.local_dir) / plan.storage.job_id / OPERATOR_ID
+    key_serializer = RowTupleSerializer(plan.key_schema_json)
+    version = replace(plan.version, previous_batch=plan.restore_batch, restore_dir=None)
+    with ExitStack() as stack:
+        local = None
+        if plan.restore_batch is not None:
+            try:
+                local = stack.enter_context(
+                    LocalKeyedState(root, subtask, version, storage, OPERATOR_ID, key_serializer)
+                )
+            except StaleLocalStateError:
+                local = None
+        if local is None:
+            fresh = replace(version, previous_batch=None)
+            local = stack.enter_context(
+                LocalKeyedState(root, subtask, fresh, storage, OPERATOR_ID, key_serializer)
+            )
+            if plan.restore_batch is not None:
+                assert local.backend is not None
+                changelog = ChangelogStorage(storage)
+                manifest = changelog.load_manifest(plan.restore_batch)
+                rebuild_keyed_state(local.backend, changelog, manifest, OPERATOR_ID)
+        yield local
+
+
+def _parquet_bytes(batches: list[pa.RecordBatch], schema: pa.Schema) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_batches(batches, schema=schema), sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _metadata_batch(subtask: int, handle: str, output: str, rows: int) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([subtask], pa.int32()),
+            pa.array([handle], pa.string()),
+            pa.array([output], pa.string()),
+            pa.array([rows], pa.int64()),
+        ],
+        names=METADATA_SCHEMA.names,
+    )
+
+
 def _keyed_task(
     plan: KeyedBatchPlan,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The mapInArrow function of the keyed subtasks."""
+    """The mapInArrow function of the keyed subtasks: run the batch, write its changes
+    and output rows durably, yield one metadata row (``METADATA_SCHEMA``)."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         batches = (batch for batch in batches if batch.num_rows)
@@ -106,27 +173,26 @@ def _keyed_task(
                 f"partition {context.partitionId()} got the rows of subtask {subtask}: "
                 f"repartitionById must map subtask i to partition i (Spark >= 4.1)"
             )
-        root = Path(plan.local_dir) / plan.storage.job_id / OPERATOR_ID
-        key_serializer = RowTupleSerializer(plan.key_schema_json)
-        with LocalKeyedState(
-            root,
-            subtask,
-            plan.version,
-            plan.storage.open(),
-            OPERATOR_ID,
-            key_serializer,
-            "rocksdb",
-        ) as local:
+        attempt = str(context.taskAttemptId()) if context is not None else "0"
+        storage = plan.storage.open()
+        with _current_state(plan, subtask, storage) as local:
             backend = local.backend
             assert backend is not None
             backend.clock = BatchClock(plan.times.batch_timestamp_ms)
+            backend.enable_changelog()
             timers = backend.timer_service if plan.spec.time_mode != "None" else None
-            yield from run_keyed_subtask(
-                plan.spec, backend, plan.times, chain([first], batches), timers
+            output = list(
+                run_keyed_subtask(plan.spec, backend, plan.times, chain([first], batches), timers)
             )
-            # Plug-in point of the changelog protocol: write changelog/N and the staged
-            # outputs durably here, and return a metadata row for the commit manifest.
+            handle = ChangelogStorage(storage).write_record(
+                plan.batch_id, OPERATOR_ID, subtask, attempt, backend.drain_changelog()
+            )
+            path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
+            schema = to_arrow_schema(plan.spec.output_schema)
+            storage.fs.write_atomic(path, _parquet_bytes(output, schema))
             local.commit(plan.batch_id)
+        rows = sum(batch.num_rows for batch in output)
+        yield _metadata_batch(subtask, json.dumps(handle.to_json()), path, rows)
 
     return run
 
@@ -169,11 +235,12 @@ def combined_input(
     return inputs.unionByName(initial)
 
 
-def keyed_output(
+def keyed_batch(
     combined: DataFrame,
     plan: KeyedBatchPlan,
 ) -> DataFrame:
-    """The processor's output DataFrame for one batch (see the module docstring)."""
+    """One metadata row per keyed subtask of the batch (``METADATA_SCHEMA``), once the
+    batch has run (see the module docstring)."""
     spec = plan.spec
     with_groups_schema = StructType(
         [
@@ -208,4 +275,4 @@ def keyed_output(
             SEQUENCE_COLUMN,
         )
     )
-    return shuffled.mapInArrow(_keyed_task(plan), spec.output_schema)
+    return shuffled.mapInArrow(_keyed_task(plan), METADATA_SCHEMA)

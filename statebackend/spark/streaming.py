@@ -7,22 +7,20 @@
 
 An unmodified ``pyspark.sql.streaming.StatefulProcessor`` (or our ``KeyedFunction``)
 runs over a RocksDB per keyed subtask instead of Spark's state store: every micro-batch
-goes through ``foreachBatch``, where ``arrow_path.keyed_output`` shuffles its rows by key
+goes through ``foreachBatch``, where ``arrow_path.keyed_batch`` shuffles its rows by key
 group to P keyed subtasks over Arrow and runs the processor there. Arguments are checked
 up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
 PRE_INIT) to parse the states' DDL schemas.
 
-Durability (NOT YET): state lives in an executor-local RocksDB per (job, subtask) under
-``spark.statebackend.local.dir``, reused from batch to batch of one query run. A new run
-starts empty; a lost executor or a retried task fails the query (StaleLocalStateError).
-The changelog/commit protocol of DESIGN.md ("Structured Streaming and the changelog")
-plugs in at these points, marked in the code:
-- ``_StatefulQuery.start``: bind the Spark ``checkpointLocation`` and our job directory;
-- ``run_batch``: reconcile with our newest manifest (re-publish a committed batch), read
-  times from ``offsets/N`` (done: ``read_batch_times``), write manifest N after the keyed
-  job, publish outputs idempotently by N (today: appended once, after the keyed job);
-- ``arrow_path._keyed_task``: rebuild from base + changelog when the local marker is not
-  at N-1, write ``changelog/N`` and staged outputs, return a metadata row.
+Exactly-once (``streaming_commit``): the query's Spark ``checkpointLocation`` is bound
+to the job's state directory; each keyed subtask writes its state changes and output rows
+of batch N durably, the driver commits manifest N, then publishes the output read back
+from the staged files, idempotently by N. A driver killed at any moment and restarted
+with the same ``checkpointLocation`` (at any ``parallelism``: the key groups are
+redistributed, which is how to rescale a query) yields the same state and output rows as
+a run without failure. State lives in an executor-local RocksDB per (job, subtask) under
+``spark.statebackend.local.dir``, reused while its marker says it is at batch N-1, else
+rebuilt from the newest manifest in storage (base checkpoint + changelog).
 """
 
 from __future__ import annotations
@@ -39,10 +37,16 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
+from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.spark.api import KeyedFunction
-from statebackend.spark.arrow_path import KeyedBatchPlan, combined_input, keyed_output
+from statebackend.spark.arrow_path import (
+    OPERATOR_ID,
+    KeyedBatchPlan,
+    combined_input,
+    keyed_batch,
+)
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
@@ -52,6 +56,13 @@ from statebackend.spark.processor_handle import (
     parse_time_mode,
 )
 from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
+from statebackend.spark.streaming_commit import (
+    BatchCommitter,
+    batch_output,
+    bind,
+    publish_once,
+    publish_parquet,
+)
 from statebackend.spark.tasks import StorageSpec
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
@@ -179,6 +190,22 @@ class StatefulStream:
         )
         self._generation = uuid.uuid4().hex
         self._previous_batch: int | None = None
+        self.output_schema = spec.output_schema
+        self.storage_spec = StorageSpec(
+            conf.require_checkpoint_dir(),
+            job_id,
+            conf.storage_options,
+            conf.transfer_threads,
+            conf.compression,
+        )
+        self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
+        newest = self.committer.newest_batch()
+        if newest is not None and conf.max_parallelism is None:
+            # Key groups are fixed for the job's life: a restart at another parallelism keeps them.
+            self.max_parallelism = self.committer.changelog.load_manifest(newest).max_parallelism
+            check_parallelism(parallelism, self.max_parallelism)
+        self.binding_id: str | None = None
+        """The id of the binding to a Spark checkpointLocation, once a query started."""
 
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
@@ -190,19 +217,28 @@ class StatefulStream:
         return StatefulStreamWriter(self)
 
     def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming
-        """Run the (batch) input as the next batch and return its output, computed once."""
+        """Run the (batch) input as the job's next batch and return its output, read
+        from the batch's staged files."""
         if self.df.isStreaming:
             raise ConfigurationError(
                 "toDF() runs a batch DataFrame: start a streaming one with writeStream"
             )
-        batch_id = 0 if self._previous_batch is None else self._previous_batch + 1
+        previous = self._previous_batch
+        if previous is None:
+            previous = self.committer.newest_batch()
+        batch_id = 0 if previous is None else previous + 1
         now = int(time.time() * 1000)
-        return self.run_batch(self.df, batch_id, BatchTimes(now))
+        return self.output(self.run_batch(self.df, batch_id, BatchTimes(now)))
 
-    def run_batch(self, batch_df: DataFrame, batch_id: int, times: BatchTimes) -> DataFrame:
-        """Run micro-batch ``batch_id`` through the keyed subtasks; its output, computed
-        once (a local checkpoint), so that using it twice never applies state twice."""
-        # Plug-in point: reconcile with our newest manifest before running the batch.
+    def run_batch(self, batch_df: DataFrame, batch_id: int, times: BatchTimes) -> BatchManifest:
+        """Run micro-batch ``batch_id`` through the keyed subtasks and commit it; its
+        manifest. A batch committed already (Spark re-running it after a failure) is not
+        run again: its manifest is returned as it is."""
+        committed = self.committer.reconcile(batch_id)
+        if committed is not None:
+            self._previous_batch = batch_id
+            return committed
+        restore_batch = self.committer.newest_batch()
         initial = self.initial_state if batch_id == 0 else None  # as Spark: batch 0 only
         plan = KeyedBatchPlan(
             spec=self.spec,
@@ -212,26 +248,26 @@ class StatefulStream:
             batch_id=batch_id,
             times=times,
             version=LocalVersion(
-                self._generation,
-                self._previous_batch,
+                self.binding_id or self._generation,
+                restore_batch,
                 None,
                 self.parallelism,
                 self.max_parallelism,
             ),
-            storage=StorageSpec(
-                self.conf.require_checkpoint_dir(),
-                self.job_id,
-                self.conf.storage_options,
-                self.conf.transfer_threads,
-                self.conf.compression,
-            ),
+            restore_batch=restore_batch,
+            storage=self.storage_spec,
             local_dir=self.conf.local_dir,
         )
-        output = keyed_output(combined_input(batch_df, self.spec, initial), plan)
-        output = output.localCheckpoint(eager=True)
-        # Plug-in point: write manifest N (the subtasks' metadata rows) here.
+        rows = keyed_batch(combined_input(batch_df, self.spec, initial), plan).collect()
+        manifest = self.committer.commit(
+            batch_id, rows, self.parallelism, self.max_parallelism, times
+        )
         self._previous_batch = batch_id
-        return output
+        return manifest
+
+    def output(self, manifest: BatchManifest) -> DataFrame:
+        """The output rows of a committed batch, read from its staged files."""
+        return batch_output(self.df.sparkSession, manifest, self.output_schema)
 
 
 class StatefulStreamWriter:
@@ -283,23 +319,29 @@ class StatefulStreamWriter:
         self._foreach_batch = func
         return self
 
-    def _publish(self, output: DataFrame, batch_id: int, table: str | None) -> None:
-        # Plug-in point: publish idempotently by batch id (a re-run batch must not append twice).
+    def _publish(self, manifest: BatchManifest, table: str | None) -> None:
+        """Publish committed batch N to the sink, idempotently by N (module docstring of
+        ``streaming_commit``)."""
+        stream = self._stream
+        batch_id = manifest.batch_id
+        output = stream.output(manifest)
         if self._foreach_batch is not None:
             self._foreach_batch(output, batch_id)
             return
-        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
         if self._format == "console":
             print(f"Batch: {batch_id}")
             output.show(truncate=False)
             return
+        storage = stream.committer.storage
+        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
+        if table is None and self._format == "parquet":
+            publish_parquet(storage, manifest, options["path"], stream.conf.storage_options)
+            return
         writer = output.write.mode("append").options(**options)
         if self._format is not None:
             writer = writer.format(self._format)
-        if table is not None:
-            writer.saveAsTable(table)
-        else:
-            writer.save()
+        save = (lambda: writer.saveAsTable(table)) if table is not None else writer.save
+        publish_once(storage, batch_id, save)
 
     def _start(self, table: str | None) -> StreamingQuery:
         stream = self._stream
@@ -323,11 +365,11 @@ class StatefulStreamWriter:
                 "times are read from its offsets/ log"
             )
         spark = stream.df.sparkSession
-        # Plug-in point: bind checkpointLocation and our job directory here.
+        stream.binding_id = bind(stream.committer.storage, checkpoint, stream.conf.storage_options)
 
         def run(batch_df: DataFrame, batch_id: int) -> None:
             times = read_batch_times(spark, checkpoint, batch_id)
-            self._publish(stream.run_batch(batch_df, batch_id, times), batch_id, table)
+            self._publish(stream.run_batch(batch_df, batch_id, times), table)
 
         writer = stream.df.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
         if self._trigger:

@@ -1,0 +1,258 @@
+"""Exactly-once for ``transform_with_state`` queries: bind, reconcile, commit, publish.
+
+Spark writes ``commits/N`` after our ``foreachBatch`` function returns and, after a
+failure, re-runs only the last batch without ``commits/N``. The keyed subtasks of batch N
+write their state changes (``changelog/N``) and their output rows
+(``outputs/N/<op>-<i>-<attempt>.parquet``) durably and return one metadata row each; the
+driver then:
+
+1. ``bind`` (once, at start): the Spark ``checkpointLocation`` and our job directory
+   name each other (``statebackend-binding.json`` there, ``spark-binding.json`` here);
+   pairing one with another's partner is a ConfigurationError.
+2. ``BatchCommitter.reconcile(N)``: our newest manifest M. M >= N: Spark re-runs a batch
+   we committed: its manifest is returned, nothing is processed again. M < N-1: error.
+3. ``BatchCommitter.commit(N, rows)``: manifest N accepts the attempt of each subtask
+   whose metadata row the driver collected (absorbing retried and speculative attempts)
+   and names that attempt's staged output; the state of batch N is then
+   base + changelogs, whatever dies afterwards.
+4. ``publish``: the batch's output is read from manifest N's staged files, so a re-run
+   publishes the very same rows. A ``parquet`` path sink gets them copied to
+   ``part-<N>-<subtask>.parquet`` (overwriting is idempotent); other sinks are appended
+   to and guarded by a ``published/<N>`` marker written after the write: a crash between
+   the two appends the batch again. ``foreachBatch`` functions must, as with Spark, be
+   idempotent by batch id.
+
+Invariant: ``commits/N`` exists => manifest N exists => state(N) = base + changelogs.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import fsspec
+from fsspec.utils import get_protocol
+from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
+from statebackend.checkpoint.layout import batch_ids, join
+from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.snapshot.changelog_format import ChangelogHandle
+from statebackend.spark.processor_handle import BatchTimes
+
+SPARK_BINDING_FILE = "statebackend-binding.json"
+"""Our file in the Spark checkpointLocation, naming the state job it is bound to."""
+OUTPUTS_PROPERTY = "outputs"
+"""Manifest property: the staged output files of the accepted attempts, by subtask."""
+
+METADATA_SCHEMA = StructType(
+    [
+        StructField("subtask", IntegerType(), False),
+        StructField("handle", StringType(), False),
+        StructField("output", StringType(), False),
+        StructField("rows", LongType(), False),
+    ]
+)
+"""What a keyed subtask returns for batch N: its changelog handle (JSON), the path of
+its staged output rows and their count."""
+
+
+def _read_json(fs: CheckpointFileSystem, path: str) -> dict[str, Any] | None:
+    if not fs.exists(path):
+        return None
+    return dict(json.loads(fs.read_file(path)))
+
+
+def _write_json(fs: CheckpointFileSystem, path: str, document: dict[str, Any]) -> None:
+    fs.write_atomic(path, json.dumps(document, sort_keys=True).encode("utf-8"))
+
+
+def _sink_filesystem(
+    url: str, storage: CheckpointStorage, options: dict[str, Any]
+) -> CheckpointFileSystem:
+    """The file system of ``url``; our storage options apply if it is the same protocol."""
+    same = get_protocol(url) == get_protocol(storage.layout.checkpoint_dir)
+    return open_filesystem(url, options if same else None)
+
+
+def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
+    """Bind the Spark ``checkpointLocation`` to the job of ``storage`` (first start) or
+    check that they are bound to each other; the binding's id.
+
+    Raises ConfigurationError naming both sides if either is bound to another partner,
+    or if the job has a partner location whose binding file is gone (a new Spark
+    checkpoint would re-run batches the job has committed).
+    """
+    location = checkpoint_location.rstrip("/")
+    spark_fs = _sink_filesystem(location, storage, options)
+    spark_path = join(location, SPARK_BINDING_FILE)
+    ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
+    theirs = _read_json(spark_fs, spark_path)
+    job_side = _read_json(storage.fs, storage.layout.spark_binding_path)
+    if theirs is not None and {k: theirs.get(k) for k in ours} != ours:
+        raise ConfigurationError(
+            f"checkpointLocation {location} belongs to state job {theirs.get('job_id')!r} in "
+            f"{theirs.get('checkpoint_dir')}, not to job {storage.job_id!r} in "
+            f"{storage.layout.checkpoint_dir}: use that job_id, or a new checkpointLocation"
+        )
+    if job_side is not None and job_side.get("checkpoint_location") != location:
+        raise ConfigurationError(
+            f"state job {storage.job_id!r} in {storage.layout.checkpoint_dir} belongs to "
+            f"checkpointLocation {job_side.get('checkpoint_location')}, not to {location}: use "
+            f"that checkpointLocation, or a new job_id"
+        )
+    if theirs is None and job_side is not None:
+        raise ConfigurationError(
+            f"checkpointLocation {location} of state job {storage.job_id!r} lost its "
+            f"{SPARK_BINDING_FILE} (was it deleted and recreated?): restore the Spark "
+            f"checkpoint, or start a new job_id with a new checkpointLocation"
+        )
+    if theirs is None:
+        theirs = {**ours, "binding_id": uuid.uuid4().hex}
+        _write_json(spark_fs, spark_path, theirs)  # first: a crash here leaves it alone
+    binding_id = str(theirs["binding_id"])
+    if job_side is None:
+        _write_json(
+            storage.fs,
+            storage.layout.spark_binding_path,
+            {"checkpoint_location": location, "binding_id": binding_id},
+        )
+    elif job_side.get("binding_id") != binding_id:
+        raise ConfigurationError(
+            f"checkpointLocation {location} and state job {storage.job_id!r} were bound in "
+            f"different runs: use a new checkpointLocation and a new job_id"
+        )
+    return binding_id
+
+
+class BatchCommitter:
+    """The driver's side of one job's batches: reconcile, commit, read the outputs."""
+
+    def __init__(self, storage: CheckpointStorage, operator_id: str) -> None:
+        self.storage = storage
+        self.changelog = ChangelogStorage(storage)
+        self.operator_id = operator_id
+
+    def newest_batch(self) -> int | None:
+        """The newest committed batch, or None for a job without manifests."""
+        ids = self.changelog.manifest_ids()
+        return ids[-1] if ids else None
+
+    def reconcile(self, batch_id: int) -> BatchManifest | None:
+        """Manifest ``batch_id`` if the batch is committed already (Spark re-runs it),
+        else None: the batch must run. Raises CheckpointError if our state is older than
+        batch ``batch_id - 1`` (the Spark checkpoint is ahead of the job's state)."""
+        newest = self.newest_batch()
+        if newest is None:
+            return None
+        if newest >= batch_id:
+            if batch_id not in self.changelog.manifest_ids():
+                raise CheckpointError(
+                    f"batch {batch_id} is committed (newest manifest {newest}) but its manifest "
+                    f"is gone: the Spark checkpointLocation is older than the job's state; "
+                    f"use the job's own checkpointLocation"
+                )
+            return self.changelog.load_manifest(batch_id)
+        if newest < batch_id - 1:
+            raise CheckpointError(
+                f"Spark runs batch {batch_id} but job {self.storage.job_id!r} committed only up "
+                f"to batch {newest}: its state is older than the Spark checkpointLocation; use "
+                f"the job's own checkpointLocation and state directory"
+            )
+        return None
+
+    def commit(
+        self,
+        batch_id: int,
+        rows: Iterable[Row],
+        parallelism: int,
+        max_parallelism: int,
+        times: BatchTimes,
+    ) -> BatchManifest:
+        """Write manifest ``batch_id`` accepting the subtask attempts of ``rows`` (the
+        collected metadata rows, one per subtask). Raises CheckpointError if a subtask's
+        row is missing."""
+        by_subtask = {int(row.subtask): row for row in rows}
+        missing = sorted(set(range(parallelism)) - set(by_subtask))
+        if missing:
+            raise CheckpointError(
+                f"batch {batch_id}: no result from keyed subtasks {missing}: retry the batch"
+            )
+        ordered = [by_subtask[i] for i in range(parallelism)]
+        handles = [ChangelogHandle.from_json(json.loads(row.handle)) for row in ordered]
+        properties = {
+            "batch_timestamp_ms": times.batch_timestamp_ms,
+            "late_events_watermark_ms": times.late_events_watermark_ms,
+            "eviction_watermark_ms": times.eviction_watermark_ms,
+            OUTPUTS_PROPERTY: [str(row.output) for row in ordered],
+            "rows": sum(int(row.rows) for row in ordered),
+        }
+        manifest = self.changelog.commit(
+            batch_id,
+            {self.operator_id: handles},
+            max_parallelism=max_parallelism,
+            properties=properties,
+        )
+        self._drop_outputs_before(self.changelog.manifest_ids()[0])
+        return manifest
+
+    def _drop_outputs_before(self, oldest_kept: int) -> None:
+        """Staged outputs and publish markers of batches no retained manifest commits."""
+        layout, fs = self.storage.layout, self.storage.fs
+        for directory in (layout.outputs_dir, layout.published_dir):
+            for old in batch_ids(fs.list_dir(directory)):
+                if old < oldest_kept:
+                    fs.delete(join(directory, str(old)), recursive=True)
+
+    @staticmethod
+    def outputs(manifest: BatchManifest) -> list[str]:
+        """The staged output files of a committed batch, by subtask."""
+        return [str(path) for path in manifest.properties.get(OUTPUTS_PROPERTY, [])]
+
+
+def batch_output(spark: SparkSession, manifest: BatchManifest, schema: StructType) -> DataFrame:
+    """The output rows of a committed batch, read from its staged files."""
+    paths = BatchCommitter.outputs(manifest)
+    if not paths:
+        return spark.createDataFrame([], schema)
+    return spark.read.schema(schema).parquet(*paths)
+
+
+def publish_parquet(
+    storage: CheckpointStorage, manifest: BatchManifest, path: str, options: dict[str, Any]
+) -> None:
+    """Copy a committed batch's staged files to ``<path>/part-<N>-<subtask>.parquet``; a
+    re-run overwrites them with the same bytes. Where the file system renames atomically
+    (local, HDFS) each is written to a hidden temp name first (readers skip names that
+    start with '.'), on object stores with one PUT."""
+    same = get_protocol(path) == get_protocol(storage.layout.checkpoint_dir)
+    sink, root = fsspec.core.url_to_fs(path, **(options if same else {}))
+    root = root.rstrip("/")
+    protocols = {sink.protocol} if isinstance(sink.protocol, str) else set(sink.protocol)
+    renames = bool({"file", "local", "hdfs"} & protocols)
+    if renames:
+        sink.makedirs(root, exist_ok=True)
+    for subtask, staged in enumerate(BatchCommitter.outputs(manifest)):
+        name = f"part-{manifest.batch_id}-{subtask}.parquet"
+        data = storage.fs.read_file(staged)
+        if renames:
+            temporary = f"{root}/.{name}.{uuid.uuid4().hex}.tmp"
+            sink.pipe_file(temporary, data)
+            sink.mv(temporary, f"{root}/{name}")
+        else:
+            sink.pipe_file(f"{root}/{name}", data)
+
+
+def publish_once(storage: CheckpointStorage, batch_id: int, append: Callable[[], None]) -> None:
+    """Run ``append`` unless batch ``batch_id`` was published already; mark it after."""
+    marker = storage.layout.published_path(batch_id)
+    if storage.fs.exists(marker):
+        return
+    append()
+    storage.fs.write_atomic(marker, b"")

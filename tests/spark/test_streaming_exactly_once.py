@@ -1,0 +1,301 @@
+"""Exactly-once of transform_with_state queries with Spark's own checkpoint: restart at
+another parallelism, SIGKILLed drivers, a lost executor-local copy, and the binding of a
+Spark checkpointLocation to one state job. Every check compares the parquet output rows
+per batch with a plain-Python computation of the same input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from statebackend.errors import ConfigurationError
+from statebackend.spark.streaming import transform_with_state
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "streaming_user_totals.py"
+_spec = importlib.util.spec_from_file_location("streaming_user_totals", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+example = importlib.util.module_from_spec(_spec)
+sys.modules["streaming_user_totals"] = example
+_spec.loader.exec_module(example)
+cloudpickle.register_pickle_by_value(example)
+
+Batches = list[list[tuple[str, int]]]
+OutputRows = Counter[tuple[int, tuple[Any, ...]]]
+PART_NAME = re.compile(r"part-(\d+)-(\d+)\.parquet$")
+
+
+def make_batches(count: int, seed: int) -> Batches:
+    """``count`` batches of 1-6 (user, amount) rows over 7 users."""
+    rng = random.Random(seed)
+    users = [f"u{i}" for i in range(7)]
+    return [
+        [(rng.choice(users), rng.randint(1, 50)) for _ in range(rng.randint(1, 6))]
+        for _ in range(count)
+    ]
+
+
+def write_batch_files(directory: Path, batches: Batches, first: int = 0) -> None:
+    """One JSON-lines file per batch, numbered from ``first``, with increasing
+    modification times (the file source takes them in that order)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for number, rows in enumerate(batches, start=first):
+        path = directory / f"batch-{number:04d}.json"
+        path.write_text("".join(f'{{"user": "{u}", "amount": {a}}}\n' for u, a in rows))
+        stamp = 1_700_000_000 + number
+        os.utime(path, (stamp, stamp))
+
+
+def expected_output(batches: Batches) -> OutputRows:
+    """What ``UserTotals`` outputs per batch, computed in plain Python."""
+    amounts: dict[str, list[int]] = {}
+    out: OutputRows = Counter()
+    for batch_id, rows in enumerate(batches):
+        seen: list[str] = []
+        for user, amount in rows:
+            amounts.setdefault(user, []).append(amount)
+            if user not in seen:
+                seen.append(user)
+        for user in seen:
+            history = amounts[user]
+            row = (user, len(history), sum(history), ",".join(map(str, history)))
+            out[(batch_id, row)] += 1
+    return out
+
+
+def read_output(spark: SparkSession, directory: Path) -> OutputRows:
+    """The parquet sink's rows, by the batch named in their file's name."""
+    frame = spark.read.parquet(str(directory)).withColumn("file", F.input_file_name())
+    out: OutputRows = Counter()
+    for row in frame.collect():
+        match = PART_NAME.search(row.file)
+        assert match is not None, row.file
+        out[(int(match.group(1)), (row.user, row["count"], row.total, row.amounts))] += 1
+    return out
+
+
+@pytest.fixture
+def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
+    spark_local.conf.set("spark.statebackend.checkpoint.dir", (tmp_path / "ours").as_uri())
+    spark_local.conf.set("spark.statebackend.local.dir", str(tmp_path / "local"))
+    yield spark_local
+    spark_local.conf.unset("spark.statebackend.checkpoint.dir")
+    spark_local.conf.unset("spark.statebackend.local.dir")
+
+
+def _stateful(spark: SparkSession, input_dir: Path, job_id: str, parallelism: int) -> Any:
+    source = (
+        spark.readStream.schema(example.INPUT_SCHEMA)
+        .option("maxFilesPerTrigger", 1)
+        .json(str(input_dir))
+    )
+    return transform_with_state(
+        source,
+        key_by="user",
+        processor=example.UserTotals(),
+        output_schema=example.OUTPUT_SCHEMA,
+        job_id=job_id,
+        parallelism=parallelism,
+    )
+
+
+def run_to_parquet(
+    spark: SparkSession, input_dir: Path, out: Path, checkpoint: Path, parallelism: int
+) -> None:
+    query = (
+        _stateful(spark, input_dir, "totals", parallelism)
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+
+
+def test_restart_at_another_parallelism_is_exact(spark: SparkSession, tmp_path: Path) -> None:
+    batches = make_batches(7, seed=11)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:4])
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    assert read_output(spark, out) == expected_output(batches[:4])
+
+    write_batch_files(input_dir, batches[4:], first=4)
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=3)
+    written = read_output(spark, out)
+    assert written == expected_output(batches)
+    assert max(written.values()) == 1  # no row twice
+
+
+def test_lost_local_copy_is_rebuilt_from_storage(spark: SparkSession, tmp_path: Path) -> None:
+    batches = make_batches(4, seed=5)
+    input_dir, local = tmp_path / "in", tmp_path / "local"
+    write_batch_files(input_dir, batches)
+    rows: OutputRows = Counter()
+
+    def collect_then_lose_local_state(df: DataFrame, batch_id: int) -> None:
+        for row in df.collect():
+            rows[(batch_id, tuple(row))] += 1
+        shutil.rmtree(local)  # the next batch runs as if on another host
+
+    query = (
+        _stateful(spark, input_dir, "wiped", parallelism=2)
+        .writeStream.foreachBatch(collect_then_lose_local_state)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    assert rows == expected_output(batches)
+
+
+def test_checkpoint_location_is_bound_to_one_job(spark: SparkSession, tmp_path: Path) -> None:
+    input_dir = tmp_path / "in"
+    write_batch_files(input_dir, make_batches(1, seed=1))
+    first, other = tmp_path / "ckpt", tmp_path / "other-ckpt"
+
+    def start(job_id: str, checkpoint: Path) -> None:
+        query = (
+            _stateful(spark, input_dir, job_id, parallelism=2)
+            .writeStream.foreachBatch(lambda df, batch_id: None)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    start("bound", first)
+    with pytest.raises(ConfigurationError, match=r"belongs to state job 'bound'.*'intruder'"):
+        start("intruder", first)
+    with pytest.raises(ConfigurationError, match=r"job 'bound'.*belongs to checkpointLocation"):
+        start("bound", other)
+    start("bound", first)  # its own location still works
+
+
+def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_path: Path) -> None:
+    batches = make_batches(3, seed=7)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches)
+
+    def run() -> None:
+        query = (
+            _stateful(spark, input_dir, "json-sink", parallelism=2)
+            .writeStream.format("json")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run()
+    # A driver dying after our commit and publish but before Spark's commits/2:
+    (checkpoint / "commits" / "2").unlink()
+    (checkpoint / "commits" / ".2.crc").unlink(missing_ok=True)
+    run()  # Spark runs batch 2 again
+    assert (checkpoint / "commits" / "2").exists()
+    written = Counter(
+        (row.user, row["count"], row.total, row.amounts)
+        for row in spark.read.schema(example.OUTPUT_SCHEMA).json(str(out)).collect()
+    )
+    assert written == Counter(row for (_, row) in expected_output(batches).elements())
+
+
+def _run_script(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as sink:
+        return subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def spark_batches(checkpoint: Path, batches: Batches) -> Batches:
+    """The batches Spark actually ran, from its own logs: after a restart the file source
+    may put several files into one batch (it re-plans a batch whose offsets it had not
+    logged). ``offsets/N`` ends with the source's log offset, ``sources/0/<k>`` names the
+    files of source batch k."""
+    ran: Batches = []
+    previous = -1
+    for batch_id in range(_committed_batches(checkpoint / "commits")):
+        last = json.loads((checkpoint / "offsets" / str(batch_id)).read_text().splitlines()[-1])
+        rows: list[tuple[str, int]] = []
+        for source_batch in range(previous + 1, int(last["logOffset"]) + 1):
+            lines = (checkpoint / "sources" / "0" / str(source_batch)).read_text().splitlines()
+            for entry in lines[1:]:
+                name = Path(json.loads(entry)["path"]).name
+                rows.extend(batches[int(name.removeprefix("batch-").removesuffix(".json"))])
+        ran.append(rows)
+        previous = int(last["logOffset"])
+    return ran
+
+
+def _amounts_as_sets(rows: OutputRows) -> OutputRows:
+    """Rows with the amounts history sorted: Spark orders the rows of a batch of several
+    files by its own file packing, not by file name."""
+    out: OutputRows = Counter()
+    for (batch_id, (user, count, total, amounts)), n in rows.items():
+        history = ",".join(sorted(amounts.split(","), key=int))
+        out[(batch_id, (user, count, total, history))] += n
+    return out
+
+
+def _committed_batches(commits: Path) -> int:
+    return sum(name.isdigit() for name in os.listdir(commits)) if commits.exists() else 0
+
+
+def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: Path) -> None:
+    batches = make_batches(6, seed=23)
+    input_dir, out = tmp_path / "in", tmp_path / "out"
+    write_batch_files(input_dir, batches)
+    args = [
+        "--input", str(input_dir),
+        "--output", str(out),
+        "--checkpoint-location", str(tmp_path / "ckpt"),
+        "--state-dir", str(tmp_path / "state"),
+        "--local-dir", str(tmp_path / "local"),
+    ]  # fmt: skip
+    log = tmp_path / "driver.log"
+    commits = tmp_path / "ckpt" / "commits"
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    kills = 0
+    for parallelism in (2, 3, 2):
+        before = _committed_batches(commits)
+        process = _run_script([*args, "--parallelism", str(parallelism)], log)
+        deadline = time.monotonic() + 240
+        while process.poll() is None and _committed_batches(commits) == before:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, 2.0))  # anywhere in the next batch: job, commit, publish
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            kills += 1
+        process.wait()
+    assert kills >= 3, f"the query finished before it was killed 3 times (seed {seed})"
+    final = _run_script([*args, "--parallelism", "3"], log)
+    assert final.wait(timeout=300) == 0, log.read_text()[-3000:]
+    written = read_output(spark, out)
+    ran = spark_batches(tmp_path / "ckpt", batches)
+    assert sorted(row for rows in ran for row in rows) == sorted(r for b in batches for r in b)
+    expected = _amounts_as_sets(expected_output(ran))
+    assert _amounts_as_sets(written) == expected, f"seed {seed}, {kills} kills"
+    assert max(written.values()) == 1
