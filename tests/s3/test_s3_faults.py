@@ -59,7 +59,7 @@ def fragile_fs(proxy: FaultProxy, retry: RetryPolicy = FAST_RETRY) -> Checkpoint
         },
     )
     fs.retries = 1
-    return CheckpointFileSystem(fs, retry)
+    return CheckpointFileSystem(fs, retry=retry)
 
 
 def prefix(s3_endpoint: S3Endpoint) -> str:
@@ -145,7 +145,8 @@ def checkpoint(
     checkpoint_id = coordinator.trigger({OPERATOR: 1})
     target = storage.snapshot_target(checkpoint_id, OPERATOR, 0)
     handle = backend.snapshot(checkpoint_id, target).result()
-    return coordinator.acknowledge(checkpoint_id, SubtaskAck(OPERATOR, 0, 1, handle, None))
+    ack = SubtaskAck(OPERATOR, 0, 1, handle, None, coordinator.run_id)
+    return coordinator.acknowledge(checkpoint_id, ack)
 
 
 @pytest.mark.parametrize("fault", [Fault.RESET, Fault.STALL, Fault.TRUNCATE])

@@ -73,7 +73,7 @@ def test_a_damaged_state_file_falls_back_to_the_previous_checkpoint(
     spark_local: SparkSession, tmp_path: Path
 ) -> None:
     previous, latest = _first_run(spark_local, tmp_path)
-    _damage(next(latest.glob("user-totals-0-keyed*")))
+    _damage(next(latest.glob("user-totals-0-*keyed*")))
 
     summary = _run(spark_local, tmp_path, 3, "latest")
 
@@ -104,7 +104,7 @@ def test_an_unreadable_explicit_restore_point_is_one_clear_error(
     spark_local: SparkSession, tmp_path: Path
 ) -> None:
     _, latest = _first_run(spark_local, tmp_path)
-    damaged = next(latest.glob("user-totals-1-keyed*"))
+    damaged = next(latest.glob("user-totals-1-*keyed*"))
     _damage(damaged)
 
     with pytest.raises(CheckpointUnreadableError, match="cannot restore from .*checksum mismatch"):

@@ -13,7 +13,7 @@ from pyspark.sql import SparkSession
 from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.signing import load_signing_key
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointCorruptedError, StateBackendError
+from statebackend.errors import CheckpointCorruptedError
 from statebackend.snapshot.handles import resolve_path
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
@@ -62,8 +62,8 @@ def test_a_signed_job_restores_and_refuses_tampering(
     document = json.loads(Path(last.removeprefix("file://"), "_metadata").read_bytes())
     assert document["signature"]["algorithm"] == "hmac-sha256"
 
-    # A changed data file: the restoring subtask refuses it, naming it (the runner
-    # retries a failed restore, then gives up with the task's error as the cause).
+    # A changed data file: the restoring subtask refuses it, naming it, before decoding
+    # anything; the run falls back to the previous (signed, unchanged) checkpoint.
     key = load_signing_key(key_file=str(tmp_path / "key"))
     storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "signed", signing_key=key)
     keyed = storage.load(last).operators["user-totals"].subtasks[0].keyed
@@ -72,16 +72,22 @@ def test_a_signed_job_restores_and_refuses_tampering(
     original = data_file.read_bytes()
     data_file.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
     generate_events(tmp_path / "input", 50, 30, 2, 3)
-    with pytest.raises(StateBackendError) as caught:
-        _run(spark_local, tmp_path, 2)
-    cause = str(caught.value.__cause__)
-    assert f"{data_file} does not match the signed checkpoint" in cause
+    summary = _run(spark_local, tmp_path, 2)
+    (fallback,) = summary.fallbacks
+    assert fallback.startswith(f"{last} -> ") and "does not match the signed checkpoint" in fallback
+    newest = summary.last_checkpoint
+    assert newest is not None
+    expected = expected_totals(read_events(tmp_path / "input"))
+    assert compare_totals(expected, checkpointed_totals(spark_local, newest)) == []
     data_file.write_bytes(original)
 
-    # A changed _metadata: the driver refuses it before anything is restored.
-    metadata_file = Path(metadata_path(last).removeprefix("file://"))
+    # A changed _metadata: refused before anything is restored; the run falls back again.
+    metadata_file = Path(metadata_path(newest).removeprefix("file://"))
+    document = json.loads(metadata_file.read_bytes())
     document["properties"]["next_batch"] = 0
     metadata_file.write_text(json.dumps(document))
     with pytest.raises(CheckpointCorruptedError, match="signature does not match"):
-        _run(spark_local, tmp_path, 2)
+        storage.load(newest)
+    (fallback,) = _run(spark_local, tmp_path, 2).fallbacks
+    assert fallback.startswith(f"{newest} -> ") and "signature does not match" in fallback
     storage.close()
