@@ -145,6 +145,25 @@ class SnapshotDirectory:
     def _new_file(self, kind: str) -> str:
         return f"{self.name}-{kind}-{uuid.uuid4().hex[:12]}"
 
+    def _write_file(
+        self,
+        checkpoint_id: int,
+        relative: str,
+        chunks: Iterable[bytes],
+        should_stop: ShouldStop,
+    ) -> Any:
+        """Write one file of the snapshot, stopping between chunks when cancelled or
+        aborted; a file finished after an abort is deleted (CheckpointCancelledError)."""
+        path = f"{self.directory}/{relative}"
+        written = self.filesystem.write_file(path, chunks, should_stop=self._stop(should_stop))
+        self._keep_unless_abandoned(checkpoint_id, [path])
+        return written
+
+    def _discard(self, relative: str | None) -> None:
+        """Delete a file of a snapshot whose future was cancelled after it was written."""
+        if relative is not None:
+            self.filesystem.delete(f"{self.directory}/{relative}")
+
     def write_keyed_snapshot(
         self, checkpoint_id: int, cut: KeyedStateCut
     ) -> SnapshotFuture[KeyedHandle]:
@@ -158,12 +177,8 @@ class SnapshotDirectory:
             index: list[tuple[int, int, int]] = []
             # Frames are encoded on a producer thread while earlier ones are written; it
             # has ended when the block is left, before ``cut.release`` may run.
-            path = f"{self.directory}/{relative}"
             with prefetched(encode_keyed_cut(cut, self.codec, index), PREFETCH_FRAMES) as frames:
-                written = self.filesystem.write_file(
-                    path, frames, should_stop=self._stop(should_stop)
-                )
-            self._keep_unless_abandoned(checkpoint_id, [path])
+                written = self._write_file(checkpoint_id, relative, frames, should_stop)
             return KeyedStateHandle(
                 path=relative,
                 size=written.size,
@@ -181,7 +196,7 @@ class SnapshotDirectory:
             work,
             cut.release,
             f"keyed snapshot {self.name} of checkpoint {checkpoint_id}",
-            lambda _: self.filesystem.delete(f"{self.directory}/{relative}"),
+            lambda _: self._discard(relative),
         )
 
     def _write_incremental(
@@ -223,11 +238,8 @@ class SnapshotDirectory:
 
         def work(should_stop: ShouldStop) -> RawKeyedStateHandle:
             index: list[tuple[int, int, int]] = []
-            written = self.filesystem.write_file(
-                f"{self.directory}/{relative}",
-                encode_raw_keyed_cut(cut, self.codec, index),
-                should_stop=should_stop,
-            )
+            chunks = encode_raw_keyed_cut(cut, self.codec, index)
+            written = self._write_file(checkpoint_id, relative, chunks, should_stop)
             return RawKeyedStateHandle(
                 path=relative,
                 size=written.size,
@@ -242,6 +254,7 @@ class SnapshotDirectory:
             work,
             lambda: None,
             f"raw keyed snapshot {self.name} of checkpoint {checkpoint_id}",
+            lambda _: self._discard(relative),
         )
 
     def write_operator_snapshot(
@@ -254,19 +267,13 @@ class SnapshotDirectory:
             blob, states, raw = encode_operator_cut(cut)
             if len(blob) < INLINE_LIMIT:
                 return OperatorStateHandle(None, len(blob), checksum(blob), states, raw, blob)
-            path = f"{self.directory}/{relative}"
-            written = self.filesystem.write_file(path, [blob], should_stop=self._stop(should_stop))
-            self._keep_unless_abandoned(checkpoint_id, [path])
+            written = self._write_file(checkpoint_id, relative, [blob], should_stop)
             return OperatorStateHandle(relative, written.size, written.checksum, states, raw)
-
-        def discard(handle: OperatorStateHandle) -> None:
-            if handle.path is not None:
-                self.filesystem.delete(f"{self.directory}/{handle.path}")
 
         return SnapshotFuture(
             self.executor,
             work,
             lambda: None,
             f"operator snapshot {self.name} of checkpoint {checkpoint_id}",
-            discard,
+            lambda handle: self._discard(handle.path),
         )

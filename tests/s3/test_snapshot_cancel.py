@@ -19,6 +19,7 @@ import pytest
 from fsspec.utils import get_protocol
 
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.backends.raw_keyed import RawKeyedState
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -70,7 +71,7 @@ def stored_files(location: Storage, directory: str) -> list[str]:
     return sorted(fs.find(fs._strip_protocol(directory)))
 
 
-@pytest.mark.parametrize("snapshot", ["full", "incremental", "operator"])
+@pytest.mark.parametrize("snapshot", ["full", "incremental", "operator", "raw-keyed"])
 def test_cancel_while_the_last_file_commits_leaves_nothing(
     checkpoint_url: Storage, snapshot: str, tmp_path: Path
 ) -> None:
@@ -91,6 +92,10 @@ def test_cancel_while_the_last_file_commits_leaves_nothing(
         operator_state = OperatorStateBackend()
         operator_state.get_list_state("big", IntSerializer()).add_all(range(20_000))
         future = target.write_operator_snapshot(1, operator_state.sync_cut())
+    elif snapshot == "raw-keyed":
+        raw = RawKeyedState(backend.key_group_range)
+        raw.write(backend.key_group_range.start, b"raw bytes" * 1000)
+        future = target.write_raw_keyed_snapshot(1, raw.sync_cut())
     else:
         future = backend.snapshot(1, target)
         if isinstance(backend, RocksDBKeyedStateBackend):
