@@ -14,7 +14,7 @@ Operator state follows Flink's ``RoundRobinOperatorStateRepartitioner``:
 When the parallelism is unchanged, split and broadcast state stay where they were.
 
 The planning functions work on lengths and return slices, so that a restore can read only
-the elements it needs; ``redistribute_operator_state`` applies a plan to in-memory lists.
+the elements it needs; ``backends.operator_redistribution`` applies a plan to operator state.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import (
@@ -62,17 +62,6 @@ class StatePlan(NamedTuple):
 
     mode: DistributionMode
     slices: tuple[StateSlice, ...]
-
-
-@dataclass(frozen=True)
-class OperatorStateList(Generic[E]):
-    """One named operator state of one subtask: its mode and its elements, in order.
-
-    For broadcast state the elements are the map's entries.
-    """
-
-    mode: DistributionMode
-    elements: Sequence[E]
 
 
 def _check_new_parallelism(new_parallelism: int) -> None:
@@ -163,33 +152,6 @@ def plan_operator_state(
         for subtask_plan, share in zip(plan, shares, strict=True):
             subtask_plan[name] = StatePlan(mode, share)
     return plan
-
-
-def redistribute_operator_state(
-    old: Sequence[Mapping[str, OperatorStateList[E]]], new_parallelism: int
-) -> list[dict[str, OperatorStateList[E]]]:
-    """Per new subtask, every named state (sorted by name) with the elements it gets.
-
-    ``old`` has one mapping per old subtask. The result follows ``plan_operator_state``.
-    """
-    layouts = [
-        {name: StateLayout(state.mode, len(state.elements)) for name, state in states.items()}
-        for states in old
-    ]
-    return [
-        {
-            name: OperatorStateList(
-                planned.mode,
-                [
-                    element
-                    for piece in planned.slices
-                    for element in old[piece.old_subtask][name].elements[piece.begin : piece.end]
-                ],
-            )
-            for name, planned in subtask_plan.items()
-        }
-        for subtask_plan in plan_operator_state(layouts, new_parallelism)
-    ]
 
 
 class KeyGroupSource(NamedTuple):

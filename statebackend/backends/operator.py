@@ -6,8 +6,9 @@ cheap copy of immutable bytes. A restored backend takes each state's stored byte
 are, or migrates them, when the state is first asked for with a serializer; states never
 asked for are carried into the next snapshot untouched.
 
-The user-facing protocols (``CheckpointedFunction``, ``ListCheckpointed``) live here too,
-because their contexts hand out this backend.
+The backend is the ``OperatorStateStore`` that user functions implementing
+``state.functions.CheckpointedFunction`` are handed; ``backends.operator_redistribution``
+divides its cuts among new subtasks on restore.
 """
 
 from __future__ import annotations
@@ -15,16 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Generic, TypeVar, cast
 
 from statebackend.errors import IncompatibleStateError, SerializationError, StateAccessError
-from statebackend.redistribution import (
-    DistributionMode,
-    OperatorStateList,
-    redistribute_operator_state,
-)
+from statebackend.redistribution import DistributionMode, StateLayout
 from statebackend.serializers import (
-    PickleSerializer,
     Serializer,
     SerializerConfig,
     migrate,
@@ -66,6 +62,28 @@ class OperatorStateCut:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "states", MappingProxyType(dict(self.states)))
+
+    # An in-memory ``OperatorStateSource`` (see ``operator_redistribution``):
+
+    def state_layouts(self) -> Mapping[str, StateLayout]:
+        """Mode and element count of every named state."""
+        return {name: StateLayout(s.mode, len(s.entries)) for name, s in self.states.items()}
+
+    def state_serializers(self) -> Mapping[str, Mapping[str, SerializerConfig]]:
+        """The serializer configs of every named state."""
+        return {name: state.serializers for name, state in self.states.items()}
+
+    def raw_count(self) -> int:
+        """How many raw partitions the cut holds."""
+        return len(self.raw)
+
+    def read_elements(self, name: str, begin: int, end: int) -> Sequence[Entry]:
+        """Elements ``begin`` to ``end`` (exclusive) of state ``name``."""
+        return self.states[name].entries[begin:end]
+
+    def read_raw(self, begin: int, end: int) -> Sequence[bytes]:
+        """Raw partitions ``begin`` to ``end`` (exclusive)."""
+        return self.raw[begin:end]
 
 
 def _migrated(
@@ -316,132 +334,3 @@ class OperatorStateBackend:
     def _register(self, state: _AnyState) -> None:
         self._pending.pop(state.name, None)
         self._states[state.name] = state
-
-
-def redistribute_cuts(
-    old: Sequence[OperatorStateCut], new_parallelism: int
-) -> list[OperatorStateCut]:
-    """The cuts of ``new_parallelism`` subtasks restored from the cuts of the old subtasks.
-
-    Named states follow ``statebackend.redistribution``; raw partitions are split state.
-    A state written with different serializers in different old subtasks is an
-    IncompatibleStateError, as is one with different modes.
-    """
-    first: dict[str, NamedStateCut] = {}
-    for cut in old:
-        for name, state in cut.states.items():
-            known = first.setdefault(name, state)
-            if known.serializers != state.serializers:
-                raise IncompatibleStateError(
-                    f"operator state {name!r} was written with serializers "
-                    f"{dict(known.serializers)} and {dict(state.serializers)} in different "
-                    f"subtasks: its bytes cannot be merged"
-                )
-    named = redistribute_operator_state(
-        [
-            {
-                name: OperatorStateList(state.mode, state.entries)
-                for name, state in cut.states.items()
-            }
-            for cut in old
-        ],
-        new_parallelism,
-    )
-    raw = redistribute_operator_state(
-        [{"raw": OperatorStateList(DistributionMode.SPLIT, cut.raw)} for cut in old],
-        new_parallelism,
-    )
-    return [
-        OperatorStateCut(
-            {
-                name: NamedStateCut(state.mode, first[name].serializers, tuple(state.elements))
-                for name, state in states.items()
-            },
-            tuple(raw_share["raw"].elements) if raw_share else (),
-        )
-        for states, raw_share in zip(named, raw, strict=True)
-    ]
-
-
-@dataclass(frozen=True)
-class FunctionInitializationContext:
-    """What ``CheckpointedFunction.initialize_state`` gets: the subtask's operator state."""
-
-    operator_state_store: OperatorStateBackend
-
-    @property
-    def is_restored(self) -> bool:
-        """Whether the state was restored from a checkpoint (else it starts empty)."""
-        return self.operator_state_store.is_restored
-
-
-@dataclass(frozen=True)
-class FunctionSnapshotContext:
-    """What ``CheckpointedFunction.snapshot_state`` gets: the checkpoint and the state."""
-
-    checkpoint_id: int
-    operator_state_store: OperatorStateBackend
-
-
-@runtime_checkable
-class CheckpointedFunction(Protocol):
-    """A function that keeps operator state itself (Flink's CheckpointedFunction)."""
-
-    def initialize_state(self, ctx: FunctionInitializationContext) -> None:
-        """Register states (and read them back when ``ctx.is_restored``); called first."""
-
-    def snapshot_state(self, ctx: FunctionSnapshotContext) -> None:
-        """Bring the registered states up to date for checkpoint ``ctx.checkpoint_id``."""
-
-
-@runtime_checkable
-class ListCheckpointed(Protocol):
-    """A function whose state is one redistributable list (Flink's ListCheckpointed)."""
-
-    def snapshot_state(self, checkpoint_id: int) -> list[Any]:
-        """The elements to checkpoint; on rescale they are split among subtasks."""
-
-    def restore_state(self, state: list[Any]) -> None:
-        """Take back this subtask's share of the checkpointed elements."""
-
-
-LIST_CHECKPOINTED_STATE_NAME = "_default_"
-"""The split list state a ``ListCheckpointed`` function's elements are stored under."""
-
-
-class ListCheckpointedAdapter:
-    """Runs a ``ListCheckpointed`` function as a ``CheckpointedFunction``.
-
-    Its elements are stored as split list state ``LIST_CHECKPOINTED_STATE_NAME``, encoded
-    with ``serializer`` (pickle unless given).
-    """
-
-    def __init__(
-        self, function: ListCheckpointed, serializer: Serializer[Any] | None = None
-    ) -> None:
-        self.function = function
-        self.serializer: Serializer[Any] = serializer or PickleSerializer()
-
-    def initialize_state(self, ctx: FunctionInitializationContext) -> None:
-        """Restore the function's elements when the state was restored."""
-        state = ctx.operator_state_store.get_list_state(
-            LIST_CHECKPOINTED_STATE_NAME, self.serializer
-        )
-        if ctx.is_restored:
-            self.function.restore_state(state.get())
-
-    def snapshot_state(self, ctx: FunctionSnapshotContext) -> None:
-        """Store the function's current elements for the checkpoint."""
-        ctx.operator_state_store.get_list_state(
-            LIST_CHECKPOINTED_STATE_NAME, self.serializer
-        ).update(self.function.snapshot_state(ctx.checkpoint_id))
-
-
-def as_checkpointed_function(function: object) -> CheckpointedFunction | None:
-    """``function`` itself if it is a CheckpointedFunction, wrapped if it is
-    ListCheckpointed, None if it keeps no operator state."""
-    if isinstance(function, CheckpointedFunction):
-        return function
-    if isinstance(function, ListCheckpointed):
-        return ListCheckpointedAdapter(function)
-    return None

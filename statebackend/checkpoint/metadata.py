@@ -289,9 +289,7 @@ def _canonical(document: dict[str, Any]) -> bytes:
     return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
 
 
-def _check_signature(
-    document: dict[str, Any], signature: Any, key: SigningKey, where: str
-) -> None:
+def _check_signature(document: dict[str, Any], signature: Any, key: SigningKey, where: str) -> None:
     """CheckpointCorruptedError naming ``where`` unless ``signature`` is ``key``'s
     signature of ``document`` (without its signature field)."""
     if signature is None:
@@ -342,10 +340,7 @@ def _operator_problem(op: OperatorSnapshot, max_parallelism: int) -> str | None:
                 )
             expected_start = max(expected_start, end + 1)
         if expected_start != max_parallelism:
-            return (
-                f"the key-group ranges end at {expected_start - 1}, not at "
-                f"{max_parallelism - 1}"
-            )
+            return f"the key-group ranges end at {expected_start - 1}, not at {max_parallelism - 1}"
     for ack in op.subtasks:
         problem = _handle_problem(ack)
         if problem is not None:

@@ -24,6 +24,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapsho
 from statebackend.errors import CheckpointNotFoundError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange, check_parallelism
 from statebackend.redistribution import (
+    KeyGroupSource,
     StateLayout,
     assign_key_group_ranges,
     plan_operator_state,
@@ -65,28 +66,22 @@ def operator_snapshot(metadata: CheckpointMetadata, operator_id: str) -> Operato
 
 
 @dataclass(frozen=True)
-class KeyedSource:
-    """Key groups a new subtask reads from one old subtask's keyed handle."""
-
-    old_subtask: int
-    key_groups: KeyGroupRange
-    bytes: int
-
-
-@dataclass(frozen=True)
 class SubtaskPlan:
     """What new subtask ``subtask`` would restore."""
 
     subtask: int
     key_group_range: KeyGroupRange
-    keyed_sources: tuple[KeyedSource, ...]
+    keyed_sources: tuple[KeyGroupSource, ...]
+    """The old subtasks' key groups it reads, in old-subtask order."""
+    keyed_source_bytes: tuple[int, ...]
+    """Bytes it reads from each of ``keyed_sources``."""
     operator_elements: dict[str, list[tuple[int, int, int]]]
     """Per operator state: (old subtask, first element, end element) slices."""
 
     @property
     def keyed_bytes(self) -> int:
         """Bytes of keyed state this subtask reads."""
-        return sum(source.bytes for source in self.keyed_sources)
+        return sum(self.keyed_source_bytes)
 
 
 def plan_restore(
@@ -111,20 +106,17 @@ def plan_restore(
     operator_plan = plan_operator_state(layouts, new_parallelism)
     plans = []
     for assignment, shares in zip(keyed, operator_plan, strict=True):
-        sources = []
-        for source in assignment.old_subtasks:
-            handle = handles[source.old_subtask]
-            if handle is not None:
-                sources.append(
-                    KeyedSource(
-                        source.old_subtask, source.key_groups, handle.bytes_for(source.key_groups)
-                    )
-                )
+        sources = [
+            (source, handle.bytes_for(source.key_groups))
+            for source in assignment.old_subtasks
+            if (handle := handles[source.old_subtask]) is not None
+        ]
         plans.append(
             SubtaskPlan(
                 assignment.subtask,
                 assignment.key_group_range,
-                tuple(sources),
+                tuple(source for source, _ in sources),
+                tuple(size for _, size in sources),
                 {
                     name: [(s.old_subtask, s.begin, s.end) for s in share.slices]
                     for name, share in shares.items()

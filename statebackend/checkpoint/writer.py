@@ -29,6 +29,7 @@ from typing import Any
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateCut
 from statebackend.backends.operator import NamedStateCut, OperatorStateBackend, OperatorStateCut
+from statebackend.backends.operator_redistribution import redistribute_cut
 from statebackend.backends.raw_keyed import RawKeyedStateCut
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.layout import metadata_path
@@ -51,11 +52,7 @@ from statebackend.keygroups import (
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
 )
-from statebackend.redistribution import (
-    DistributionMode,
-    OperatorStateList,
-    redistribute_operator_state,
-)
+from statebackend.redistribution import DistributionMode
 from statebackend.serializers import (
     PickleSerializer,
     Serializer,
@@ -100,18 +97,10 @@ class OperatorStateInput:
                 )
             state = backend.get_broadcast_state(self.name, self.key_serializer, self.serializer)
             state.put_all(self.elements)
-        else:
-            share = redistribute_operator_state(
-                [{self.name: OperatorStateList(DistributionMode.SPLIT, list(self.elements))}],
-                parallelism,
-            )[subtask][self.name].elements
-            get = (
-                backend.get_list_state
-                if self.mode is DistributionMode.SPLIT
-                else backend.get_union_list_state
-            )
-            get(self.name, self.serializer).add_all(share)
-        return backend.sync_cut().states[self.name]
+            return backend.sync_cut().states[self.name]
+        backend.get_list_state(self.name, self.serializer).add_all(self.elements)
+        share = redistribute_cut([backend.sync_cut()], subtask, parallelism).states[self.name]
+        return dataclasses.replace(share, mode=self.mode)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A subtask's operator state is one blob: every element of every named state (broadcast
 entries encoded as ``[key length: 4][key][value]``), then the raw partitions. The handle
 lists, per state, each element's ``[offset, length, crc32]``, so a restore reads only
-the slices its new subtask gets (``redistribution.plan_operator_state``) and checks
+the slices its new subtask gets (``backends.operator_redistribution``) and checks
 each element it read. A blob smaller than ``INLINE_LIMIT`` is kept inside ``_metadata``.
 """
 
@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import base64
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from struct import Struct
 from typing import Any
 
-from statebackend.backends.operator import NamedStateCut, OperatorStateCut
-from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
-from statebackend.redistribution import (
-    DistributionMode,
-    StateLayout,
-    StateSlice,
-    plan_operator_state,
-)
+from statebackend.backends.operator import Entry, OperatorStateCut
+from statebackend.backends.operator_redistribution import redistribute_cut
+from statebackend.errors import CheckpointCorruptedError
+from statebackend.redistribution import DistributionMode, StateLayout
 from statebackend.serializers import SerializerConfig
 
 INLINE_LIMIT = 20 * 1024
 """Operator state smaller than this (bytes) is stored inside ``_metadata``."""
 
 _KEY_LENGTH = Struct(">I")
-_RAW = "raw"
 
 Span = tuple[int, int, int]
 """(offset, length, crc32) of one element in the blob."""
@@ -154,7 +149,9 @@ class OperatorStateReader:
         self.directory = directory.rstrip("/")
         self.read_range = read_range
 
-    def _elements(self, subtask: int, spans: Sequence[Span], what: str) -> Iterator[bytes]:
+    def elements(self, subtask: int, spans: Sequence[Span], what: str) -> Iterator[bytes]:
+        """The elements at ``spans`` (consecutive) of old subtask ``subtask``'s blob, read
+        with one ranged read and checked against their crc32."""
         handle = self.handles[subtask]
         if not spans or handle is None:
             return
@@ -173,61 +170,38 @@ class OperatorStateReader:
                 raise CheckpointCorruptedError(f"{where}: checksum mismatch ({what})")
             yield element
 
-    def _read_slices(
-        self, slices: Sequence[StateSlice], spans_of: Callable[[int], tuple[Span, ...]], what: str
-    ) -> list[bytes]:
-        out: list[bytes] = []
-        for old, begin, end in slices:
-            out.extend(self._elements(old, spans_of(old)[begin:end], what))
-        return out
-
-    def _raw_spans(self, old: int) -> tuple[Span, ...]:
-        handle = self.handles[old]
-        return () if handle is None else handle.raw
-
     def restore_cut(self, subtask: int, new_parallelism: int) -> OperatorStateCut:
-        """The operator state new subtask ``subtask`` of ``new_parallelism`` gets."""
-        layouts = [
-            {}
-            if h is None
-            else {n: StateLayout(i.mode, len(i.elements)) for n, i in h.states.items()}
-            for h in self.handles
-        ]
-        serializers: dict[str, dict[str, SerializerConfig]] = {}
-        for handle in self.handles:
-            for name, info in (handle.states if handle else {}).items():
-                known = serializers.setdefault(name, info.serializers)
-                if known != info.serializers:
-                    raise IncompatibleStateError(
-                        f"operator state {name!r} was written with different serializers "
-                        f"in different subtasks: its elements cannot be merged"
-                    )
-        plan = plan_operator_state(layouts, new_parallelism)[subtask]
+        """The operator state new subtask ``subtask`` of ``new_parallelism`` gets, reading
+        only its slices."""
+        sources = [_StoredOperatorState(self, old) for old in range(len(self.handles))]
+        return redistribute_cut(sources, subtask, new_parallelism)
 
-        def spans_of(name: str) -> Callable[[int], tuple[Span, ...]]:
-            def spans(old: int) -> tuple[Span, ...]:
-                handle = self.handles[old]
-                if handle is None or name not in handle.states:
-                    return ()
-                return handle.states[name].elements
 
-            return spans
+class _StoredOperatorState:
+    """One old subtask's checkpointed operator state as an ``OperatorStateSource``."""
 
-        states = {
-            name: NamedStateCut(
-                share.mode,
-                serializers[name],
-                tuple(
-                    _decode_element(e, share.mode)
-                    for e in self._read_slices(share.slices, spans_of(name), f"state {name!r}")
-                ),
-            )
-            for name, share in plan.items()
-        }
-        raw_layouts = [
-            {_RAW: StateLayout(DistributionMode.SPLIT, len(h.raw) if h else 0)}
-            for h in self.handles
-        ]
-        raw_plan = plan_operator_state(raw_layouts, new_parallelism)[subtask][_RAW]
-        raw = self._read_slices(raw_plan.slices, self._raw_spans, "raw state")
-        return OperatorStateCut(states, tuple(raw))
+    def __init__(self, reader: OperatorStateReader, subtask: int) -> None:
+        self.reader = reader
+        self.subtask = subtask
+        self.handle = reader.handles[subtask]
+
+    def _states(self) -> dict[str, OperatorStateInfo]:
+        return {} if self.handle is None else self.handle.states
+
+    def state_layouts(self) -> Mapping[str, StateLayout]:
+        return {n: StateLayout(i.mode, len(i.elements)) for n, i in self._states().items()}
+
+    def state_serializers(self) -> Mapping[str, Mapping[str, SerializerConfig]]:
+        return {name: info.serializers for name, info in self._states().items()}
+
+    def raw_count(self) -> int:
+        return 0 if self.handle is None else len(self.handle.raw)
+
+    def read_elements(self, name: str, begin: int, end: int) -> Sequence[Entry]:
+        info = self._states()[name]
+        data = self.reader.elements(self.subtask, info.elements[begin:end], f"state {name!r}")
+        return [_decode_element(element, info.mode) for element in data]
+
+    def read_raw(self, begin: int, end: int) -> Sequence[bytes]:
+        spans = () if self.handle is None else self.handle.raw[begin:end]
+        return list(self.reader.elements(self.subtask, spans, "raw state"))

@@ -178,7 +178,5 @@ def read_state(
             for key_groups in items:
                 yield from _read_range(reads, directory, handles, key_groups, state_name, decoder)
 
-    rdd = spark.sparkContext.parallelize(ranges, max(1, len(ranges))).mapPartitions(
-        read_partition
-    )
+    rdd = spark.sparkContext.parallelize(ranges, max(1, len(ranges))).mapPartitions(read_partition)
     return spark.createDataFrame(rdd, decoder.schema())

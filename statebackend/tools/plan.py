@@ -55,9 +55,9 @@ def plan_operator(ref: CheckpointRef, operator_id: str, parallelism: int) -> lis
                     {
                         "old_subtask": s.old_subtask,
                         "key_groups": s.key_groups.to_json(),
-                        "bytes": s.bytes,
+                        "bytes": size,
                     }
-                    for s in plan.keyed_sources
+                    for s, size in zip(plan.keyed_sources, plan.keyed_source_bytes, strict=True)
                 ],
                 "operator_state": operator_state,
             }

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 
-from statebackend.backends.operator import (
-    LIST_CHECKPOINTED_STATE_NAME,
-    CheckpointedFunction,
-    FunctionInitializationContext,
-    FunctionSnapshotContext,
-    ListCheckpointedAdapter,
-    OperatorStateBackend,
-    OperatorStateCut,
-    as_checkpointed_function,
-    redistribute_cuts,
-)
+from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
+from statebackend.backends.operator_redistribution import redistribute_cut
 from statebackend.errors import (
     ConfigurationError,
     IncompatibleStateError,
@@ -31,8 +23,21 @@ from statebackend.serializers import (
     StrSerializer,
     TupleSerializer,
 )
+from statebackend.state.functions import (
+    LIST_CHECKPOINTED_STATE_NAME,
+    CheckpointedFunction,
+    FunctionInitializationContext,
+    FunctionSnapshotContext,
+    ListCheckpointedAdapter,
+    as_checkpointed_function,
+)
 
 OFFSET = TupleSerializer(StrSerializer(), IntSerializer())
+
+
+def redistribute_cuts(old: Sequence[OperatorStateCut], new_p: int) -> list[OperatorStateCut]:
+    """Every new subtask's cut, as a restore at ``new_p`` gives it."""
+    return [redistribute_cut(old, subtask, new_p) for subtask in range(new_p)]
 
 
 def test_list_state_api():

@@ -2,22 +2,73 @@
 
 from __future__ import annotations
 
+from ast import literal_eval
+from typing import NamedTuple
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from statebackend.backends.operator import NamedStateCut, OperatorStateCut
+from statebackend.backends.operator_redistribution import redistribute_cut
 from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.redistribution import (
     DistributionMode,
-    OperatorStateList,
     StateSlice,
     assign_key_group_ranges,
     plan_split,
-    redistribute_operator_state,
 )
 
 SPLIT, UNION, BROADCAST = DistributionMode.SPLIT, DistributionMode.UNION, DistributionMode.BROADCAST
+SERIALIZERS = {"value": {"name": "repr"}}
+
+
+class OperatorStateList(NamedTuple):
+    """One named state of one subtask with readable elements (broadcast: (key, value))."""
+
+    mode: DistributionMode
+    elements: list
+
+
+def _encode(mode: DistributionMode, element):
+    if mode is BROADCAST:
+        return repr(element[0]).encode(), repr(element[1]).encode()
+    return repr(element).encode()
+
+
+def _decode(mode: DistributionMode, entry):
+    if mode is BROADCAST:
+        return literal_eval(entry[0].decode()), literal_eval(entry[1].decode())
+    return literal_eval(entry.decode())
+
+
+def _cuts(old: list[dict[str, OperatorStateList]]) -> list[OperatorStateCut]:
+    return [
+        OperatorStateCut(
+            {
+                name: NamedStateCut(
+                    state.mode, SERIALIZERS, tuple(_encode(state.mode, e) for e in state.elements)
+                )
+                for name, state in states.items()
+            }
+        )
+        for states in old
+    ]
+
+
+def redistribute_operator_state(old: list[dict[str, OperatorStateList]], new_p: int):
+    """``redistribute_cut`` of every new subtask, over cuts holding ``old``'s elements."""
+    cuts = _cuts(old)
+    return [
+        {
+            name: OperatorStateList(
+                state.mode, [_decode(state.mode, entry) for entry in state.entries]
+            )
+            for name, state in redistribute_cut(cuts, subtask, new_p).states.items()
+        }
+        for subtask in range(new_p)
+    ]
 
 
 def _old_states(lengths_by_name: dict[str, list[int]], mode: DistributionMode):
@@ -106,10 +157,6 @@ def test_broadcast_gives_every_subtask_a_copy(old_p, new_p):
     old = [{"rules": OperatorStateList(BROADCAST, list(entries))} for _ in range(old_p)]
     new = redistribute_operator_state(old, new_p)
     assert [subtask["rules"] for subtask in new] == [OperatorStateList(BROADCAST, entries)] * new_p
-    if old_p == new_p:
-        assert all(
-            n["rules"].elements is not o["rules"].elements for n, o in zip(new, old, strict=True)
-        )
 
 
 def test_broadcast_takes_the_copies_round_robin_and_in_place_at_same_parallelism():
@@ -173,9 +220,9 @@ def test_a_name_with_two_modes_is_incompatible():
 
 @pytest.mark.parametrize("new_p", [0, -1, 1.5])
 def test_new_parallelism_must_be_positive(new_p):
-    old = [{"a": OperatorStateList(SPLIT, [1])}]
+    cuts = _cuts([{"a": OperatorStateList(SPLIT, [1])}])
     with pytest.raises(ConfigurationError):
-        redistribute_operator_state(old, new_p)
+        redistribute_cut(cuts, 0, new_p)
     with pytest.raises(ConfigurationError):
         plan_split([1], new_p)
 
