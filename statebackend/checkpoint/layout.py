@@ -48,7 +48,6 @@ _ACK_SUFFIX = ".json"
 _ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 _CHECKPOINT_NAME = re.compile(r"chk-(0|[1-9][0-9]*)")
 _SAVEPOINT_NAME = re.compile(r"savepoint-(0|[1-9][0-9]*)-[A-Za-z0-9._-]+")
-_ACK_NAME = re.compile(r"([A-Za-z0-9._-]+)-(0|[1-9][0-9]*)\.json")
 _BATCH_NAME = re.compile(r"0|[1-9][0-9]*")
 _ACK_NAME = re.compile(r"([A-Za-z0-9._-]+)-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]+)?\.json")
 _ATTEMPT_PATTERN = re.compile(r"[A-Za-z0-9]+")
