@@ -1,46 +1,35 @@
 """The ``statebackend`` command on batch manifests (base checkpoint + changelog records),
 on file:// and s3://, compared with a plain-Python model of the job's operations.
 
-The job (``changelog_jobs``): batches 1-3 at P=2 with no base, a materialization of
-batch 2 (chk-1) completed during batch 3, batch 4 at P=2 and batch 5 rescaled to P=3.
-Manifest 3 builds on nothing (records 1-3), manifests 4 and 5 on chk-1 (records 3-4,
-3-5).
+The job is ``changelog_jobs.changelog_job``: manifest 3 builds on nothing (records of
+batches 1-3 at P=2), manifests 4 and 5 on chk-1, the materialization of batch 2 (records
+3-4 at P=2, and 5 at P=3).
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import random
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from statebackend.backends.keyed import KeyedStateBackend
-from statebackend.checkpoint.changelog_storage import ChangelogStorage
-from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import join
-from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from tests.conftest import Storage
 from tests.s3.changelog_jobs import (
+    ChangelogJob,
+    changelog_job,
     checkpoint,
-    enabled,
-    live_states,
-    open_storage,
+    expected_values,
     rebuild,
-    run_batch,
 )
 from tests.s3.test_checkpoint_matrix import (
     MAX_PARALLELISM,
     OPERATOR,
-    KeyModel,
     descriptors,
     make_backend,
     read_keyed,
@@ -51,91 +40,11 @@ from tests.s3.test_cli import assert_one_error_line, cli, jsonl
 STATES = ("count", "events", "attrs", "total", "average")
 
 
-@dataclass
-class ChangelogJob:
-    """A job's storage and the model's live state after each batch."""
-
-    storage: Storage
-    checkpoints: CheckpointStorage
-    changelog: ChangelogStorage
-    coordinator: CheckpointCoordinator
-    states: dict[int, dict[str, dict[str, Any]]]
-    averages: dict[int, dict[str, list[int]]]
-    backends: list[KeyedStateBackend]
-
-    @property
-    def job_dir(self) -> str:
-        return self.checkpoints.layout.job_dir
-
-    def manifest(self, batch_id: int) -> str:
-        return self.changelog.layout.manifest_path(batch_id)
-
-
-def _averages(models: dict[str, KeyModel]) -> dict[str, list[int]]:
-    """The aggregating state's stored accumulator per key: what ``read`` shows."""
-    return {k: [m.average_sum, m.average_n] for k, m in models.items() if m.average_n}
-
-
-@contextmanager
-def changelog_job(storage: Storage, tmp_path: Path) -> Iterator[ChangelogJob]:
-    """The job of the module docstring, run on ``storage``."""
-    checkpoints = open_storage(storage, "lz4")
-    changelog = ChangelogStorage(checkpoints)
-    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=MAX_PARALLELISM)
-    rng = random.Random(11)
-    models: dict[str, KeyModel] = {}
-    states: dict[int, dict[str, dict[str, Any]]] = {}
-    averages: dict[int, dict[str, list[int]]] = {}
-    backends = [enabled(make_backend("heap", tmp_path, 2, i)) for i in range(2)]
-
-    def batch(batch_id: int) -> None:
-        run_batch(changelog, backends, batch_id, rng, models)
-        states[batch_id] = copy.deepcopy(live_states(models))
-        averages[batch_id] = _averages(models)
-
-    for batch_id in (1, 2):
-        batch(batch_id)
-    # The materialization of batch 2 completes after batch 3 is committed.
-    snapshot_models = copy.deepcopy(models)
-    checkpoint_id = coordinator.trigger({OPERATOR: 2}, properties={"batch_id": 2})
-    futures = [
-        b.snapshot(checkpoint_id, checkpoints.snapshot_target(checkpoint_id, OPERATOR, i))
-        for i, b in enumerate(backends)
-    ]
-    batch(3)
-    for i, future in enumerate(futures):
-        ack = SubtaskAck(OPERATOR, i, 2, future.result(), None, coordinator.run_id)
-        coordinator.acknowledge(checkpoint_id, ack)
-    changelog.materialized(checkpoint_id, 2)
-    assert live_states(snapshot_models) == states[2]
-    batch(4)
-    latest = changelog.latest_manifest()
-    assert latest is not None
-    for backend in backends:
-        backend.dispose()
-    backends[:] = [enabled(b) for b in rebuild("heap", changelog, latest, 3, tmp_path)]
-    batch(5)
-    made = ChangelogJob(storage, checkpoints, changelog, coordinator, states, averages, backends)
-    try:
-        yield made
-    finally:
-        for backend in made.backends:
-            backend.dispose()
-        checkpoints.close()
-
-
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[ChangelogJob]:
     """The job on file:// (one test runs it on S3)."""
     with changelog_job(Storage(tmp_path.as_uri()), tmp_path) as made:
         yield made
-
-
-def expected_values(job: ChangelogJob, batch_id: int, state: str) -> dict[str, Any]:
-    """What ``read`` must print of ``state`` at the end of batch B, by key."""
-    if state == "average":
-        return job.averages[batch_id]
-    return {k: s[state] for k, s in job.states[batch_id].items() if s[state] is not None}
 
 
 def read_records(
