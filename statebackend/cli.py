@@ -604,17 +604,26 @@ _EXAMPLES = {
     "list": f"""examples:
   {PROG} list /data/checkpoints
   {PROG} list s3://bucket/checkpoints {_S3}
-  {PROG} list file:///data/checkpoints/my-job --json""",
+  {PROG} list file:///data/checkpoints/my-job --json
+a job's batch manifests (manifests/B: a base checkpoint + changelog records) are listed
+after its checkpoints; MATERIALIZES names the batch a checkpoint holds when a manifest
+builds on it""",
     "inspect": f"""examples:
   {PROG} inspect /data/checkpoints/my-job/chk-42
-  {PROG} inspect s3://bucket/checkpoints/my-job/chk-42/_metadata --json {_S3}""",
+  {PROG} inspect s3://bucket/checkpoints/my-job/chk-42/_metadata --json {_S3}
+  {PROG} inspect /data/checkpoints/my-job/manifests/57
+  {PROG} inspect /data/checkpoints/my-job/latest""",
     "verify": f"""examples:
   {PROG} verify /data/checkpoints/my-job/chk-42
   {PROG} verify s3://bucket/savepoints/before-upgrade {_S3}
-exit status 1 and the failing files named when a file is missing, truncated or corrupted""",
+  {PROG} verify /data/checkpoints/my-job/manifests/57
+exit status 1 and the failing files named when a file is missing, truncated or corrupted;
+a manifest's base checkpoint is verified as a checkpoint, then every changelog record""",
     "plan": f"""examples:
   {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 8
-  {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 2 --operator source --json""",
+  {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 2 --operator source --json
+  {PROG} plan /data/checkpoints/my-job/latest --parallelism 8
+from a manifest, each subtask also replays the changelog records that hold its key groups""",
     "read": f"""examples:
   {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total
   {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total --key alice
@@ -622,6 +631,8 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} read /data/checkpoints/my-job/chk-42 --operator source --state offsets --format table
   {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
       --format csv {_S3} > items.csv
+  {PROG} read /data/checkpoints/my-job/latest --operator user-totals --state total
+a manifest's state is rebuilt (base + changelog) in a temporary local directory first.
 --key takes the key as text for str keys, a number for int keys, JSON otherwise
 (e.g. '["alice", 3]' for a tuple key). Pickled keys and values are printed as
 {{"serializer": "pickle", "base64": ...}}: unpickling runs code named by the checkpoint, so
@@ -637,9 +648,12 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint create --from s3://bucket/ckpt/my-job/chk-42 --to file:///backup/sp-42 \\
       {_S3}
+  {PROG} savepoint create --from /data/checkpoints/my-job/manifests/57 --to /data/sp/b57
 the copy is checked file by file; _metadata is written last. With --signing-key-file the
 source must be signed with that key and the savepoint is signed with it; without, the
-savepoint is not signed""",
+savepoint is not signed. From a batch manifest the state is folded: each subtask is
+rebuilt from base + changelog and written in the full format (at --parallelism), so the
+savepoint needs neither the base nor the changelog""",
     "savepoint transform": f"""examples:
   {PROG} savepoint transform --from /data/savepoints/v1 --to /data/savepoints/v2 \\
       --drop-state user-totals/recent --rename-state user-totals/count=events
@@ -664,13 +678,16 @@ savepoint's path is printed once it is complete""",
     "gc": f"""examples:
   {PROG} gc /data/checkpoints/my-job
   {PROG} gc s3://bucket/checkpoints --apply {_S3}
-lists (or with --apply deletes) files no checkpoint or savepoint references: files of
-aborted checkpoints older than the newest completed one, stray files in completed
-checkpoints, unused files in shared/. Safe while the job runs: files modified within the
-grace period, referenced by a pending checkpoint's acknowledgements, or in shared/ and
-written since the newest completed checkpoint was triggered are kept, directories newer
-than the newest completed checkpoint are never touched, and --apply decides again from a
-fresh listing before it deletes. Keep the grace period above the checkpoint timeout.""",
+lists (or with --apply deletes) files no checkpoint, savepoint or batch manifest
+references: files of aborted checkpoints older than the newest completed one, stray files
+in completed checkpoints, unused files in shared/, changelog records of committed batches
+that no manifest references (below every base, or rejected task attempts). Safe while the
+job runs: files modified within the grace period, referenced by a pending checkpoint's
+acknowledgements, or in shared/ and written since the newest completed checkpoint was
+triggered are kept, directories newer than the newest completed checkpoint and records of
+batches after the newest manifest are never touched, manifests are never deleted, and
+--apply decides again from a fresh listing before it deletes. Keep the grace period above
+the checkpoint timeout.""",
 }
 
 
