@@ -96,30 +96,29 @@ def _is_pickled(config: Any) -> bool:
 
 
 def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle: bool) -> None:
-    """ConfigurationError if rebuilding the operator would unpickle: a state whose
-    serializers change between the base and the records (its values are migrated by
-    decoding them) with a pickle serializer on either side, unless ``allow_pickle``."""
+    """ConfigurationError if rebuilding the operator would unpickle, unless
+    ``allow_pickle``: a state whose serializers change between the base and the records
+    is migrated by decoding its values with the serializers it had before, and one of
+    those is (or holds) pickle."""
     if allow_pickle:
         return
-    seen: dict[str, list[dict[str, Any]]] = {}
     metas: list[StateMetaInfo] = []
     if ref.base is not None and operator_id in ref.base.metadata.operators:
         for keyed in ref.base.metadata.operators[operator_id].keyed_handles():
             metas += keyed.states
     for record in records(ref, operator_id):
         metas += record.states
+    previous: dict[str, dict[str, Any]] = {}
     for meta in metas:
-        configs = seen.setdefault(meta.name, [])
-        if meta.serializers not in configs:
-            configs.append(dict(meta.serializers))
-    for name, configs in sorted(seen.items()):
-        if len(configs) > 1 and any(_is_pickled(c) for c in configs):
+        before = previous.get(meta.name)
+        if before is not None and before != meta.serializers and _is_pickled(before):
             raise ConfigurationError(
-                f"rebuilding state {name!r} of operator {operator_id!r} from {ref.path} "
+                f"rebuilding state {meta.name!r} of operator {operator_id!r} from {ref.path} "
                 f"migrates pickled values (its serializer changed between batches), which "
                 f"unpickles them: pass --allow-pickle only if nobody else can write the job's "
                 f"storage"
             )
+        previous[meta.name] = dict(meta.serializers)
 
 
 def check_foldable(ref: ManifestRef) -> None:

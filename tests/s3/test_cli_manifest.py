@@ -9,22 +9,28 @@ batches 1-3 at P=2), manifests 4 and 5 on chk-1, the materialization of batch 2 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.keygroups import compute_key_group_range_for_operator_index
+from statebackend.serializers import JsonSerializer, PickleSerializer
+from statebackend.state.descriptors import ValueStateDescriptor
 from tests.conftest import Storage
 from tests.s3.changelog_jobs import (
     ChangelogJob,
     changelog_job,
     checkpoint,
+    enabled,
     expected_values,
+    open_storage,
     rebuild,
 )
 from tests.s3.test_checkpoint_matrix import (
@@ -374,3 +380,80 @@ def test_list_verify_read_a_manifest_on_s3(
             assert read_records(capsys, job, join(job.job_dir, "latest"), state) == (
                 expected_values(job, 5, state)
             )
+
+
+def test_read_timers_of_a_manifest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    storage = Storage(tmp_path.as_uri())
+    changelog = ChangelogStorage(open_storage(storage))
+    backend = enabled(make_backend("heap", tmp_path, 1, 0))
+    timers = backend.timer_service
+    model: set[tuple[int, str]] = set()
+    rng = random.Random(3)
+    try:
+        for batch_id in (1, 2, 3):
+            for _ in range(40):
+                key, timestamp = f"user-{rng.randrange(30)}", rng.randrange(100)
+                backend.set_current_key(key)
+                if rng.random() < 0.7:
+                    timers.register_event_time_timer(timestamp)
+                    model.add((timestamp, key))
+                elif model:
+                    timestamp, key = sorted(model)[rng.randrange(len(model))]
+                    backend.set_current_key(key)
+                    timers.delete_event_time_timer(timestamp)
+                    model.discard((timestamp, key))
+            record = changelog.write_record(batch_id, OPERATOR, 0, "a", backend.drain_changelog())
+            changelog.commit(batch_id, {OPERATOR: [record]}, max_parallelism=MAX_PARALLELISM)
+    finally:
+        backend.dispose()
+    name = changelog.layout.manifest_path(3)
+    status, out, err = cli(capsys, storage, "read", name, "--operator", OPERATOR, "--timers")
+    assert status == 0, err
+    found = [(r["timestamp"], r["key"]) for r in jsonl(out)]
+    assert {r["domain"] for r in jsonl(out)} == {"event"}
+    assert sorted(found) == sorted(model) and len(found) == len(model)
+    key = sorted(model)[0][1]
+    status, out, _ = cli(
+        capsys, storage, "read", name, "--operator", OPERATOR, "--timers", "--key", key
+    )
+    assert sorted((r["timestamp"], r["key"]) for r in jsonl(out)) == sorted(
+        t for t in model if t[1] == key
+    )
+
+
+def test_a_rebuild_that_would_unpickle_needs_allow_pickle(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    storage = Storage(tmp_path.as_uri())
+    changelog = ChangelogStorage(open_storage(storage))
+
+    def record(batch_id: int, serializer: Any, value: Any) -> Any:
+        """Subtask 0 of 1 of batch B, which set state "v" of key "k" with ``serializer``."""
+        backend = enabled(make_backend("heap", tmp_path, 1, 0))
+        try:
+            backend.set_current_key("k")
+            backend.get_state(ValueStateDescriptor("v", serializer)).update(value)  # type: ignore[attr-defined]
+            return changelog.write_record(batch_id, OPERATOR, 0, "a", backend.drain_changelog())
+        finally:
+            backend.dispose()
+
+    def read(batch_id: int, *more: str) -> tuple[int, str, str]:
+        name = changelog.layout.manifest_path(batch_id)
+        return cli(capsys, storage, "read", name, "--operator", OPERATOR, "--state", "v", *more)
+
+    # json -> pickle: the migration decodes JSON and encodes pickle; nothing is unpickled.
+    for batch_id, serializer, value in ((1, JsonSerializer(), [1]), (2, PickleSerializer(), {2})):
+        handle = record(batch_id, serializer, value)
+        changelog.commit(batch_id, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+    status, out, err = read(2)
+    assert status == 0, err
+    [line] = jsonl(out)
+    assert line["value"]["serializer"] == "pickle"  # shown, not unpickled
+    status, out, _ = read(2, "--allow-pickle")
+    assert status == 0 and jsonl(out) == [{"key": "k", "value": repr({2})}]
+    # pickle -> json: migrating would unpickle the stored values.
+    handle = record(3, JsonSerializer(), 3)
+    changelog.commit(3, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+    status, _, err = read(3)
+    assert status == 1 and "--allow-pickle" in err
+    assert_one_error_line(err)
