@@ -48,6 +48,7 @@ from statebackend.tools.manifests import (
     fold_manifest,
     inspect_manifest,
     manifest_bytes,
+    parallelism_of,
     plan_manifest,
     verified_files,
     verify_manifest,
@@ -366,10 +367,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(ref, ManifestRef):
         plans = plan_manifest(ref, args.parallelism, args.operator)
         max_parallelism = ref.manifest.max_parallelism
-        old = {
-            op: len({s["old_subtask"] for p in subs for s in p["changelog_sources"]})
-            for op, subs in plans.items()
-        }
+        old = {op: parallelism_of(ref, op) for op in plans}
     else:
         plans = plan_checkpoint(ref, args.parallelism, args.operator)
         max_parallelism = ref.metadata.max_parallelism
