@@ -1,4 +1,5 @@
-"""The ``statebackend`` command: look into, check, read, copy and clean checkpoints.
+"""The ``statebackend`` command: look into, check, read, copy and clean checkpoints and
+batch manifests.
 
 A thin layer over ``statebackend.tools``: it parses arguments, opens storage, prints
 results, and turns statebackend errors into one line on stderr and exit status 1.
@@ -11,9 +12,11 @@ import csv
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 from statebackend.checkpoint.filesystem import normalize_url
@@ -28,14 +31,27 @@ from statebackend.tools.gc import DEFAULT_GRACE_SECONDS, delete_garbage, find_ga
 from statebackend.tools.listing import (
     COMPLETED,
     CheckpointSummary,
+    ManifestSummary,
     find_job_dirs,
     inspect_checkpoint,
     list_jobs,
 )
 from statebackend.tools.location import (
+    CheckpointRef,
+    ManifestRef,
     checkpoint_directory,
     open_checkpoint,
     open_location,
+    open_state,
+)
+from statebackend.tools.manifests import (
+    fold_manifest,
+    inspect_manifest,
+    manifest_bytes,
+    parallelism_of,
+    plan_manifest,
+    verified_files,
+    verify_manifest,
 )
 from statebackend.tools.plan import plan_checkpoint
 from statebackend.tools.reader import (
@@ -144,18 +160,37 @@ def _signing_key(args: argparse.Namespace) -> SigningKey | None:
 # -- commands -----------------------------------------------------------------------------
 
 
+def _operators(parallelisms: dict[str, int]) -> str:
+    return ", ".join(f"{op} (P={p})" for op, p in sorted(parallelisms.items()))
+
+
 def _summary_row(summary: CheckpointSummary, label: str) -> list[str]:
     md = summary.metadata
+    batch = "-" if summary.materializes is None else f"batch {summary.materializes}"
     if md is None:
-        return [label, summary.status, "-", "-", "-", "-"]
-    operators = ", ".join(f"{op} (P={s.parallelism})" for op, s in sorted(md.operators.items()))
+        return [label, summary.status, "-", "-", "-", batch, "-"]
     return [
         label,
         COMPLETED,
         _time(md.completed_at),
         _size(md.state_bytes()),
         str(md.max_parallelism),
-        operators,
+        batch,
+        _operators({op: s.parallelism for op, s in md.operators.items()}),
+    ]
+
+
+def _manifest_row(summary: ManifestSummary) -> list[str]:
+    info = summary.to_json()
+    base = info["base"]
+    return [
+        f"manifests/{summary.batch_id}",
+        summary.status,
+        _time(info["committed_at"]),
+        "-" if base is None else f"chk-{base['checkpoint_id']} (batch {base['batch_id']})",
+        str(info["records"]),
+        _size(info["record_bytes"]),
+        _operators(info["operators"]),
     ]
 
 
@@ -166,7 +201,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         _json([job.to_json() for job in jobs])
         return 0
-    headers = ["CHECKPOINT", "STATUS", "COMPLETED", "SIZE", "MAX-P", "OPERATORS"]
+    headers = ["CHECKPOINT", "STATUS", "COMPLETED", "SIZE", "MAX-P", "MATERIALIZES", "OPERATORS"]
+    manifest_headers = ["MANIFEST", "STATUS", "COMMITTED", "BASE", "RECORDS", "BYTES", "OPERATORS"]
     for job in jobs:
         _out(f"job {job.job_dir}")
         rows = [_summary_row(c, f"chk-{c.checkpoint_id}") for c in job.checkpoints]
@@ -175,12 +211,70 @@ def cmd_list(args: argparse.Namespace) -> int:
             _table(headers, rows, "  ")
         else:
             _out("  no checkpoints")
+        if job.manifests:
+            _table(manifest_headers, [_manifest_row(m) for m in job.manifests], "  ")
+    return 0
+
+
+def _inspect_manifest(ref: ManifestRef, as_json: bool) -> int:
+    info = inspect_manifest(ref)
+    if as_json:
+        _json(info)
+        return 0
+    _out(f"manifest of batch {info['batch_id']} of job {info['job_id']}: {info['path']}")
+    base = info["base"]
+    _out(
+        f"  committed {_time(info['committed_at'])}, max parallelism {info['max_parallelism']}, "
+        f"{info['records']} changelog records, {_size(info['record_bytes'])}, "
+        f"{info['changes']} changes"
+    )
+    if base is None:
+        _out("  base: none (no materialization yet: every batch is in the changelog)")
+    else:
+        _out(
+            f"  base: chk-{base['checkpoint_id']} (state of batch {base['batch_id']}), "
+            f"{_size(base['state_bytes'])} in {base['files']} files: {base['path']}"
+        )
+    for operator_id, op in info["operators"].items():
+        _out(
+            f"operator {operator_id}: parallelism {op['parallelism']}, base "
+            f"{_size(op['base_bytes'])}, changelog {_size(op['record_bytes'])}"
+        )
+        if op["keyed_states"]:
+            _out("  keyed state:")
+            _table(
+                ["NAME", "KIND", "KEY", "SERIALIZERS"],
+                (
+                    [name, s["kind"], s["key_serializer"], s["serializer"]]
+                    for name, s in op["keyed_states"].items()
+                ),
+                "    ",
+            )
+        rows = [
+            [
+                batch["batch_id"],
+                sub["subtask"],
+                f"{sub['key_group_range'][0]}-{sub['key_group_range'][1]}",
+                sub["changes"],
+                _size(sub["bytes"]),
+                sub["attempt"],
+            ]
+            for batch in op["batches"]
+            for sub in batch["subtasks"]
+        ]
+        if rows:
+            _out("  changelog records:")
+            headers = ["BATCH", "SUBTASK", "KEY-GROUPS", "CHANGES", "BYTES", "ATTEMPT"]
+            _table(headers, rows, "    ")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``statebackend inspect``."""
-    info = inspect_checkpoint(open_checkpoint(args.checkpoint, _options(args), _signing_key(args)))
+    ref = open_state(args.checkpoint, _options(args), _signing_key(args))
+    if isinstance(ref, ManifestRef):
+        return _inspect_manifest(ref, args.json)
+    info = inspect_checkpoint(ref)
     if args.json:
         _json(info)
         return 0
@@ -247,32 +341,44 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``statebackend verify``."""
-    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
-    total = referenced_bytes(ref)
-    with _progress("verifying", total) as advance:
-        problems = verify_checkpoint(ref, advance)
+    ref = open_state(args.checkpoint, _options(args), _signing_key(args))
+    if isinstance(ref, ManifestRef):
+        where, total, files = ref.path, manifest_bytes(ref), verified_files(ref)
+        with _progress("verifying", total) as advance:
+            problems = verify_manifest(ref, advance)
+    else:
+        where, total, files = ref.directory, referenced_bytes(ref), len(ref.metadata.files())
+        with _progress("verifying", total) as advance:
+            problems = verify_checkpoint(ref, advance)
     for problem in problems:
         _out(f"FAILED {problem.path}: {problem.message}")
     if problems:
-        files = sorted({p.path for p in problems})
+        paths = sorted({p.path for p in problems})
         raise CheckpointCorruptedError(
-            f"{ref.directory} failed verification: {len(problems)} problem(s) in {', '.join(files)}"
+            f"{where} failed verification: {len(problems)} problem(s) in {', '.join(paths)}"
         )
-    _out(f"OK {ref.directory}: {len(ref.metadata.files())} files, {_size(total)} verified")
+    _out(f"OK {where}: {files} files, {_size(total)} verified")
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``statebackend plan``."""
-    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
-    plans = plan_checkpoint(ref, args.parallelism, args.operator)
+    ref = open_state(args.checkpoint, _options(args), _signing_key(args))
+    if isinstance(ref, ManifestRef):
+        plans = plan_manifest(ref, args.parallelism, args.operator)
+        max_parallelism = ref.manifest.max_parallelism
+        old = {op: parallelism_of(ref, op) for op in plans}
+    else:
+        plans = plan_checkpoint(ref, args.parallelism, args.operator)
+        max_parallelism = ref.metadata.max_parallelism
+        old = {op: ref.metadata.operators[op].parallelism for op in plans}
     if args.json:
         _json(plans)
         return 0
     for operator_id, subtasks in plans.items():
         _out(
-            f"operator {operator_id}: {ref.metadata.operators[operator_id].parallelism} -> "
-            f"{args.parallelism} subtasks (max parallelism {ref.metadata.max_parallelism})"
+            f"operator {operator_id}: {old[operator_id]} -> "
+            f"{args.parallelism} subtasks (max parallelism {max_parallelism})"
         )
         for sub in subtasks:
             start, end = sub["key_group_range"]
@@ -286,6 +392,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 else "no keyed state"
             )
             _out(f"  subtask {sub['subtask']}: key groups {start}-{end}, {keyed}")
+            if "changelog_sources" in sub:
+                _out(
+                    f"    changelog: {_size(sub['changelog_bytes'])} in "
+                    f"{len(sub['changelog_sources'])} records of batches "
+                    + (
+                        ", ".join(
+                            sorted({str(s["batch_id"]) for s in sub["changelog_sources"]}, key=int)
+                        )
+                        or "none"
+                    )
+                )
             for name, share in sub["operator_state"].items():
                 slices = ", ".join(f"old {o}[{b}:{e}]" for o, b, e in share["slices"]) or "none"
                 line = f"    {name}: {share['elements']} elements ({slices})"
@@ -328,7 +445,17 @@ def cmd_read(args: argparse.Namespace) -> int:
     """``statebackend read``."""
     if (args.state is None) == (not args.timers):
         raise ConfigurationError("give either --state NAME or --timers")
-    ref = open_checkpoint(args.checkpoint, _options(args), _signing_key(args))
+    ref = open_state(args.checkpoint, _options(args), _signing_key(args))
+    if isinstance(ref, CheckpointRef):
+        return _read(args, ref)
+    with tempfile.TemporaryDirectory(prefix="statebackend-read-") as local:
+        folded = fold_manifest(
+            ref, Path(local, "state").as_uri(), allow_pickle=args.allow_pickle, parallelism=1
+        )
+        return _read(args, open_checkpoint(folded))
+
+
+def _read(args: argparse.Namespace, ref: CheckpointRef) -> int:
     if args.timers:
         selection = select_timers(ref, args.operator)
         key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
@@ -347,7 +474,25 @@ def cmd_read(args: argparse.Namespace) -> int:
 def cmd_savepoint_create(args: argparse.Namespace) -> int:
     """``statebackend savepoint create``."""
     key = _signing_key(args)
-    source = open_checkpoint(args.source, _options(args), key)
+    source = open_state(args.source, _options(args), key)
+    if isinstance(source, ManifestRef):
+        _out(
+            fold_manifest(
+                source,
+                args.target,
+                storage_options=_options(args),
+                parallelism=args.parallelism,
+                allow_pickle=args.allow_pickle,
+            )
+        )
+        print(f"{PROG}: note: {args.target} is not signed (manifests are not)", file=sys.stderr)
+        return 0
+    if args.parallelism is not None:
+        raise ConfigurationError(
+            "--parallelism applies to a savepoint folded from a batch manifest; a copy of a "
+            "checkpoint keeps its parallelism (restore it at any parallelism, or use "
+            "`savepoint transform --parallelism`)"
+        )
     target_fs = open_location(args.target, _options(args))
     target = checkpoint_directory(args.target)
     with _progress("copying", referenced_bytes(source)) as advance:
@@ -457,17 +602,26 @@ _EXAMPLES = {
     "list": f"""examples:
   {PROG} list /data/checkpoints
   {PROG} list s3://bucket/checkpoints {_S3}
-  {PROG} list file:///data/checkpoints/my-job --json""",
+  {PROG} list file:///data/checkpoints/my-job --json
+a job's batch manifests (manifests/B: a base checkpoint + changelog records) are listed
+after its checkpoints; MATERIALIZES names the batch a checkpoint holds when a manifest
+builds on it""",
     "inspect": f"""examples:
   {PROG} inspect /data/checkpoints/my-job/chk-42
-  {PROG} inspect s3://bucket/checkpoints/my-job/chk-42/_metadata --json {_S3}""",
+  {PROG} inspect s3://bucket/checkpoints/my-job/chk-42/_metadata --json {_S3}
+  {PROG} inspect /data/checkpoints/my-job/manifests/57
+  {PROG} inspect /data/checkpoints/my-job/latest""",
     "verify": f"""examples:
   {PROG} verify /data/checkpoints/my-job/chk-42
   {PROG} verify s3://bucket/savepoints/before-upgrade {_S3}
-exit status 1 and the failing files named when a file is missing, truncated or corrupted""",
+  {PROG} verify /data/checkpoints/my-job/manifests/57
+exit status 1 and the failing files named when a file is missing, truncated or corrupted;
+a manifest's base checkpoint is verified as a checkpoint, then every changelog record""",
     "plan": f"""examples:
   {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 8
-  {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 2 --operator source --json""",
+  {PROG} plan /data/checkpoints/my-job/chk-42 --parallelism 2 --operator source --json
+  {PROG} plan /data/checkpoints/my-job/latest --parallelism 8
+from a manifest, each subtask also replays the changelog records that hold its key groups""",
     "read": f"""examples:
   {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total
   {PROG} read /data/checkpoints/my-job/chk-42 --operator user-totals --state total --key alice
@@ -475,6 +629,8 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} read /data/checkpoints/my-job/chk-42 --operator source --state offsets --format table
   {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
       --format csv {_S3} > items.csv
+  {PROG} read /data/checkpoints/my-job/latest --operator user-totals --state total
+a manifest's state is rebuilt (base + changelog) in a temporary local directory first.
 --key takes the key as text for str keys, a number for int keys, JSON otherwise
 (e.g. '["alice", 3]' for a tuple key). Pickled keys and values are printed as
 {{"serializer": "pickle", "base64": ...}}: unpickling runs code named by the checkpoint, so
@@ -490,9 +646,12 @@ exit status 1 and the failing files named when a file is missing, truncated or c
   {PROG} savepoint create --from /data/checkpoints/my-job/chk-42 --to /data/savepoints/v1
   {PROG} savepoint create --from s3://bucket/ckpt/my-job/chk-42 --to file:///backup/sp-42 \\
       {_S3}
+  {PROG} savepoint create --from /data/checkpoints/my-job/manifests/57 --to /data/sp/b57
 the copy is checked file by file; _metadata is written last. With --signing-key-file the
 source must be signed with that key and the savepoint is signed with it; without, the
-savepoint is not signed""",
+savepoint is not signed. From a batch manifest the state is folded: each subtask is
+rebuilt from base + changelog and written in the full format (at --parallelism), so the
+savepoint needs neither the base nor the changelog""",
     "savepoint transform": f"""examples:
   {PROG} savepoint transform --from /data/savepoints/v1 --to /data/savepoints/v2 \\
       --drop-state user-totals/recent --rename-state user-totals/count=events
@@ -517,17 +676,25 @@ savepoint's path is printed once it is complete""",
     "gc": f"""examples:
   {PROG} gc /data/checkpoints/my-job
   {PROG} gc s3://bucket/checkpoints --apply {_S3}
-lists (or with --apply deletes) files no checkpoint or savepoint references: files of
-aborted checkpoints older than the newest completed one, stray files in completed
-checkpoints, unused files in shared/. Safe while the job runs: files modified within the
-grace period, referenced by a pending checkpoint's acknowledgements, or in shared/ and
-written since the newest completed checkpoint was triggered are kept, directories newer
-than the newest completed checkpoint are never touched, and --apply decides again from a
-fresh listing before it deletes. Keep the grace period above the checkpoint timeout.""",
+lists (or with --apply deletes) files no checkpoint, savepoint or batch manifest
+references: files of aborted checkpoints older than the newest completed one, stray files
+in completed checkpoints, unused files in shared/, changelog records of committed batches
+that no manifest references (below every base, or rejected task attempts). Safe while the
+job runs: files modified within the grace period, referenced by a pending checkpoint's
+acknowledgements, or in shared/ and written since the newest completed checkpoint was
+triggered are kept, directories newer than the newest completed checkpoint and records of
+batches after the newest manifest are never touched, manifests are never deleted, and
+--apply decides again from a fresh listing before it deletes. Keep the grace period above
+the checkpoint timeout.""",
 }
 
 
 _SIMPLE_SERIALIZERS = ("str", "int", "float", "bool", "json", "pickle")
+
+_NAMES = (
+    "a checkpoint or savepoint directory, a batch manifest (JOBDIR/manifests/B), or "
+    "JOBDIR/latest (the newest manifest or completed checkpoint)"
+)
 
 
 def _add_signing_key(p: argparse.ArgumentParser) -> None:
@@ -537,6 +704,15 @@ def _add_signing_key(p: argparse.ArgumentParser) -> None:
         help="the job's checkpoint signing key (spark.statebackend.checkpoint."
         "signing-key-file): refuse the checkpoint unless it is signed with it and "
         "unchanged, before anything in it is decoded",
+    )
+
+
+def _add_allow_pickle(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help=f"{what}. Unpickling runs any code the checkpoint names: only for checkpoints "
+        "that nobody but you could have written, or that pass --signing-key-file",
     )
 
 
@@ -596,23 +772,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("inspect", "operators, states and subtasks of a checkpoint", cmd_inspect)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_signing_key(p)
 
     p = command("verify", "check every file of a checkpoint by size and checksum", cmd_verify)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
     _add_signing_key(p)
 
     p = command("plan", "what each subtask would restore at another parallelism", cmd_plan)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
     _add_signing_key(p)
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P")
     p.add_argument("--operator", metavar="OP", help="only this operator")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("read", "print a state's entries, without Spark", cmd_read)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint or savepoint directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
     p.add_argument("--operator", required=True, metavar="OP")
     p.add_argument("--state", metavar="NAME", help="the state to read")
     p.add_argument(
@@ -620,13 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--key", metavar="K", help="only this key (reads only its key group)")
     p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
-    p.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="unpickle pickled keys and values (default: shown as base64). Unpickling runs "
-        "any code the checkpoint names: only for checkpoints that nobody but you could "
-        "have written, or that pass --signing-key-file",
-    )
+    _add_allow_pickle(p, "unpickle pickled keys and values (default: shown as base64)")
     _add_signing_key(p)
 
     savepoint = commands.add_parser(
@@ -644,8 +814,19 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_savepoint_create,
         actions,
     )
-    p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
+    p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT", help=_NAMES)
     p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p.add_argument(
+        "--parallelism",
+        "-p",
+        type=int,
+        metavar="P",
+        help="for a batch manifest: write the folded state at P subtasks (default: the "
+        "operators' parallelism at that batch)",
+    )
+    _add_allow_pickle(
+        p, "for a batch manifest whose rebuild migrates pickled values to a changed serializer"
+    )
     _add_signing_key(p)
     p = command(
         "savepoint transform",

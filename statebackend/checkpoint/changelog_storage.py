@@ -15,8 +15,8 @@ Protocol (one micro-batch B; DESIGN.md "Structured Streaming and the changelog")
   ``retained`` manifests and deletes every record of a committed batch that none of them
   references: records at or below their bases, and the attempts the driver did not accept.
   Records of batches newer than the newest manifest are never touched (they may be in
-  flight). ``statebackend gc`` leaves ``changelog/`` and ``manifests/`` alone: only the
-  job deletes them.
+  flight). ``statebackend gc`` never deletes manifests, and deletes only records of
+  batches up to the newest manifest that no manifest references (``tools/gc.py``).
 
 The checkpoints that retained manifests build on must outlive them:
 ``referenced_checkpoints`` names them for the checkpoint retention.

@@ -1,8 +1,12 @@
-"""Read one keyed state of a completed checkpoint or savepoint as a Spark DataFrame.
+"""Read one keyed state of a completed checkpoint, savepoint or batch manifest as a Spark
+DataFrame.
 
 The DataFrame has columns ``key`` and ``value``, one row per key. It is read in parallel,
 one Spark partition per key-group range (the ranges of the subtasks that wrote the
-checkpoint), each reading only its key groups with ranged reads. Keys and values are
+checkpoint), each reading only its key groups with ranged reads. From a batch manifest
+(``<job dir>/manifests/<B>``, or ``<job dir>/latest``) each partition rebuilds the key
+groups of one subtask of the batch from base + changelog records in a heap backend on
+its executor, as a keyed subtask of the job does (``tools/manifests.py``). Keys and values are
 decoded with the serializers the checkpoint recorded. A column is typed when its
 serializer says so (str, int, float, bool) for value-like state; everything else (lists,
 maps, pickled or JSON objects) is a JSON string. Values with a TTL are shown unwrapped.
@@ -32,14 +36,20 @@ from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.signing import SigningKey, verified_reads
-from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointNotFoundError, StateAccessError
-from statebackend.keygroups import KeyGroupRange
+from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.serializers import OpaqueValue, Serializer, reading_serializer
 from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlValue
-from statebackend.tools.location import checkpoint_directory
+from statebackend.tools.location import ManifestRef, open_state
+from statebackend.tools.manifests import (
+    check_replay_without_pickle,
+    operator_ids,
+    parallelism_of,
+    rebuild_subtask,
+    state_metas,
+)
 
 _SPARK_TYPES: dict[str, DataType] = {
     "str": StringType(),
@@ -146,17 +156,21 @@ def read_state(
     signing_key: SigningKey | None = None,
 ) -> DataFrame:
     """The (key, value) rows of keyed state ``state_name`` of ``operator_id`` in the
-    completed checkpoint or savepoint ``checkpoint`` (its directory or ``_metadata``).
+    completed checkpoint or savepoint ``checkpoint`` (its directory or ``_metadata``), or
+    at the batch of a manifest (``<job dir>/manifests/<B>`` or ``<job dir>/latest``).
 
     Pickled keys and values are unpickled only with ``allow_pickle``. With
     ``signing_key`` (``StateBackendConf.checkpoint_signing_key()``) the checkpoint must
-    be signed with it and its files unchanged. Raises CheckpointNotFoundError if it is
-    not a completed checkpoint or has no such operator, StateAccessError if the operator
-    has no such state, CheckpointCorruptedError if it is invalid or not signed.
+    be signed with it and its files unchanged (manifests are not signed: refused with
+    a key). Raises CheckpointNotFoundError if it is not a completed checkpoint or
+    committed manifest or has no such operator, StateAccessError if the operator has no
+    such state, CheckpointCorruptedError if it is invalid or not signed.
     """
-    directory = checkpoint_directory(checkpoint)
+    ref = open_state(checkpoint, storage_options, signing_key)
+    if isinstance(ref, ManifestRef):
+        return _read_manifest_state(spark, ref, operator_id, state_name, allow_pickle)
+    directory, metadata = ref.directory, ref.metadata
     fs = open_filesystem(directory, storage_options)
-    metadata = load_metadata(fs, directory, signing_key)
     snapshot = metadata.operators.get(operator_id)
     if snapshot is None:
         raise CheckpointNotFoundError(
@@ -179,4 +193,47 @@ def read_state(
                 yield from _read_range(reads, directory, handles, key_groups, state_name, decoder)
 
     rdd = spark.sparkContext.parallelize(ranges, max(1, len(ranges))).mapPartitions(read_partition)
+    return spark.createDataFrame(rdd, decoder.schema())
+
+
+def _read_manifest_state(
+    spark: SparkSession, ref: ManifestRef, operator_id: str, state_name: str, allow_pickle: bool
+) -> DataFrame:
+    """``read_state`` of a manifest: one partition per subtask of the operator at the
+    manifest's batch, each rebuilt from base + records on its executor."""
+    if operator_id not in operator_ids(ref):
+        raise CheckpointNotFoundError(
+            f"{ref.path} has no keyed state of operator {operator_id!r}; it has {operator_ids(ref)}"
+        )
+    check_replay_without_pickle(ref, operator_id, allow_pickle)
+    states, key_serializer = state_metas(ref, operator_id)
+    metas = {meta.name: meta for meta in states}
+    if state_name not in metas:
+        raise StateAccessError(
+            f"operator {operator_id!r} in {ref.path} has no keyed state {state_name!r}; "
+            f"it has {sorted(metas)}"
+        )
+    decoder = _Decoder(metas[state_name], key_serializer, allow_pickle)
+    parallelism = parallelism_of(ref, operator_id)
+    ranges = [
+        compute_key_group_range_for_operator_index(ref.manifest.max_parallelism, parallelism, i)
+        for i in range(parallelism)
+    ]
+
+    def read_partition(items: Iterable[KeyGroupRange]) -> Iterator[tuple[Any, Any]]:
+        for key_groups in items:
+            backend = rebuild_subtask(ref, operator_id, key_groups)
+            try:
+                cut = backend.sync_cut()
+                entries = (
+                    entry
+                    for key_group in key_groups
+                    for name, entry in cut.entries(key_group)
+                    if name == state_name
+                )
+                yield from decoder.rows(entries)
+            finally:
+                backend.dispose()
+
+    rdd = spark.sparkContext.parallelize(ranges, len(ranges)).mapPartitions(read_partition)
     return spark.createDataFrame(rdd, decoder.schema())

@@ -22,6 +22,14 @@ garbage only if all of these hold:
      pending marker (``_pending``) of the job's newest leader epoch: that coordinator may
      still complete it (concurrent checkpoints); a marker of a superseded (fenced) leader
      does not protect it;
+   - a changelog record (``changelog/<B>/...``) of a batch B at or below the newest
+     batch manifest that no manifest in ``manifests/`` references: a record at or below
+     every retained manifest's base, or an attempt the driver did not accept (a retried or
+     speculative task's). Records of batches after the newest manifest may still be
+     committed and are never touched; a later manifest references no record of a batch
+     at or below the newest one that the newest does not (manifests only drop records
+     below their base and add their own batch's). If a manifest cannot be read, no record
+     is garbage;
    - a file in ``shared/`` written before the newest completed checkpoint was triggered.
      An incremental snapshot uploads its SST files to ``shared/`` before anything of its
      ``chk-<N>`` exists, so a pending checkpoint may be invisible; but it was triggered
@@ -34,7 +42,9 @@ garbage only if all of these hold:
 ``delete_garbage`` decides again from a fresh listing just before deleting and deletes only
 files both decisions found, unchanged. Never touched: ``_metadata`` files, a ``chk-<N>``
 newer than the newest completed checkpoint (it may be pending), ``savepoints/`` (complete or
-being written), ``requests/``, and every other file or directory in the job's directory.
+being written), ``requests/``, ``manifests/`` (the job keeps the newest ones), and every
+other file or directory in the job's directory. The base checkpoints of manifests are
+completed checkpoints, whose referenced files are never garbage.
 """
 
 from __future__ import annotations
@@ -44,13 +54,16 @@ import posixpath
 import time
 from dataclasses import dataclass
 
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import (
     ACKS_DIR,
+    CHANGELOG_DIR,
     METADATA_FILE,
     PENDING_FILE,
     SAVEPOINTS_DIR,
     SHARED_DIR,
+    batch_ids,
     checkpoint_id_of,
     checkpoint_ids,
     join,
@@ -92,6 +105,8 @@ class _JobView:
     in_use: set[str]
     shared_before: float | None
     """Shared files modified at or after this may belong to a pending checkpoint."""
+    newest_manifest: int | None = None
+    """Changelog records of batches up to this one may be garbage (None: none are)."""
 
 
 def _references(directory: str, files: list[StoredFile]) -> set[str]:
@@ -133,6 +148,24 @@ def _pending_epoch(storage: CheckpointStorage, checkpoint_id: int) -> int:
         return -1
 
 
+def _read_manifests(changelog: ChangelogStorage, in_use: set[str]) -> int | None:
+    """Add the records every batch manifest references to ``in_use``; the newest
+    manifest's batch, or None if there is none or one cannot be read (then no record is
+    garbage)."""
+    ids = changelog.manifest_ids()
+    for batch_id in ids:
+        try:
+            manifest = changelog.load_manifest(batch_id)
+        except (StateBackendError, ValueError):
+            if changelog.fs.exists(changelog.layout.manifest_path(batch_id)):
+                return None  # unknown references: keep every record
+            continue  # retired by the job meanwhile: newer manifests hold what it needed
+        in_use |= {
+            resolve_path(changelog.layout.manifests_dir, file.path) for file in manifest.files()
+        }
+    return ids[-1] if ids else None
+
+
 def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     parent, _, job_id = job_dir.rpartition("/")
     storage = CheckpointStorage(parent or ".", job_id, filesystem=fs)
@@ -165,6 +198,7 @@ def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
             continue
         directory = join(job_dir, f"chk-{checkpoint_id}")
         view.in_use |= {ref for ack in acks for ref in _references(directory, ack.files())}
+    view.newest_manifest = _read_manifests(ChangelogStorage(storage), view.in_use)
     if view.completed and acks_readable:
         newest = max(view.completed)
         metadata = view.completed[newest]
@@ -192,6 +226,15 @@ def _candidates(fs: CheckpointFileSystem, job_dir: str, view: _JobView) -> list[
                 (path, f"chk-{checkpoint_id} never completed and chk-{newest} is newer")
                 for path in _files(fs, join(job_dir, f"chk-{checkpoint_id}"))
             ]
+    if view.newest_manifest is not None:
+        changelog_dir = join(job_dir, CHANGELOG_DIR)
+        for batch_id in batch_ids(fs.list_dir(changelog_dir)):
+            if batch_id <= view.newest_manifest:
+                directory = join(changelog_dir, str(batch_id))
+                candidates += [
+                    (join(directory, name), "changelog record no batch manifest references")
+                    for name in fs.list_dir(directory)
+                ]
     if view.shared_before is not None:
         shared = join(job_dir, SHARED_DIR)
         candidates += [
@@ -247,7 +290,8 @@ def delete_garbage(
 ) -> list[Garbage]:
     """Delete those of ``garbage`` (from ``find_garbage`` of ``job_dir``) that a fresh
     ``find_garbage`` finds again with the same modification time, and the directories of
-    never-completed checkpoints that are left empty. Returns what it deleted."""
+    never-completed checkpoints and of changelog batches that are left empty. Returns
+    what it deleted."""
     again = find_garbage(fs, job_dir, grace_seconds=grace_seconds)
     confirmed = {(item.path, item.modified) for item in again}
     deleted = [item for item in garbage if (item.path, item.modified) in confirmed]
@@ -258,7 +302,10 @@ def delete_garbage(
         if posixpath.basename(directory) == ACKS_DIR:
             directories.add(directory)
             directory = posixpath.dirname(directory)
-        if checkpoint_id_of(directory) is not None:
+        if (
+            checkpoint_id_of(directory) is not None
+            or posixpath.basename(posixpath.dirname(directory)) == CHANGELOG_DIR
+        ):
             directories.add(directory)
     for directory in sorted(directories, reverse=True):
         if not fs.list_dir(directory):

@@ -1,23 +1,35 @@
 """``statebackend list`` and ``inspect``: what is in a checkpoint directory, and in one
-checkpoint."""
+checkpoint.
+
+A job's listing has its checkpoints, savepoints and batch manifests; a checkpoint that a
+manifest builds on is a materialization (``materializes``: the batch whose state it
+holds)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from statebackend.backends.timers import TIME_DOMAINS
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
-from statebackend.checkpoint.layout import SAVEPOINTS_DIR, checkpoint_ids, join
+from statebackend.checkpoint.layout import (
+    MANIFESTS_DIR,
+    SAVEPOINTS_DIR,
+    checkpoint_ids,
+    join,
+)
+from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import CheckpointError, CheckpointNotFoundError
+from statebackend.errors import CheckpointError, CheckpointNotFoundError, IncompatibleStateError
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.keyed_format import KeyedStateHandle
 from statebackend.state.timers import is_timer_state
-from statebackend.tools.location import CheckpointRef
+from statebackend.tools.location import CheckpointRef, job_changelog
 
 COMPLETED = "completed"
+COMMITTED = "committed"
 PENDING = "pending or aborted"
 
 
@@ -29,6 +41,8 @@ class CheckpointSummary:
     status: str
     checkpoint_id: int | None = None
     metadata: CheckpointMetadata | None = None
+    materializes: int | None = None
+    """The batch whose state it holds, if a batch manifest builds on it."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict of what ``list`` shows."""
@@ -36,6 +50,7 @@ class CheckpointSummary:
         return {
             "path": self.path,
             "status": self.status,
+            "materializes": self.materializes,
             "checkpoint_id": self.checkpoint_id if md is None else md.checkpoint_id,
             "kind": None if md is None else ("savepoint" if md.is_savepoint else "checkpoint"),
             "completed_at": None if md is None else md.completed_at,
@@ -50,12 +65,44 @@ class CheckpointSummary:
 
 
 @dataclass(frozen=True)
+class ManifestSummary:
+    """One batch manifest (``manifest`` None if it cannot be read: ``status`` says why)."""
+
+    path: str
+    batch_id: int
+    status: str
+    manifest: BatchManifest | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict of what ``list`` shows: the base checkpoint, and the records
+        (those with changes), their bytes and changes."""
+        m = self.manifest
+        handles = [] if m is None else list(m.handles())
+        return {
+            "path": self.path,
+            "batch_id": self.batch_id,
+            "status": self.status,
+            "committed_at": None if m is None else m.committed_at,
+            "base": None if m is None or m.base is None else m.base.to_json(),
+            "records": sum(1 for h in handles if h.path is not None),
+            "record_bytes": sum(h.size for h in handles),
+            "changes": sum(h.changes for h in handles),
+            "max_parallelism": None if m is None else m.max_parallelism,
+            "operators": (
+                {} if m is None else {op: m.parallelism(op) for op in sorted(m.operators)}
+            ),
+        }
+
+
+@dataclass(frozen=True)
 class JobSummary:
-    """One job directory: its checkpoints (ascending ids) and savepoints."""
+    """One job directory: its checkpoints (ascending ids), savepoints and batch
+    manifests (ascending batches)."""
 
     job_dir: str
     checkpoints: tuple[CheckpointSummary, ...]
     savepoints: tuple[CheckpointSummary, ...]
+    manifests: tuple[ManifestSummary, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict of what ``list`` shows."""
@@ -63,16 +110,17 @@ class JobSummary:
             "job_dir": self.job_dir,
             "checkpoints": [c.to_json() for c in self.checkpoints],
             "savepoints": [s.to_json() for s in self.savepoints],
+            "manifests": [m.to_json() for m in self.manifests],
         }
 
 
 def _is_job(names: list[str]) -> bool:
-    return bool(checkpoint_ids(names)) or SAVEPOINTS_DIR in names
+    return bool(checkpoint_ids(names)) or SAVEPOINTS_DIR in names or MANIFESTS_DIR in names
 
 
 def find_job_dirs(fs: CheckpointFileSystem, directory: str) -> list[str]:
     """The job directories in ``directory``: itself if it is one, else its subdirectories
-    that hold ``chk-<N>`` directories or savepoints.
+    that hold ``chk-<N>`` directories, savepoints or batch manifests.
 
     Raises CheckpointNotFoundError if there are none.
     """
@@ -99,16 +147,42 @@ def summarize(fs: CheckpointFileSystem, path: str, checkpoint_id: int | None) ->
         return CheckpointSummary(path, f"unreadable: {exc}", checkpoint_id)
 
 
+def summarize_manifests(fs: CheckpointFileSystem, job_dir: str) -> tuple[ManifestSummary, ...]:
+    """The batch manifests of the job in ``job_dir``, ascending; an unreadable one with
+    its error as its status."""
+    changelog = job_changelog(fs, job_dir)
+    summaries = []
+    for batch_id in changelog.manifest_ids():
+        path = changelog.layout.manifest_path(batch_id)
+        try:
+            summaries.append(
+                ManifestSummary(path, batch_id, COMMITTED, changelog.load_manifest(batch_id))
+            )
+        except (CheckpointError, IncompatibleStateError) as exc:
+            summaries.append(ManifestSummary(path, batch_id, f"unreadable: {exc}"))
+    return tuple(summaries)
+
+
 def list_job(fs: CheckpointFileSystem, job_dir: str) -> JobSummary:
-    """The checkpoints and savepoints (in its ``savepoints/`` directory) of one job."""
+    """The checkpoints, savepoints (in its ``savepoints/`` directory) and batch
+    manifests of one job, checkpoints marked with the batch they materialize."""
+    manifests = summarize_manifests(fs, job_dir)
+    materialized = {
+        m.manifest.base.checkpoint_id: m.manifest.base.batch_id
+        for m in manifests
+        if m.manifest is not None and m.manifest.base is not None
+    }
     checkpoints = tuple(
-        summarize(fs, join(job_dir, f"chk-{n}"), n) for n in checkpoint_ids(fs.list_dir(job_dir))
+        dataclasses.replace(
+            summarize(fs, join(job_dir, f"chk-{n}"), n), materializes=materialized.get(n)
+        )
+        for n in checkpoint_ids(fs.list_dir(job_dir))
     )
     savepoints_dir = join(job_dir, SAVEPOINTS_DIR)
     savepoints = tuple(
         summarize(fs, join(savepoints_dir, name), None) for name in fs.list_dir(savepoints_dir)
     )
-    return JobSummary(job_dir, checkpoints, savepoints)
+    return JobSummary(job_dir, checkpoints, savepoints, manifests)
 
 
 def list_jobs(fs: CheckpointFileSystem, directory: str) -> list[JobSummary]:
@@ -126,7 +200,7 @@ def describe_serializer(config: SerializerConfig) -> str:
     return identity
 
 
-def _describe_roles(serializers: dict[str, SerializerConfig]) -> str:
+def describe_roles(serializers: dict[str, SerializerConfig]) -> str:
     """``value: int`` or ``user_key: str, value: int``."""
     return ", ".join(f"{role}: {describe_serializer(c)}" for role, c in sorted(serializers.items()))
 
@@ -179,7 +253,7 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
                         {
                             "kind": meta.kind.value,
                             "serializers": meta.serializers,
-                            "serializer": _describe_roles(meta.serializers),
+                            "serializer": describe_roles(meta.serializers),
                             "key_serializer": describe_serializer(ack.keyed.key_serializer),
                         },
                     )
@@ -209,7 +283,7 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
                         {
                             "mode": info.mode.value,
                             "serializers": info.serializers,
-                            "serializer": _describe_roles(info.serializers),
+                            "serializer": describe_roles(info.serializers),
                             "elements": 0,
                         },
                     )

@@ -1,19 +1,34 @@
-"""Opening what a command names: a storage location, or a checkpoint or savepoint in it."""
+"""Opening what a command names: a storage location, or a checkpoint, savepoint or batch
+manifest in it.
+
+A checkpoint or savepoint is named by its directory (or its ``_metadata``), a batch
+manifest by its file, ``<job dir>/manifests/<B>``, and ``<job dir>/latest`` names the
+newest state of the job: its newest manifest, unless a completed checkpoint holds a
+later batch (or the job has no manifests).
+"""
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.filesystem import (
     CheckpointFileSystem,
     normalize_url,
     open_filesystem,
 )
-from statebackend.checkpoint.layout import METADATA_FILE
+from statebackend.checkpoint.layout import MANIFESTS_DIR, METADATA_FILE, batch_ids
+from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.signing import SigningKey, VerifiedReads
-from statebackend.checkpoint.storage import load_metadata
+from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+)
 
 _LOCAL_PROTOCOLS = ("file", "local")
 
@@ -66,3 +81,146 @@ def open_checkpoint(
     if signing_key is not None:
         fs = VerifiedReads(fs, directory, metadata.files())
     return CheckpointRef(fs, directory, metadata, signing_key)
+
+
+LATEST = "latest"
+"""The last name of ``<job dir>/latest``: the newest state of the job."""
+
+
+@dataclass(frozen=True)
+class ManifestRef:
+    """A committed batch manifest: the job's changelog storage, the manifest, and its
+    base checkpoint opened (None before the job's first materialization)."""
+
+    changelog: ChangelogStorage
+    manifest: BatchManifest
+    base: CheckpointRef | None
+
+    @property
+    def fs(self) -> CheckpointFileSystem:
+        """The file system of the job."""
+        return self.changelog.fs
+
+    @property
+    def path(self) -> str:
+        """The manifest's file."""
+        return self.changelog.layout.manifest_path(self.manifest.batch_id)
+
+    @property
+    def job_dir(self) -> str:
+        """The job's directory."""
+        return self.changelog.layout.job_dir
+
+
+StateRef = CheckpointRef | ManifestRef
+"""What a command reads state from."""
+
+
+def job_changelog(fs: CheckpointFileSystem, job_dir: str) -> ChangelogStorage:
+    """The changelog storage of the job in ``job_dir`` (read-only use: nothing is written
+    until a method that writes is called)."""
+    parent, _, job_id = job_dir.rstrip("/").rpartition("/")
+    return ChangelogStorage(CheckpointStorage(parent or ".", job_id, filesystem=fs))
+
+
+def _manifest_name(path: str) -> tuple[str, int] | None:
+    """(job dir, batch id) if ``path`` is ``<job dir>/manifests/<B>``, else None."""
+    directory, name = posixpath.split(path)
+    job_dir, parent = posixpath.split(directory)
+    ids = batch_ids([name])
+    if parent != MANIFESTS_DIR or not ids or not job_dir:
+        return None
+    return job_dir, ids[0]
+
+
+def checkpoint_batch(metadata: CheckpointMetadata) -> int | None:
+    """The batch at whose end a checkpoint was taken, if it says: ``batch_id`` in its
+    properties, or ``next_batch`` - 1 (``StatefulJob``'s checkpoints)."""
+    properties = metadata.properties
+    if isinstance(properties.get("batch_id"), int):
+        return int(properties["batch_id"])
+    if isinstance(properties.get("next_batch"), int):
+        return int(properties["next_batch"]) - 1
+    return None
+
+
+def _latest(
+    fs: CheckpointFileSystem, job_dir: str, signing_key: SigningKey | None
+) -> tuple[str, int | None]:
+    """(the checkpoint directory or job dir, None or the manifest's batch) of the newest
+    state of the job in ``job_dir``: its newest manifest, unless the newest completed
+    checkpoint is of a later batch (a checkpoint that does not say its batch is older
+    than any manifest: a materialization is always followed by its manifest)."""
+    parent, _, job_id = job_dir.rpartition("/")
+    storage = CheckpointStorage(parent or ".", job_id, filesystem=fs)
+    checkpoint = storage.latest_completed()
+    manifests = batch_ids(fs.list_dir(storage.layout.manifests_dir))
+    if checkpoint is None and not manifests:
+        raise CheckpointNotFoundError(
+            f"{job_dir} has no completed checkpoint and no batch manifest: give a job "
+            f"directory from `statebackend list`"
+        )
+    if checkpoint is not None:
+        batch = checkpoint_batch(load_metadata(fs, checkpoint, signing_key))
+        if not manifests or (batch is not None and batch > manifests[-1]):
+            return checkpoint, None
+    return job_dir, manifests[-1]
+
+
+def open_manifest(
+    fs: CheckpointFileSystem, job_dir: str, batch_id: int, signing_key: SigningKey | None = None
+) -> ManifestRef:
+    """Manifest ``batch_id`` of the job in ``job_dir``, with its base checkpoint.
+
+    Manifests and changelog records are not signed, so with a ``signing_key`` this
+    refuses (ConfigurationError) rather than vouch for them. Raises
+    CheckpointNotFoundError if the manifest does not exist, CheckpointCorruptedError if
+    it or its base checkpoint is malformed or the base is gone.
+    """
+    changelog = job_changelog(fs, job_dir)
+    path = changelog.layout.manifest_path(batch_id)
+    if signing_key is not None:
+        raise ConfigurationError(
+            f"{path} is a batch manifest: manifests and changelog records are not signed, "
+            f"so --signing-key-file cannot vouch for them; give a materialized checkpoint "
+            f"(chk-<N>) or a savepoint instead"
+        )
+    if not fs.exists(path):
+        known = ", ".join(map(str, changelog.manifest_ids())) or "none"
+        raise CheckpointNotFoundError(
+            f"{path} is not a committed batch manifest (the job has manifests {known}): "
+            f"give one from `statebackend list`"
+        )
+    manifest = changelog.load_manifest(batch_id)
+    base = None
+    directory = changelog.base_directory(manifest)
+    if directory is not None:
+        try:
+            base = CheckpointRef(fs, directory, load_metadata(fs, directory))
+        except CheckpointNotFoundError as exc:
+            raise CheckpointCorruptedError(
+                f"the base checkpoint {directory} of manifest {batch_id} is gone: {exc}"
+            ) from exc
+    return ManifestRef(changelog, manifest, base)
+
+
+def open_state(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    signing_key: SigningKey | None = None,
+) -> StateRef:
+    """The checkpoint, savepoint or batch manifest ``url`` names (see the module
+    docstring), opened and checked as ``open_checkpoint`` and ``open_manifest`` do."""
+    path = checkpoint_directory(url)
+    directory, name = posixpath.split(path)
+    if name == LATEST and directory:
+        fs = open_location(url, storage_options)
+        path, batch_id = _latest(fs, directory, signing_key)
+        if batch_id is not None:
+            return open_manifest(fs, path, batch_id, signing_key)
+        return open_checkpoint(path, storage_options, signing_key)
+    manifest = _manifest_name(path)
+    if manifest is not None:
+        fs = open_location(url, storage_options)
+        return open_manifest(fs, *manifest, signing_key)
+    return open_checkpoint(path, storage_options, signing_key)

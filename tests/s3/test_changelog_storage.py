@@ -21,77 +21,28 @@ from typing import Any
 import pytest
 
 from statebackend.backends.heap import HeapKeyedStateBackend
-from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.tools.gc import find_garbage
 from tests.conftest import Storage
+from tests.s3.changelog_jobs import enabled, live_states, open_storage, rebuild, run_batch
 from tests.s3.test_checkpoint_matrix import (
     KEYS,
     MAX_PARALLELISM,
     OPERATOR,
     PARALLELISMS,
     KeyModel,
-    apply_random_operations,
     descriptors,
     make_backend,
     read_keyed,
     subtask_of,
 )
-
-JOB = "job"
-
-
-def open_storage(storage: Storage, compression: str = "none") -> CheckpointStorage:
-    return CheckpointStorage(
-        storage.url, JOB, storage_options=storage.storage_options, compression=compression
-    )
-
-
-def enabled(backend: KeyedStateBackend) -> KeyedStateBackend:
-    backend.enable_changelog()
-    return backend
-
-
-def run_batch(
-    changelog: ChangelogStorage,
-    backends: list[KeyedStateBackend],
-    batch_id: int,
-    rng: random.Random,
-    models: dict[str, KeyModel],
-) -> BatchManifest:
-    """Process one batch on every subtask, write each subtask's record, commit."""
-    apply_random_operations(rng, backends, models, 150)
-    handles = [
-        changelog.write_record(batch_id, OPERATOR, i, f"attempt-{batch_id}", b.drain_changelog())
-        for i, b in enumerate(backends)
-    ]
-    return changelog.commit(
-        batch_id, {OPERATOR: handles}, max_parallelism=MAX_PARALLELISM, properties={"n": batch_id}
-    )
-
-
-def rebuild(
-    kind: str,
-    changelog: ChangelogStorage,
-    manifest: BatchManifest,
-    parallelism: int,
-    local_root: Path,
-) -> list[KeyedStateBackend]:
-    """Every subtask of ``parallelism`` rebuilt from ``manifest``."""
-    backends = []
-    for i in range(parallelism):
-        backend = make_backend(kind, local_root / f"{kind}-{parallelism}-{i}", parallelism, i)
-        rebuild_keyed_state(backend, changelog, manifest, OPERATOR)
-        backends.append(backend)
-    return backends
 
 
 @dataclass
@@ -152,12 +103,6 @@ def build_history(kind: str, storage: Storage, parallelism: int, local_root: Pat
             backend.dispose()
         checkpoints.close()
     return History(storage, live_states(models), middle)
-
-
-def live_states(models: dict[str, KeyModel]) -> dict[str, dict[str, Any]]:
-    """The model's keys that have any state, with their states."""
-    snapshots = {key: model.snapshot() for key, model in models.items()}
-    return {k: s for k, s in snapshots.items() if any(v is not None for v in s.values())}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,396 @@
+"""``inspect``, ``verify``, ``plan``, ``read`` and ``savepoint create`` on a batch manifest.
+
+A manifest's state is its base checkpoint plus the changelog records of the batches
+after it (``checkpoint/changelog_restore.py``). ``inspect`` shows both, ``verify``
+checks the base as a checkpoint and every record by size and checksum, and ``plan``
+adds to a checkpoint's plan the records each new subtask replays. ``fold_manifest``
+writes the state at the manifest's batch as a self-contained full savepoint: each
+subtask is rebuilt from base + records in a temporary heap backend and snapshotted in
+the full format, so the savepoint restores at any parallelism without the changelog;
+``read`` reads such a fold written to a temporary local directory, with the checkpoint
+reader.
+
+The changelog carries keyed state (timers included) only: a base checkpoint with
+operator or raw keyed state cannot be folded, since that state is the base's, not the
+batch's. Replaying never unpickles, except to migrate pickled values to a serializer
+that changed between records, which needs ``allow_pickle``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.keyed import StateMetaInfo
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.restore import plan_restore
+from statebackend.checkpoint.savepoints import Progress
+from statebackend.checkpoint.writer import SavepointWriter
+from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.keygroups import (
+    KeyGroupRange,
+    check_parallelism,
+    compute_key_group_range_for_operator_index,
+)
+from statebackend.serializers import SerializerConfig, serializer_from_config
+from statebackend.snapshot.changelog_format import ChangelogHandle
+from statebackend.snapshot.target import SnapshotDirectory
+from statebackend.state.timers import is_timer_state
+from statebackend.tools.listing import describe_roles, describe_serializer
+from statebackend.tools.location import ManifestRef, checkpoint_directory
+from statebackend.tools.verify import Problem, referenced_bytes, verify_checkpoint
+
+FOLDED_FROM_PROPERTY = "folded_from_manifest"
+"""Savepoint property: the batch of the manifest the savepoint was folded from."""
+
+
+def operator_ids(ref: ManifestRef) -> list[str]:
+    """The operators with keyed state at the manifest's batch: those with records, and
+    those with keyed state in the base."""
+    ids = set(ref.manifest.operators)
+    if ref.base is not None:
+        ids |= {op for op, s in ref.base.metadata.operators.items() if s.keyed_handles()}
+    return sorted(ids)
+
+
+def _check_operator(ref: ManifestRef, operator_id: str) -> None:
+    known = operator_ids(ref)
+    if operator_id not in known:
+        raise ConfigurationError(
+            f"{ref.path} has no keyed state of operator {operator_id!r}; "
+            f"it has {', '.join(known) or 'none'}"
+        )
+
+
+def parallelism_of(ref: ManifestRef, operator_id: str) -> int:
+    """The operator's parallelism at the manifest's batch."""
+    if operator_id in ref.manifest.operators:
+        return ref.manifest.parallelism(operator_id)
+    assert ref.base is not None
+    return ref.base.metadata.operators[operator_id].parallelism
+
+
+def records(ref: ManifestRef, operator_id: str) -> list[ChangelogHandle]:
+    """The operator's accepted records, batch by batch, subtask by subtask."""
+    return [h for batch in ref.manifest.operators.get(operator_id, ()) for h in batch.subtasks]
+
+
+def state_metas(ref: ManifestRef, operator_id: str) -> tuple[list[StateMetaInfo], SerializerConfig]:
+    """The operator's keyed states (timers' too) at the manifest's batch, and its key
+    serializer: the newest record's, else the base's."""
+    handles = records(ref, operator_id)
+    if handles:
+        return list(handles[-1].states), handles[-1].key_serializer
+    assert ref.base is not None
+    handle = ref.base.metadata.operators[operator_id].keyed_handles()[0]
+    return list(handle.states), handle.key_serializer
+
+
+def _is_pickled(config: Any) -> bool:
+    return '"pickle"' in json.dumps(config, sort_keys=True)
+
+
+def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle: bool) -> None:
+    """ConfigurationError if rebuilding the operator would unpickle, unless
+    ``allow_pickle``: a state whose serializers change between the base and the records
+    is migrated by decoding its values with the serializers it had before, and one of
+    those is (or holds) pickle."""
+    if allow_pickle:
+        return
+    metas: list[StateMetaInfo] = []
+    if ref.base is not None and operator_id in ref.base.metadata.operators:
+        for keyed in ref.base.metadata.operators[operator_id].keyed_handles():
+            metas += keyed.states
+    for record in records(ref, operator_id):
+        metas += record.states
+    previous: dict[str, dict[str, Any]] = {}
+    for meta in metas:
+        before = previous.get(meta.name)
+        if before is not None and before != meta.serializers and _is_pickled(before):
+            raise ConfigurationError(
+                f"rebuilding state {meta.name!r} of operator {operator_id!r} from {ref.path} "
+                f"migrates pickled values (its serializer changed between batches), which "
+                f"unpickles them: pass --allow-pickle only if nobody else can write the job's "
+                f"storage"
+            )
+        previous[meta.name] = dict(meta.serializers)
+
+
+def check_foldable(ref: ManifestRef) -> None:
+    """ConfigurationError if the base holds operator or raw keyed state: the changelog
+    does not carry it, so its state at the manifest's batch is unknown."""
+    if ref.base is None:
+        return
+    for operator_id, snapshot in sorted(ref.base.metadata.operators.items()):
+        if any(h is not None for h in snapshot.operator_handles()) or snapshot.raw_keyed_handles():
+            raise ConfigurationError(
+                f"the base {ref.base.directory} of {ref.path} holds operator or raw keyed "
+                f"state of operator {operator_id!r}, which the changelog does not carry: take "
+                f"the savepoint from a checkpoint (chk-<N>) or from the running job instead"
+            )
+
+
+def rebuild_subtask(
+    ref: ManifestRef, operator_id: str, key_groups: KeyGroupRange
+) -> HeapKeyedStateBackend:
+    """A heap backend holding ``key_groups`` of the operator's state at the manifest's
+    batch (base + records). The caller disposes of it."""
+    _, key_serializer = state_metas(ref, operator_id)
+    backend = HeapKeyedStateBackend(
+        max_parallelism=ref.manifest.max_parallelism,
+        key_group_range=key_groups,
+        key_serializer=serializer_from_config(key_serializer),
+    )
+    try:
+        rebuild_keyed_state(backend, ref.changelog, ref.manifest, operator_id)
+    except BaseException:
+        backend.dispose()
+        raise
+    return backend
+
+
+# -- inspect ----------------------------------------------------------------------------
+
+
+def _record_json(handle: ChangelogHandle, ref: ManifestRef) -> dict[str, Any]:
+    return {
+        "subtask": handle.subtask,
+        "attempt": handle.attempt,
+        "key_group_range": handle.key_group_range.to_json(),
+        "key_groups_with_changes": len(handle.key_groups),
+        "changes": handle.changes,
+        "bytes": handle.size,
+        "path": ref.changelog.record_path(handle),
+    }
+
+
+def inspect_manifest(ref: ManifestRef) -> dict[str, Any]:
+    """Everything ``inspect`` shows of a manifest, as a JSON-able dict: the manifest
+    (batch, commit time, properties), its base checkpoint (None before the first
+    materialization), and per operator its parallelism, its keyed states (as at the
+    batch), the base's keyed bytes and, batch by batch, every accepted record (subtask,
+    attempt, key-group range, key groups with changes, changes, bytes, path)."""
+    manifest = ref.manifest
+    operators: dict[str, Any] = {}
+    for operator_id in operator_ids(ref):
+        metas, key_serializer = state_metas(ref, operator_id)
+        base_snapshot = None if ref.base is None else ref.base.metadata.operators.get(operator_id)
+        batches = [
+            {
+                "batch_id": batch.batch_id,
+                "parallelism": batch.parallelism,
+                "changes": sum(h.changes for h in batch.subtasks),
+                "bytes": sum(h.size for h in batch.subtasks),
+                "subtasks": [_record_json(h, ref) for h in batch.subtasks],
+            }
+            for batch in manifest.operators.get(operator_id, ())
+        ]
+        operators[operator_id] = {
+            "parallelism": parallelism_of(ref, operator_id),
+            "keyed_states": {
+                meta.name: {
+                    "kind": meta.kind.value,
+                    "serializers": meta.serializers,
+                    "serializer": describe_roles(meta.serializers),
+                    "key_serializer": describe_serializer(key_serializer),
+                }
+                for meta in sorted(metas, key=lambda m: m.name)
+                if not is_timer_state(meta.name)
+            },
+            "base_bytes": 0 if base_snapshot is None else base_snapshot.state_bytes(),
+            "record_bytes": sum(b["bytes"] for b in batches),
+            "batches": batches,
+        }
+    base = None
+    if ref.base is not None:
+        assert manifest.base is not None
+        base = {
+            "checkpoint_id": manifest.base.checkpoint_id,
+            "batch_id": manifest.base.batch_id,
+            "path": ref.base.directory,
+            "state_bytes": ref.base.metadata.state_bytes(),
+            "files": len(ref.base.metadata.files()),
+        }
+    handles = list(manifest.handles())
+    return {
+        "path": ref.path,
+        "kind": "manifest",
+        "job_id": manifest.job_id,
+        "batch_id": manifest.batch_id,
+        "committed_at": manifest.committed_at,
+        "max_parallelism": manifest.max_parallelism,
+        "properties": dict(manifest.properties),
+        "base": base,
+        "records": sum(1 for h in handles if h.path is not None),
+        "record_bytes": sum(h.size for h in handles),
+        "changes": sum(h.changes for h in handles),
+        "operators": operators,
+    }
+
+
+# -- verify -----------------------------------------------------------------------------
+
+
+def manifest_bytes(ref: ManifestRef) -> int:
+    """The bytes ``verify_manifest`` reads: the base's files and every record."""
+    base = 0 if ref.base is None else referenced_bytes(ref.base)
+    return base + sum(f.size for f in ref.manifest.files())
+
+
+def verify_manifest(ref: ManifestRef, progress: Progress | None = None) -> list[Problem]:
+    """The problems of the manifest's state: those of its base checkpoint
+    (``verify_checkpoint``) and every missing, truncated or corrupted record (size and
+    checksum, each read whole). Empty if all is well."""
+    problems = [] if ref.base is None else verify_checkpoint(ref.base, progress)
+    for handle in ref.manifest.handles():
+        path = ref.changelog.record_path(handle)
+        if path is None:
+            continue
+        try:
+            ref.fs.verify(path, handle.size, handle.checksum)
+        except CheckpointError as exc:
+            problems.append(Problem(path, str(exc)))
+        if progress is not None:
+            progress(handle.size)
+    return problems
+
+
+def verified_files(ref: ManifestRef) -> int:
+    """How many files ``verify_manifest`` checks."""
+    base = 0 if ref.base is None else len(ref.base.metadata.files())
+    return base + len(ref.manifest.files())
+
+
+# -- plan -------------------------------------------------------------------------------
+
+
+def plan_manifest_operator(
+    ref: ManifestRef, operator_id: str, parallelism: int
+) -> list[dict[str, Any]]:
+    """Per new subtask of ``operator_id`` at ``parallelism``: what a rebuild reads, as
+    ``tools.plan.plan_operator`` shows for a checkpoint (``keyed_sources`` from the base,
+    ``operator_state`` empty: the changelog carries none), plus ``changelog_sources``:
+    per batch, the old subtasks whose records it replays, their key groups and bytes."""
+    _check_operator(ref, operator_id)
+    check_parallelism(parallelism, ref.manifest.max_parallelism)
+    base_plans = None
+    if ref.base is not None and operator_id in ref.base.metadata.operators:
+        base_plans = plan_restore(ref.base.metadata, operator_id, parallelism)
+    plans = []
+    for subtask in range(parallelism):
+        key_groups = compute_key_group_range_for_operator_index(
+            ref.manifest.max_parallelism, parallelism, subtask
+        )
+        base_sources = [] if base_plans is None else base_plans[subtask].keyed_sources
+        changelog_sources: list[dict[str, Any]] = []
+        for handle in records(ref, operator_id):
+            wanted = handle.key_group_range.intersection(key_groups)
+            if wanted:
+                changelog_sources.append(
+                    {
+                        "batch_id": handle.batch_id,
+                        "old_subtask": handle.subtask,
+                        "key_groups": wanted.to_json(),
+                        "bytes": sum(n for g, _, n in handle.key_groups if g in wanted),
+                    }
+                )
+        plans.append(
+            {
+                "subtask": subtask,
+                "key_group_range": key_groups.to_json(),
+                "keyed_bytes": sum(s.bytes for s in base_sources),
+                "keyed_sources": [
+                    {
+                        "old_subtask": s.old_subtask,
+                        "key_groups": s.key_groups.to_json(),
+                        "bytes": s.bytes,
+                    }
+                    for s in base_sources
+                ],
+                "changelog_bytes": sum(s["bytes"] for s in changelog_sources),
+                "changelog_sources": changelog_sources,
+                "operator_state": {},
+            }
+        )
+    return plans
+
+
+def plan_manifest(
+    ref: ManifestRef, parallelism: int, operator_id: str | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """``plan_manifest_operator`` for one operator, or for every operator."""
+    operators = operator_ids(ref) if operator_id is None else [operator_id]
+    return {op: plan_manifest_operator(ref, op, parallelism) for op in operators}
+
+
+# -- fold -------------------------------------------------------------------------------
+
+Written = Callable[[str, int], None]
+"""Called with (operator id, subtask) after each subtask is written."""
+
+
+def fold_manifest(
+    ref: ManifestRef,
+    target: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    parallelism: int | None = None,
+    compression: str = "none",
+    allow_pickle: bool = False,
+    written: Written | None = None,
+) -> str:
+    """Write the state at the manifest's batch to ``target`` as a self-contained full
+    savepoint, ``_metadata`` last; returns the target directory.
+
+    Each operator is written at ``parallelism`` (default: its parallelism at the batch),
+    each subtask rebuilt from base + records. The savepoint's properties are the
+    manifest's, plus ``batch_id`` (unless the manifest has one) and
+    ``folded_from_manifest``. Raises ConfigurationError if the base holds state the
+    changelog does not carry (``check_foldable``) or the rebuild would unpickle without
+    ``allow_pickle``, CheckpointError if ``target`` already holds a savepoint.
+    """
+    check_foldable(ref)
+    manifest = ref.manifest
+    for operator_id in operator_ids(ref):
+        check_replay_without_pickle(ref, operator_id, allow_pickle)
+    writer = SavepointWriter(
+        checkpoint_directory(target),
+        manifest.max_parallelism,
+        storage_options=storage_options,
+        compression=compression,
+    )
+    writer.check_target()
+    fs = open_filesystem(writer.target, dict(storage_options or {}))
+    acks = []
+    with ThreadPoolExecutor(1, thread_name_prefix="statebackend-fold") as pool:
+        for operator_id in operator_ids(ref):
+            p = parallelism or parallelism_of(ref, operator_id)
+            check_parallelism(p, manifest.max_parallelism)
+            for subtask in range(p):
+                key_groups = compute_key_group_range_for_operator_index(
+                    manifest.max_parallelism, p, subtask
+                )
+                backend = rebuild_subtask(ref, operator_id, key_groups)
+                try:
+                    snapshot = SnapshotDirectory(
+                        fs, writer.target, f"{operator_id}-{subtask}", pool, compression
+                    ).write_keyed_snapshot(0, backend.sync_cut())
+                    handle = snapshot.result()
+                finally:
+                    backend.dispose()
+                acks.append(SubtaskAck(operator_id, subtask, p, handle, None))
+                if written is not None:
+                    written(operator_id, subtask)
+    properties = {"batch_id": manifest.batch_id, **manifest.properties}
+    properties[FOLDED_FROM_PROPERTY] = manifest.batch_id
+    return writer.complete(
+        acks,
+        job_id=manifest.job_id,
+        checkpoint_id=0 if manifest.base is None else manifest.base.checkpoint_id,
+        properties=properties,
+    )
