@@ -43,6 +43,7 @@ from statebackend.snapshot.target import SnapshotDirectory
 from statebackend.state.timers import is_timer_state
 from statebackend.tools.listing import describe_roles, describe_serializer
 from statebackend.tools.location import ManifestRef, checkpoint_directory
+from statebackend.tools.plan import keyed_sources_json
 from statebackend.tools.verify import Problem, referenced_bytes, verify_checkpoint
 
 FOLDED_FROM_PROPERTY = "folded_from_manifest"
@@ -286,7 +287,7 @@ def plan_manifest_operator(
         key_groups = compute_key_group_range_for_operator_index(
             ref.manifest.max_parallelism, parallelism, subtask
         )
-        base_sources = [] if base_plans is None else base_plans[subtask].keyed_sources
+        base_plan = None if base_plans is None else base_plans[subtask]
         changelog_sources: list[dict[str, Any]] = []
         for handle in records(ref, operator_id):
             wanted = handle.key_group_range.intersection(key_groups)
@@ -303,15 +304,8 @@ def plan_manifest_operator(
             {
                 "subtask": subtask,
                 "key_group_range": key_groups.to_json(),
-                "keyed_bytes": sum(s.bytes for s in base_sources),
-                "keyed_sources": [
-                    {
-                        "old_subtask": s.old_subtask,
-                        "key_groups": s.key_groups.to_json(),
-                        "bytes": s.bytes,
-                    }
-                    for s in base_sources
-                ],
+                "keyed_bytes": 0 if base_plan is None else base_plan.keyed_bytes,
+                "keyed_sources": [] if base_plan is None else keyed_sources_json(base_plan),
                 "changelog_bytes": sum(s["bytes"] for s in changelog_sources),
                 "changelog_sources": changelog_sources,
                 "operator_state": {},

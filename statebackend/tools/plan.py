@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from statebackend.checkpoint.restore import plan_restore
+from statebackend.checkpoint.restore import SubtaskPlan, plan_restore
 from statebackend.tools.location import CheckpointRef
 from statebackend.tools.reader import (
     decode_operator_state,
@@ -51,18 +51,20 @@ def plan_operator(ref: CheckpointRef, operator_id: str, parallelism: int) -> lis
                 "subtask": plan.subtask,
                 "key_group_range": plan.key_group_range.to_json(),
                 "keyed_bytes": plan.keyed_bytes,
-                "keyed_sources": [
-                    {
-                        "old_subtask": s.old_subtask,
-                        "key_groups": s.key_groups.to_json(),
-                        "bytes": size,
-                    }
-                    for s, size in zip(plan.keyed_sources, plan.keyed_source_bytes, strict=True)
-                ],
+                "keyed_sources": keyed_sources_json(plan),
                 "operator_state": operator_state,
             }
         )
     return plans
+
+
+def keyed_sources_json(plan: SubtaskPlan) -> list[dict[str, Any]]:
+    """The old subtasks a new subtask's restore reads keyed state from, as JSON: the old
+    subtask, the key groups it reads there and their bytes."""
+    return [
+        {"old_subtask": s.old_subtask, "key_groups": s.key_groups.to_json(), "bytes": size}
+        for s, size in zip(plan.keyed_sources, plan.keyed_source_bytes, strict=True)
+    ]
 
 
 def plan_checkpoint(
