@@ -15,6 +15,7 @@ from statebackend.tools.reader import (
     operator_of,
     restored_operator_states,
 )
+from statebackend.tools.report import key_group_bytes, split_key_groups
 
 MAX_SHOWN_VALUES = 64
 """Operator states with at most this many elements in the checkpoint have their values
@@ -63,6 +64,13 @@ def plan_operator(ref: CheckpointRef, operator_id: str, parallelism: int) -> lis
             }
         )
     return plans
+
+
+def plan_imbalance(ref: CheckpointRef, operator_id: str, parallelism: int) -> float | None:
+    """max/mean of the keyed bytes the new subtasks of ``operator_id`` would hold at
+    ``parallelism`` (as ``statebackend report`` computes it); None without keyed state."""
+    groups = key_group_bytes(operator_of(ref, operator_id), ref.metadata.max_parallelism)
+    return None if groups is None else split_key_groups(groups.bytes, parallelism).imbalance
 
 
 def plan_checkpoint(
