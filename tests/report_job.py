@@ -128,8 +128,10 @@ def build_report_job(storage: Storage) -> ReportJob:
             for i, backend in enumerate(backends)
         ]
         sync_seconds = time.perf_counter() - cut_started
-        for i, future in enumerate(futures):
-            ack = SubtaskAck(OPERATOR, i, P, future.result(), None, coordinator.run_id)
+        handles = [future.result() for future in futures]
+        upload_seconds = time.perf_counter() - cut_started - sync_seconds
+        for i, keyed in enumerate(handles):
+            ack = SubtaskAck(OPERATOR, i, P, keyed, None, coordinator.run_id)
             checkpoints.write_ack(checkpoint_id, ack)
         for i, source in enumerate(sources):
             target = checkpoints.snapshot_target(checkpoint_id, "source", i)
@@ -158,7 +160,7 @@ def build_report_job(storage: Storage) -> ReportJob:
                 incremental_bytes=0,
                 changelog_bytes=0,
                 sync_seconds=sync_seconds,
-                upload_seconds=time.perf_counter() - cut_started - sync_seconds,
+                upload_seconds=upload_seconds,
                 duration_seconds=metadata.completed_at - metadata.triggered_at,
                 subtasks=subtask_states(metadata),
             )
