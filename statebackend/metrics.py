@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -42,6 +42,7 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import METRICS_DIR, join, validate_id
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 
 SEGMENT_SUFFIX = ".jsonl"
 DEFAULT_SEGMENT_BYTES = 64 << 10
@@ -214,6 +215,62 @@ def subtask_states(
             key = (operator_id, ack.subtask)
             states.append(SubtaskState(operator_id, ack.subtask, size, counts.get(key)))
     return tuple(states)
+
+
+def combine_batches(
+    batch_id: int, parts: Sequence[BatchMetrics], waiting_seconds: float = 0.0
+) -> BatchMetrics:
+    """Batch ``batch_id``'s metrics from its subtasks' (``parts``, each a subtask's own
+    counts and seconds): counts and bytes summed, each phase the slowest subtask's seconds,
+    ``waiting_seconds`` the driver's wait for a previous checkpoint."""
+    return BatchMetrics(
+        batch_id=batch_id,
+        records_in=sum(p.records_in for p in parts),
+        records_out=sum(p.records_out for p in parts),
+        keys_touched=sum(p.keys_touched for p in parts),
+        source_seconds=max((p.source_seconds for p in parts), default=0.0),
+        shuffle_seconds=max((p.shuffle_seconds for p in parts), default=0.0),
+        keyed_seconds=max((p.keyed_seconds for p in parts), default=0.0),
+        sync_cut_seconds=max((p.sync_cut_seconds for p in parts), default=0.0),
+        waiting_seconds=waiting_seconds,
+        changelog_bytes=sum(p.changelog_bytes for p in parts),
+    )
+
+
+def checkpoint_metrics(
+    metadata: CheckpointMetadata,
+    *,
+    batch_id: int | None,
+    sync_seconds: float,
+    upload_seconds: float,
+    changelog_bytes: int = 0,
+    previous: CheckpointMetadata | None = None,
+    entries: dict[tuple[str, int], int] | None = None,
+) -> CheckpointMetrics:
+    """The metrics of the completed checkpoint ``metadata``: full bytes are its full
+    keyed, raw keyed and operator-state files; incremental bytes the files of its
+    incremental snapshots that ``previous`` (the checkpoint before, if known) does not
+    reference, i.e. the ones uploaded for it; duration from trigger to completion."""
+    reused = {f.path for f in previous.files()} if previous is not None else set()
+    full = incremental = 0
+    for snapshot in metadata.operators.values():
+        for ack in snapshot.subtasks:
+            if isinstance(ack.keyed, IncrementalKeyedStateHandle):
+                incremental += sum(f.size for f in ack.keyed.files() if f.path not in reused)
+                full += sum(f.size for f in ack.files()) - ack.keyed.size
+            else:
+                full += sum(f.size for f in ack.files())
+    return CheckpointMetrics(
+        checkpoint_id=metadata.checkpoint_id,
+        batch_id=batch_id,
+        full_bytes=full,
+        incremental_bytes=incremental,
+        changelog_bytes=changelog_bytes,
+        sync_seconds=sync_seconds,
+        upload_seconds=upload_seconds,
+        duration_seconds=metadata.completed_at - metadata.triggered_at,
+        subtasks=subtask_states(metadata, entries),
+    )
 
 
 class HistoryEntry(NamedTuple):

@@ -1,4 +1,5 @@
-"""The metrics history, written and read back with the real class on file:// and s3://."""
+"""The metrics history, written and read back with the real class on file:// and s3://,
+and the records built from a batch's subtasks and from a completed checkpoint."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.layout import METRICS_DIR, join
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.keygroups import (
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
+)
 from statebackend.metrics import (
     BatchMetrics,
     CheckpointMetrics,
@@ -18,11 +28,15 @@ from statebackend.metrics import (
     MetricsRecord,
     RestoreMetrics,
     SubtaskState,
+    checkpoint_metrics,
+    combine_batches,
     list_segments,
     read_history,
     record_to_json,
     records_of,
 )
+from statebackend.serializers import IntSerializer
+from statebackend.state.descriptors import ValueStateDescriptor
 from tests.conftest import Storage
 
 
@@ -69,7 +83,7 @@ def test_history_reads_back_every_kind_of_record(
     assert records_of(read_history(fs, job_dir), RestoreMetrics) == [restore]
     logged = [r for r in caplog.records if r.name == "statebackend.metrics"]
     assert [r.levelno for r in logged] == [logging.INFO] * 3
-    assert [getattr(r, "metrics") for r in logged] == [record_to_json(r) for r in written]
+    assert [r.__dict__["metrics"] for r in logged] == [record_to_json(r) for r in written]
     assert "batch 0: 100 records in, 90 out" in logged[0].getMessage()
 
 
@@ -124,3 +138,71 @@ def test_a_history_that_cannot_be_written_does_not_fail(
         history.record(batch := _batch(7))
     assert history.latest["batch"] == batch
     assert any("could not write metrics" in r.getMessage() for r in caplog.records)
+
+
+def test_a_batch_combines_its_subtasks() -> None:
+    parts = [_batch(1), BatchMetrics(1, 7, 3, 2, 0.5, 0.0, 0.01, 0.2, 0.0, 40)]
+    combined = combine_batches(1, parts, waiting_seconds=0.3)
+    assert (combined.records_in, combined.records_out, combined.keys_touched) == (108, 94, 13)
+    assert (combined.source_seconds, combined.keyed_seconds) == (0.5, 0.03)
+    assert (combined.sync_cut_seconds, combined.waiting_seconds) == (0.2, 0.3)
+    assert combined.changelog_bytes == 512 + 40
+
+
+def test_checkpoint_metrics_count_what_each_checkpoint_uploaded(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """Incremental bytes are the files a checkpoint uploaded, measured as the bytes the
+    file system wrote while the snapshots ran."""
+    storage = CheckpointStorage(
+        checkpoint_url.url,
+        "job",
+        storage_options=checkpoint_url.storage_options,
+        incremental=True,
+    )
+    m, p = 16, 2
+    coordinator = CheckpointCoordinator(storage, max_parallelism=m)
+    backends = [
+        RocksDBKeyedStateBackend(
+            tmp_path / f"db-{i}",
+            max_parallelism=m,
+            key_group_range=compute_key_group_range_for_operator_index(m, p, i),
+        )
+        for i in range(p)
+    ]
+    count = ValueStateDescriptor("count", IntSerializer())
+    previous = None
+    try:
+        for round_ in range(2):
+            for n in range(200 * round_, 200 * round_ + 200):
+                key = f"k{n}"
+                group = assign_to_key_group(key.encode(), m)
+                backend = backends[compute_operator_index_for_key_group(m, p, group)]
+                backend.set_current_key(key)
+                backend.get_state(count).update(n)  # type: ignore[attr-defined]
+            checkpoint_id = coordinator.trigger({"op": p})
+            written = storage.fs.bytes_written
+            handles = [
+                b.snapshot(checkpoint_id, storage.snapshot_target(checkpoint_id, "op", i)).result()
+                for i, b in enumerate(backends)
+            ]
+            uploaded = storage.fs.bytes_written - written
+            for i, handle in enumerate(handles):
+                storage.write_ack(
+                    checkpoint_id, SubtaskAck("op", i, p, handle, None, coordinator.run_id)
+                )
+            path = coordinator.poll(checkpoint_id)
+            assert path is not None
+            metadata = storage.load(path)
+            metrics = checkpoint_metrics(
+                metadata, batch_id=round_, sync_seconds=0.1, upload_seconds=0.2, previous=previous
+            )
+            assert metrics.incremental_bytes == uploaded > 0
+            assert metrics.full_bytes == 0
+            assert [s.state_bytes for s in metrics.subtasks] == [h.size for h in handles]
+            assert metrics.duration_seconds == metadata.completed_at - metadata.triggered_at
+            previous = metadata
+    finally:
+        for backend in backends:
+            backend.dispose()
+        storage.close()
