@@ -38,6 +38,7 @@ from statebackend.metrics import (
     FailureMetrics,
     RestoreMetrics,
     read_history,
+    record_to_json,
     records_of,
     subtask_states,
 )
@@ -152,6 +153,11 @@ def _newest(job_checkpoints: Sequence[CheckpointSummary]) -> CheckpointSummary |
     )
 
 
+def _state_bytes(metadata: CheckpointMetadata) -> int:
+    """All subtasks' state bytes, as the metrics history counts them (inline state too)."""
+    return sum(s.state_bytes for s in subtask_states(metadata))
+
+
 def _operator_json(
     metadata: CheckpointMetadata, operator_id: str, entries: dict[tuple[str, int], int]
 ) -> dict[str, Any]:
@@ -216,7 +222,7 @@ def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
         row = checkpoints.setdefault(md.checkpoint_id, {"checkpoint_id": md.checkpoint_id})
         row.update(
             completed_at=md.completed_at,
-            state_bytes=md.state_bytes(),
+            state_bytes=_state_bytes(md),
             retained=True,
             path=summary.path,
         )
@@ -237,7 +243,7 @@ def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
             "kind": "savepoint" if md.is_savepoint else "checkpoint",
             "completed_at": md.completed_at,
             "max_parallelism": md.max_parallelism,
-            "state_bytes": md.state_bytes(),
+            "state_bytes": _state_bytes(md),
             "operators": {op: _operator_json(md, op, entries) for op in sorted(md.operators)},
         }
     uploads = {r.batch_id: r.uploaded_bytes for r in recorded.values() if r.batch_id is not None}
@@ -251,7 +257,7 @@ def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
                 "path": s.path,
                 "checkpoint_id": s.metadata.checkpoint_id,
                 "completed_at": s.metadata.completed_at,
-                "state_bytes": s.metadata.state_bytes(),
+                "state_bytes": _state_bytes(s.metadata),
             }
             for s in job.savepoints
             if s.metadata is not None
@@ -264,7 +270,7 @@ def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
                 "records_out": b.records_out,
                 "keys_touched": b.keys_touched,
                 "changelog_bytes": b.changelog_bytes,
-                "uploaded_bytes": uploads.get(b.batch_id, 0),
+                "uploaded_bytes": uploads.get(b.batch_id),
                 "seconds": {
                     "source": b.source_seconds,
                     "shuffle": b.shuffle_seconds,
@@ -277,20 +283,16 @@ def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
         ],
         "latest": latest,
         "restores": [
-            {"run": e.run, **_fields(e.record)}
+            {"run": e.run, **record_to_json(e.record)}
             for e in history
             if isinstance(e.record, RestoreMetrics)
         ],
         "failures": [
-            {"run": e.run, **_fields(e.record)}
+            {"run": e.run, **record_to_json(e.record)}
             for e in history
             if isinstance(e.record, FailureMetrics)
         ],
     }
-
-
-def _fields(record: RestoreMetrics | FailureMetrics) -> dict[str, Any]:
-    return dict(vars(record))
 
 
 # -- the page -----------------------------------------------------------------------------
@@ -416,7 +418,9 @@ def _batch_plot(report: dict[str, Any]) -> str:
                     PALETTE[3],
                 ),
                 Series(
-                    "uploaded", [(b["batch_id"], b["uploaded_bytes"]) for b in batches], PALETTE[1]
+                    "checkpoint upload",
+                    [(b["batch_id"], b["uploaded_bytes"]) for b in batches if b["uploaded_bytes"]],
+                    PALETTE[1],
                 ),
             ],
             x_label="batch",
@@ -425,7 +429,7 @@ def _batch_plot(report: dict[str, Any]) -> str:
         )
     return _figure(
         "batch-bytes",
-        "Changelog and upload bytes per batch",
+        "Changelog bytes per batch, and upload bytes of the batches that took a checkpoint",
         chart,
         "No batches in the metrics history: the job ran without one, or it was deleted.",
     )

@@ -1,9 +1,9 @@
 """Small inline SVG charts for ``statebackend report``: line charts and bar charts.
 
 The report must open without network access, so it draws its own SVG instead of loading
-a chart library. Every mark (a point, a bar) carries a ``<title>`` (the browser shows it on
-hover) and the class ``mark``, and every chart's root carries ``data-marks`` (how many
-marks it drew), so a test can check in the rendered page that a plot is not empty.
+a chart library. Points and bars carry a ``<title>`` (the browser shows it on hover), and
+every chart's root carries ``data-marks`` (how many points or bars it shows), so a test
+can check in the rendered page that a plot is not empty.
 Values on an axis are formatted by unit: ``B`` (bytes, ticks in powers of 1024),
 ``s`` (seconds), ``x`` (a ratio) or none.
 """
@@ -24,6 +24,8 @@ MUTED = "#94a3b8"
 HOT = "#dc2626"
 GOOD = "#16a34a"
 _WIDEST_BAR = 90
+MAX_DOTS = 200
+"""A line chart's series with more points than this is drawn as a line without dots."""
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -63,11 +65,12 @@ def format_value(value: float, unit: str = "") -> str:
     if unit == "B":
         index = _byte_scale(abs(value))[1]
         number = value / 1024**index
-        return f"{number:.0f} B" if index == 0 else f"{number:.3g} {_BYTE_UNITS[index]}"
+        digits = f"{number:.0f}" if index == 0 or abs(number) >= 100 else f"{number:.3g}"
+        return f"{digits} {_BYTE_UNITS[index]}"
     if unit == "s":
         if value != 0 and abs(value) < 1:
             return f"{value * 1000:.3g} ms"
-        return f"{value:.3g} s"
+        return f"{value:.0f} s" if abs(value) >= 100 else f"{value:.3g} s"
     if unit == "x":
         return f"{value:.2f}x"
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:.3g}"
@@ -149,7 +152,8 @@ def line_chart(
     width: int = WIDTH,
     height: int = HEIGHT,
 ) -> str:
-    """An SVG line chart of ``series`` (each point a circle with a tooltip), y from 0."""
+    """An SVG line chart of ``series`` (each point a dot with a tooltip, up to
+    ``MAX_DOTS`` points per series), y from 0."""
     points = [p for s in series for p in s.points]
     xs = [x for x, _ in points] or [0.0]
     low_x, high_x = min(xs), max(xs)
@@ -184,13 +188,15 @@ def line_chart(
                 f'<polyline points="{coords}" fill="none" stroke="{s.color}" '
                 f'stroke-width="2"{dashes}/>'
             )
+        marks += len(ordered)
+        if len(ordered) > MAX_DOTS:  # the line alone reads better than a row of dots
+            continue
         for x, y in ordered:
             tip = f"{s.name}: {format_value(y, y_unit)} at {x_label} {format_value(x, x_unit)}"
             body.append(
                 f'<circle class="mark" cx="{x_of(x):.1f}" cy="{y_of(y):.1f}" r="3.5" '
                 f'fill="{s.color}"><title>{escape(tip)}</title></circle>'
             )
-            marks += 1
     body += _legend([(s.name, s.color) for s in series], width)
     return _frame(width, height, marks, y_label, body)
 
