@@ -53,7 +53,7 @@ from statebackend.tools.manifests import (
     verified_files,
     verify_manifest,
 )
-from statebackend.tools.plan import plan_checkpoint
+from statebackend.tools.plan import plan_checkpoint, plan_imbalance
 from statebackend.tools.reader import (
     NO_KEY,
     Record,
@@ -65,6 +65,7 @@ from statebackend.tools.reader import (
     select_timers,
     to_jsonable,
 )
+from statebackend.tools.report import build_report, render_html
 from statebackend.tools.transform import parse_state_ref, plan_transform, transform_savepoint
 from statebackend.tools.verify import referenced_bytes, verify_checkpoint
 
@@ -376,9 +377,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _json(plans)
         return 0
     for operator_id, subtasks in plans.items():
+        imbalance = (
+            None
+            if isinstance(ref, ManifestRef)
+            else plan_imbalance(ref, operator_id, args.parallelism)
+        )
         _out(
             f"operator {operator_id}: {old[operator_id]} -> "
             f"{args.parallelism} subtasks (max parallelism {max_parallelism})"
+            + ("" if imbalance is None else f", keyed imbalance {imbalance:.2f} (max/mean)")
         )
         for sub in subtasks:
             start, end = sub["key_group_range"]
@@ -594,6 +601,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """``statebackend report``."""
+    report = build_report(open_location(args.job_dir, _options(args)), args.job_dir)
+    if args.json and args.output is None:
+        _json(report)
+        return 0
+    output = args.output or "report.html"
+    with open(output, "w", encoding="utf-8") as f:
+        f.write(json.dumps(report, indent=2, sort_keys=True) if args.json else render_html(report))
+    _out(output)
+    return 0
+
+
 # -- the parser ---------------------------------------------------------------------------
 
 _S3 = "--storage-option endpoint_url=http://127.0.0.1:9000"
@@ -686,6 +706,15 @@ triggered are kept, directories newer than the newest completed checkpoint and r
 batches after the newest manifest are never touched, manifests are never deleted, and
 --apply decides again from a fresh listing before it deletes. Keep the grace period above
 the checkpoint timeout.""",
+    "report": f"""examples:
+  {PROG} report /data/checkpoints/my-job -o report.html
+  {PROG} report s3://bucket/checkpoints/my-job -o report.html {_S3}
+  {PROG} report /data/checkpoints/my-job --json > report.json
+one HTML file that opens without network access: checkpoint durations and sizes, bytes
+per batch, state per subtask, bytes per key group with the imbalance of every parallelism
+up to twice the current one, restores and failures. Batches, the sync/async split,
+restores and failures come from the job's metrics history (metrics/), the rest from its
+checkpoints' _metadata""",
 }
 
 
@@ -903,6 +932,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"keep files modified less than this long ago (default {DEFAULT_GRACE_SECONDS:g})",
     )
+
+    p = command("report", "an HTML page (or JSON) of a job's checkpoints and metrics", cmd_report)
+    p.add_argument(
+        "job_dir", metavar="JOBDIR", type=normalize_url, help="the job's checkpoint directory"
+    )
+    p.add_argument(
+        "--output", "-o", metavar="FILE", help="where (default report.html; for --json stdout)"
+    )
+    p.add_argument("--json", action="store_true", help="the report's data as JSON")
     return parser
 
 

@@ -15,6 +15,7 @@
 <dir>/<job_id>/outputs/<B>/<operator>-<i>-<attempt>.parquet   an attempt's staged output rows
 <dir>/<job_id>/published/<B>                       batch B's output reached an append sink
 <dir>/<job_id>/spark-binding.json                  the Spark checkpointLocation bound to the job
+<dir>/<job_id>/metrics/<start>-<run>/<segment>.jsonl   a run's metrics history (``metrics.py``)
 ```
 ``<dir>`` is any URL or path the checkpoint file system accepts; the layout only appends
 ``/``-separated names to it.
@@ -41,6 +42,7 @@ LEADER_DIR = "_leader"
 OUTPUTS_DIR = "outputs"
 PUBLISHED_DIR = "published"
 SPARK_BINDING_FILE = "spark-binding.json"
+METRICS_DIR = "metrics"
 
 _CHECKPOINT_PREFIX = "chk-"
 _SAVEPOINT_PREFIX = "savepoint-"

@@ -15,6 +15,7 @@ from statebackend.tools.reader import (
     operator_of,
     restored_operator_states,
 )
+from statebackend.tools.report import key_group_bytes, split_key_groups
 
 MAX_SHOWN_VALUES = 64
 """Operator states with at most this many elements in the checkpoint have their values
@@ -65,6 +66,13 @@ def keyed_sources_json(plan: SubtaskPlan) -> list[dict[str, Any]]:
         {"old_subtask": s.old_subtask, "key_groups": s.key_groups.to_json(), "bytes": size}
         for s, size in zip(plan.keyed_sources, plan.keyed_source_bytes, strict=True)
     ]
+
+
+def plan_imbalance(ref: CheckpointRef, operator_id: str, parallelism: int) -> float | None:
+    """max/mean of the keyed bytes the new subtasks of ``operator_id`` would hold at
+    ``parallelism`` (as ``statebackend report`` computes it); None without keyed state."""
+    groups = key_group_bytes(operator_of(ref, operator_id), ref.metadata.max_parallelism)
+    return None if groups is None else split_key_groups(groups.bytes, parallelism).imbalance
 
 
 def plan_checkpoint(

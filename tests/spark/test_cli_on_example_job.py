@@ -37,6 +37,7 @@ from statebackend.checkpoint.requests import answer_savepoint_request, pending_s
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
+from statebackend.keygroups import assign_to_key_group
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
     OPERATOR_ID,
@@ -49,6 +50,7 @@ from statebackend.spark.runner import SOURCE_OPERATOR, RunSummary
 from statebackend.spark.source import offsets_state, partition_path
 from statebackend.tools.location import open_location
 from tests.conftest import S3Endpoint, Storage
+from tests.report_job import figures, marks
 from tests.spark.conftest import LOCAL_MASTER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -553,3 +555,37 @@ def test_savepoint_and_rescale_script_of_a_running_job(
     assert command[command.index("--restore") + 1] == lines["savepoint"]
     assert command[command.index("--parallelism") + 1] == "3"
     assert command[command.index("--input") + 1] == str(example.input_dir)
+
+
+def test_report_of_the_example_job(
+    capsys: pytest.CaptureFixture[str],
+    spark_local: SparkSession,
+    example: ExampleRun,
+    tmp_path: Path,
+) -> None:
+    """``report`` of the real run: its newest checkpoint, its keyed state in exactly the
+    key groups of the input's users, split as the job ran, and a page with those plots."""
+    status, out, err = cli(capsys, example.storage, "report", example.job_dir, "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    latest = report["latest"]
+    assert latest["path"] == example.checkpoint
+    assert report["checkpoints"][-1]["checkpoint_id"] == latest["checkpoint_id"]
+    assert report["checkpoints"][-1]["retained"] is True
+    max_parallelism = latest["max_parallelism"]
+    groups = latest["operators"][OPERATOR_ID]["key_groups"]
+    users = {assign_to_key_group(user.encode(), max_parallelism) for user in example.expected()}
+    assert {g for g, size in enumerate(groups["bytes"]) if size} == users
+    split = groups["candidates"][1]  # P = 2, as the job ran
+    subtasks = latest["operators"][OPERATOR_ID]["subtasks"]
+    assert [s["key_group_range"] for s in subtasks] == [
+        [0, max_parallelism // 2 - 1],
+        [max_parallelism // 2, max_parallelism - 1],
+    ]
+    assert sum(split["subtask_bytes"]) == sum(groups["bytes"]) > 0
+    page = tmp_path / "report.html"
+    status, _, err = cli(capsys, example.storage, "report", example.job_dir, "-o", str(page))
+    assert status == 0, err
+    shown = figures(page.read_text())
+    for plot in ("checkpoint-duration", "checkpoint-size", f"key-groups-{OPERATOR_ID}"):
+        assert marks(shown[plot]) > 0, plot

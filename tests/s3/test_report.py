@@ -1,0 +1,175 @@
+"""``statebackend report`` and plan's imbalance, on file:// and s3://, compared with the
+job's records and a plain-Python computation of the key-group splits."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from statebackend.checkpoint.layout import METRICS_DIR, join
+from statebackend.cli import main
+from statebackend.metrics import BatchMetrics, CheckpointMetrics, FailureMetrics, RestoreMetrics
+from tests.conftest import Storage
+from tests.report_job import (
+    BATCHES,
+    OPERATOR,
+    PLOTS,
+    M,
+    P,
+    ReportJob,
+    build_report_job,
+    figures,
+    marks,
+)
+
+
+@pytest.fixture(scope="module", params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def job(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ReportJob]:
+    """The job, built once per storage for this module (the last test deletes its history)."""
+    if request.param == "s3":
+        storage = request.getfixturevalue("s3_endpoint").new_storage()
+    else:
+        storage = Storage(tmp_path_factory.mktemp("report-job").as_uri())
+    made = build_report_job(storage)
+    yield made
+    made.checkpoints.close()
+
+
+def cli(capsys: pytest.CaptureFixture[str], storage: Storage, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
+    status = main([*argv, *options])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def expected_split(per_group: list[int], parallelism: int) -> list[int]:
+    """Bytes per subtask, with the key-group ranges of DESIGN.md written out."""
+    return [
+        sum(
+            per_group[
+                (i * M + parallelism - 1) // parallelism : ((i + 1) * M - 1) // parallelism + 1
+            ]
+        )
+        for i in range(parallelism)
+    ]
+
+
+def test_report_json_holds_the_jobs_history_and_splits(
+    capsys: pytest.CaptureFixture[str], job: ReportJob
+) -> None:
+    status, out, err = cli(capsys, job.storage, "report", job.job_dir, "--json")
+    assert status == 0, err
+    report = json.loads(out)
+
+    checkpoint_records = [r for r in job.records if isinstance(r, CheckpointMetrics)]
+    rows = report["checkpoints"]
+    assert [r["checkpoint_id"] for r in rows] == [r.checkpoint_id for r in checkpoint_records]
+    assert [r["sync_seconds"] for r in rows] == [r.sync_seconds for r in checkpoint_records]
+    assert [r["upload_seconds"] for r in rows] == [r.upload_seconds for r in checkpoint_records]
+    assert [r["retained"] for r in rows] == [False] * (BATCHES - 2) + [True, True]
+    batches = [r for r in job.records if isinstance(r, BatchMetrics)]
+    assert [b["batch_id"] for b in report["batches"]] == [b.batch_id for b in batches]
+    assert [b["uploaded_bytes"] for b in report["batches"]] == [
+        r.full_bytes for r in checkpoint_records
+    ]
+    assert len(report["runs"]) == 2
+
+    latest = report["latest"]
+    assert latest["checkpoint_id"] == checkpoint_records[-1].checkpoint_id
+    assert latest["max_parallelism"] == M
+    op = latest["operators"][OPERATOR]
+    subtask_bytes = [s["state_bytes"] for s in op["subtasks"]]
+    assert subtask_bytes == [
+        s.state_bytes for s in checkpoint_records[-1].subtasks if s.operator_id == OPERATOR
+    ]
+    assert subtask_bytes[0] > 2 * subtask_bytes[1]  # the hot keys live in subtask 0
+    groups = op["key_groups"]
+    per_group = groups["bytes"]
+    assert {g for g, size in enumerate(per_group) if size} == job.key_groups
+    assert groups["estimated"] is False
+    assert [c["parallelism"] for c in groups["candidates"]] == list(range(1, 2 * P + 1))
+    imbalances = {}
+    for candidate in groups["candidates"]:
+        p = candidate["parallelism"]
+        split = expected_split(per_group, p)
+        assert candidate["subtask_bytes"] == split
+        imbalances[p] = max(split) * p / sum(split)
+        assert candidate["imbalance"] == pytest.approx(imbalances[p], abs=1e-4)
+    best = min((i, p) for p, i in imbalances.items() if p > 1)[1]
+    assert groups["most_balanced"][0] == best
+
+    restores = [r for r in job.records if isinstance(r, RestoreMetrics)]
+    assert [(r["checkpoint"], r["restored_bytes"]) for r in report["restores"]] == [
+        (r.checkpoint, r.restored_bytes) for r in restores
+    ]
+    assert restores[0].restored_bytes > 0
+    failures = [r for r in job.records if isinstance(r, FailureMetrics)]
+    assert [(f["error"], f["recovery"]) for f in report["failures"]] == [
+        (f.error, f.recovery) for f in failures
+    ]
+
+
+def test_report_html_is_self_contained_with_every_plot(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    output = tmp_path / "report.html"
+    status, out, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(output))
+    assert status == 0, err
+    assert out.strip() == str(output)
+    page = output.read_text()
+    shown = figures(page)
+    for plot in PLOTS:
+        assert marks(shown[plot]) > 0, plot
+        assert 'data-empty="true"' not in shown[plot]
+    assert "<script" not in page and not re.search(r"\b(src|href)=", page)
+    assert "subtask 0 is hot" in page
+
+
+def test_report_of_a_directory_without_a_job_fails_in_one_line(
+    capsys: pytest.CaptureFixture[str], checkpoint_url: Storage
+) -> None:
+    status, out, err = cli(capsys, checkpoint_url, "report", join(checkpoint_url.url, "nothing"))
+    assert (status, out) == (1, "")
+    assert err.startswith("statebackend: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_plan_prints_the_imbalance_of_the_parallelism_asked_for(
+    capsys: pytest.CaptureFixture[str], job: ReportJob
+) -> None:
+    status, out, _ = cli(capsys, job.storage, "report", job.job_dir, "--json")
+    per_group: list[Any] = json.loads(out)["latest"]["operators"][OPERATOR]["key_groups"]["bytes"]
+    checkpoint = job.checkpoints.latest_completed()
+    assert checkpoint is not None
+    for parallelism in (1, 3):
+        status, out, err = cli(capsys, job.storage, "plan", checkpoint, "-p", str(parallelism))
+        assert status == 0, err
+        split = expected_split(per_group, parallelism)
+        imbalance = max(split) * parallelism / sum(split)
+        header = next(line for line in out.splitlines() if line.startswith(f"operator {OPERATOR}"))
+        assert header.endswith(f"keyed imbalance {imbalance:.2f} (max/mean)")
+        source = next(line for line in out.splitlines() if line.startswith("operator source"))
+        assert "imbalance" not in source
+
+
+def test_report_says_what_is_missing_without_a_history(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    """Runs last in the module: it deletes the job's metrics history."""
+    job.checkpoints.fs.delete(join(job.job_dir, METRICS_DIR), recursive=True)
+    output = tmp_path / "report.html"
+    status, _, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(output))
+    assert status == 0, err
+    shown = figures(output.read_text())
+    for plot in ("batch-bytes", "restore-history"):
+        assert 'data-empty="true"' in shown[plot] and "No " in shown[plot]
+    for plot in ("checkpoint-duration", "checkpoint-size", f"key-groups-{OPERATOR}"):
+        assert marks(shown[plot]) > 0, plot  # from the retained checkpoints' _metadata
+    assert "needs the metrics history" in output.read_text()
