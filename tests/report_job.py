@@ -18,20 +18,20 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.restore import restore_keyed_state
-from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.keygroups import (
-    assign_to_key_group,
-    compute_key_group_range_for_operator_index,
-    compute_operator_index_for_key_group,
-)
-from statebackend.metrics import (
+from statebackend.checkpoint.metrics import (
     BatchMetrics,
     CheckpointMetrics,
     FailureMetrics,
     MetricsHistory,
     RestoreMetrics,
     subtask_states,
+)
+from statebackend.checkpoint.restore import restore_keyed_state
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.keygroups import (
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
 )
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.state.descriptors import ListStateDescriptor

@@ -30,9 +30,7 @@ from typing import Any
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot
-from statebackend.errors import CheckpointNotFoundError
-from statebackend.keygroups import compute_key_group_range_for_operator_index
-from statebackend.metrics import (
+from statebackend.checkpoint.metrics import (
     BatchMetrics,
     CheckpointMetrics,
     FailureMetrics,
@@ -42,6 +40,8 @@ from statebackend.metrics import (
     records_of,
     subtask_states,
 )
+from statebackend.errors import CheckpointNotFoundError
+from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 from statebackend.snapshot.keyed_format import KeyedStateHandle
 from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle

@@ -13,13 +13,7 @@ from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.layout import METRICS_DIR, join
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.keygroups import (
-    assign_to_key_group,
-    compute_key_group_range_for_operator_index,
-    compute_operator_index_for_key_group,
-)
-from statebackend.metrics import (
+from statebackend.checkpoint.metrics import (
     BatchMetrics,
     CheckpointMetrics,
     FailureMetrics,
@@ -34,6 +28,12 @@ from statebackend.metrics import (
     read_history,
     record_to_json,
     records_of,
+)
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.keygroups import (
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
 )
 from statebackend.serializers import IntSerializer
 from statebackend.state.descriptors import ValueStateDescriptor
@@ -69,7 +69,7 @@ def test_history_reads_back_every_kind_of_record(
         ),
         FailureMetrics(1, "ConnectionError: executor lost", "restore from chk-1"),
     ]
-    with caplog.at_level(logging.INFO, logger="statebackend.metrics"):
+    with caplog.at_level(logging.INFO, logger="statebackend.checkpoint.metrics"):
         for record in written:
             first.record(record)
     second = MetricsHistory(fs, job_dir, "run2", started_at=2_000.0)
@@ -81,7 +81,7 @@ def test_history_reads_back_every_kind_of_record(
     ]
     assert first.latest == {"batch": written[0], "checkpoint": written[1], "failure": written[2]}
     assert records_of(read_history(fs, job_dir), RestoreMetrics) == [restore]
-    logged = [r for r in caplog.records if r.name == "statebackend.metrics"]
+    logged = [r for r in caplog.records if r.name == "statebackend.checkpoint.metrics"]
     assert [r.levelno for r in logged] == [logging.INFO] * 3
     assert [r.__dict__["metrics"] for r in logged] == [record_to_json(r) for r in written]
     assert "batch 0: 100 records in, 90 out" in logged[0].getMessage()
@@ -134,7 +134,7 @@ def test_a_history_that_cannot_be_written_does_not_fail(
     blocker.write_text("not a directory")
     fs = open_filesystem(tmp_path.as_uri())
     history = MetricsHistory(fs, f"{blocker.as_uri()}/job", "run")
-    with caplog.at_level(logging.WARNING, logger="statebackend.metrics"):
+    with caplog.at_level(logging.WARNING, logger="statebackend.checkpoint.metrics"):
         history.record(batch := _batch(7))
     assert history.latest["batch"] == batch
     assert any("could not write metrics" in r.getMessage() for r in caplog.records)

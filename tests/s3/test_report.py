@@ -12,8 +12,13 @@ from typing import Any
 import pytest
 
 from statebackend.checkpoint.layout import METRICS_DIR, join
+from statebackend.checkpoint.metrics import (
+    BatchMetrics,
+    CheckpointMetrics,
+    FailureMetrics,
+    RestoreMetrics,
+)
 from statebackend.cli import main
-from statebackend.metrics import BatchMetrics, CheckpointMetrics, FailureMetrics, RestoreMetrics
 from tests.conftest import Storage
 from tests.report_job import (
     BATCHES,

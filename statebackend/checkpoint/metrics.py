@@ -5,7 +5,7 @@ failover cost" from its checkpoint history and metrics; Spark from
 ``StreamingQueryProgress``. We keep one structured record per batch, checkpoint, restore
 and failure (``BatchMetrics``, ``CheckpointMetrics``, ``RestoreMetrics``,
 ``FailureMetrics``) in a history next to the checkpoints, and emit each one through
-Python ``logging`` (logger ``statebackend.metrics``, level INFO, a one-line message; the
+Python ``logging`` (logger ``statebackend.checkpoint.metrics``, level INFO, a one-line message; the
 record's JSON in the log record's ``metrics`` attribute), so ``statebackend report`` can
 plot a job after the fact and a log pipeline can follow it live.
 
