@@ -72,6 +72,8 @@ _UPLOAD_RECORDS_DIR = "incremental"
 
 WRITE_BUFFER_SHARE = 0.5
 """The part of a bounded memory budget that memtables may take (Flink's default ratio)."""
+WRITE_BUFFERS_PER_BUDGET = 8
+"""A memtable's size under a bounded budget: this fraction of the memtables' share."""
 
 
 class SharedMemory(NamedTuple):
@@ -123,6 +125,11 @@ def _options() -> Options:
         table.set_cache_index_and_filter_blocks(True)
         options.set_block_based_table_factory(table)
         options.set_write_buffer_manager(shared.write_buffers)
+        # Memtables allocate arena blocks of an eighth of their size: small enough that
+        # many databases' first blocks do not overshoot the budget on their own.
+        options.set_write_buffer_size(
+            min(64 << 20, int(shared.limit * WRITE_BUFFER_SHARE) // WRITE_BUFFERS_PER_BUDGET)
+        )
     return options
 
 
