@@ -77,7 +77,9 @@ DEFAULT_ROCKSDB_MEMORY = 512 << 20
 """Bytes the RocksDB instances of one executor Python worker share (``rocksdb.memory``)."""
 
 
-def _memory_size(key: str, text: str) -> int | None:
+def parse_memory_size(key: str, text: str) -> int | None:
+    """Bytes of a size such as ``512m``, ``2g`` or ``1048576`` (at least 1 MB), or None
+    for ``unbounded``; ConfigurationError naming ``key`` otherwise."""
     lowered = text.strip().lower()
     if lowered == "unbounded":
         return None
@@ -110,7 +112,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "local.dir": ("local_dir", _text),
     "transfer.threads": ("transfer_threads", _positive_int),
     "compression": ("compression", _choice(CODECS)),
-    "rocksdb.memory": ("rocksdb_memory", _memory_size),
+    "rocksdb.memory": ("rocksdb_memory", parse_memory_size),
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
 
