@@ -362,6 +362,25 @@ class KeyedStateBackend(ABC):
         of key groups outside the range are skipped. The key serializer must match the
         stored one exactly (keys decide key groups), else IncompatibleStateError.
         """
+        self._begin_restore(key_serializer, states, timers)
+        in_range = (
+            (name, (key_group, entry))
+            for name, key_group, entry in entries
+            if key_group in self.key_group_range
+        )
+        for name, run in groupby(in_range, key=itemgetter(0)):
+            self._restored_store(name).write_entries(item for _, item in run)
+        self._end_restore(timers)
+
+    def _begin_restore(
+        self,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        timers: TimerSnapshotInfo | None,
+    ) -> None:
+        """The checks and registrations of ``restore`` before any entry is loaded: a
+        backend's own restore paths (bulk loading) start with it and end with
+        ``_end_restore``."""
         states = list(states)
         self._check_restorable(key_serializer, states)
         if self._timer_service is not None and (
@@ -373,18 +392,19 @@ class KeyedStateBackend(ABC):
         for meta in states:
             self._restored[meta.name] = meta
             self._store_for(meta.name, meta.kind is StateKind.MAP)
-        in_range = (
-            (name, (key_group, entry))
-            for name, key_group, entry in entries
-            if key_group in self.key_group_range
-        )
-        for name, run in groupby(in_range, key=itemgetter(0)):
-            store = self._stores.get(name)
-            if store is None:
-                raise IncompatibleStateError(
-                    f"snapshot has entries of state {name!r} but no meta info for it"
-                )
-            store.write_entries(item for _, item in run)
+
+    def _restored_store(self, name: str) -> StateStore:
+        """The store of restored state ``name``; IncompatibleStateError if the snapshot
+        gave no meta info for it."""
+        store = self._stores.get(name)
+        if store is None:
+            raise IncompatibleStateError(
+                f"snapshot has entries of state {name!r} but no meta info for it"
+            )
+        return store
+
+    def _end_restore(self, timers: TimerSnapshotInfo | None) -> None:
+        """Keep the restored timer clocks (several restores keep the earliest)."""
         if timers is not None:
             restored = timers.clocks
             self._timer_clocks = (

@@ -17,12 +17,25 @@ import json
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
-from itertools import islice
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice, starmap
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, WriteBatch
+from rocksdict import (
+    AccessType,
+    BlockBasedOptions,
+    Cache,
+    Checkpoint,
+    IngestExternalFileOptions,
+    Options,
+    Rdict,
+    ReadOptions,
+    SstFileWriter,
+    WriteBatch,
+    WriteBufferManager,
+)
 
 from statebackend.backends.keyed import (
     FrozenState,
@@ -38,21 +51,85 @@ from statebackend.backends.stores import (
     StateStoreView,
     split_composite_key,
 )
-from statebackend.backends.timers import TimerClocks
-from statebackend.errors import IncompatibleStateError, StateBackendError
-from statebackend.serializers import Compatibility
+from statebackend.backends.timers import TimerClocks, TimerSnapshotInfo
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    IncompatibleStateError,
+    StateAccessError,
+    StateBackendError,
+)
+from statebackend.serializers import Compatibility, SerializerConfig
 from statebackend.state.descriptors import StateKind
 
 _WRITE_BATCH_ENTRIES = 10_000
 _META_KEY = b"statebackend.meta"
 """Key of the backend's meta info in the default column family (no state may use it)."""
+_ABOVE_EVERY_KEY_GROUP = b"\xff"
+"""Greater than every composite key: key groups are below 32768, so the first byte < 0x80."""
 _UPLOAD_RECORDS_DIR = "incremental"
 """Where incremental snapshots record their uploads, beside the database (``db``)."""
+
+
+WRITE_BUFFER_SHARE = 0.5
+"""The part of a bounded memory budget that memtables may take (Flink's default ratio)."""
+WRITE_BUFFERS_PER_BUDGET = 8
+"""A memtable's size under a bounded budget: this fraction of the memtables' share."""
+
+
+class SharedMemory(NamedTuple):
+    """The memory budget every RocksDB of the process shares (``set_memory_limit``)."""
+
+    limit: int
+    cache: Cache
+    write_buffers: WriteBufferManager
+
+
+_shared_memory: SharedMemory | None = None
+
+
+def set_memory_limit(limit: int | None) -> None:
+    """Bound the memory of every RocksDB this process opens from now on to about ``limit``
+    bytes: one LRU block cache of ``limit`` bytes (data, index and filter blocks) shared
+    by all of them, to which one write-buffer manager charges all their memtables (up to
+    ``WRITE_BUFFER_SHARE`` of it), as Flink's managed memory and Spark's
+    ``boundedMemoryUsage`` do. None: RocksDB's defaults, a cache and write buffers per
+    database and column family (unbounded in their number). Databases already open
+    keep what they were opened with; setting the same limit again changes nothing."""
+    global _shared_memory
+    if limit is None:
+        _shared_memory = None
+        return
+    if limit <= 0:
+        raise ValueError(f"a RocksDB memory limit must be positive, not {limit}")
+    if _shared_memory is not None and _shared_memory.limit == limit:
+        return
+    cache = Cache(limit)
+    write_buffers = WriteBufferManager.new_write_buffer_manager_with_cache(
+        int(limit * WRITE_BUFFER_SHARE), False, cache
+    )
+    _shared_memory = SharedMemory(limit, cache, write_buffers)
+
+
+def memory_limit() -> int | None:
+    """The limit ``set_memory_limit`` set for this process (None: unbounded)."""
+    return None if _shared_memory is None else _shared_memory.limit
 
 
 def _options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
+    shared = _shared_memory
+    if shared is not None:
+        table = BlockBasedOptions()
+        table.set_block_cache(shared.cache)
+        table.set_cache_index_and_filter_blocks(True)
+        options.set_block_based_table_factory(table)
+        options.set_write_buffer_manager(shared.write_buffers)
+        # Memtables allocate arena blocks of an eighth of their size: small enough that
+        # many databases' first blocks do not overshoot the budget on their own.
+        options.set_write_buffer_size(
+            min(64 << 20, int(shared.limit * WRITE_BUFFER_SHARE) // WRITE_BUFFERS_PER_BUDGET)
+        )
     return options
 
 
@@ -306,9 +383,99 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         self.dispose()
 
     def _create_store(self, name: str, is_map: bool) -> StateStore:
-        column = self._db.create_column_family(name, _options())
-        self._columns[name] = column
+        column = self._columns.get(name)  # present if a native checkpoint brought it
+        if column is None:
+            column = self._columns[name] = self._db.create_column_family(name, _options())
         return RocksDBStateStore(self._db, column, name, is_map)
+
+    # -- restore without puts ---------------------------------------------------------------
+
+    def restore_sorted(
+        self,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        runs: Iterable[tuple[str, int, list[tuple[bytes, bytes]]]],
+        timers: TimerSnapshotInfo | None = None,
+    ) -> int:
+        """``restore`` at file speed, from runs of (state name, key group, its (composite
+        key, value) pairs) whose pairs come, state by state over all runs, in strictly
+        ascending composite-key order: a snapshot's order. Each state's pairs are written
+        into one SST file beside the database and ingested, without a single put; runs of
+        key groups outside the backend's range are skipped. Returns the number of entries
+        loaded; CheckpointCorruptedError if a state's keys are out of order."""
+        self._begin_restore(key_serializer, states, timers)
+        staging = Path(tempfile.mkdtemp(prefix="ingest-", dir=self.local_dir))
+        writers: dict[str, tuple[SstFileWriter, Path]] = {}
+        loaded = 0
+        try:
+            for name, key_group, pairs in runs:
+                if not pairs or key_group not in self.key_group_range:
+                    continue
+                self._restored_store(name)
+                if name not in writers:
+                    path = staging / f"{len(writers)}.sst"
+                    writer = SstFileWriter(_options())
+                    writer.open(str(path))
+                    writers[name] = (writer, path)
+                try:
+                    # starmap over a list: no Python frame per entry.
+                    deque(starmap(writers[name][0].__setitem__, pairs), maxlen=0)
+                except Exception as exc:
+                    raise CheckpointCorruptedError(
+                        f"the entries of state {name!r} in key group {key_group} are not in "
+                        f"key order ({exc}): the snapshot is damaged"
+                    ) from exc
+                loaded += len(pairs)
+            ingest = IngestExternalFileOptions()
+            ingest.set_move_files(True)
+            for name, (writer, path) in writers.items():
+                writer.finish()
+                self._columns[name].ingest_external_file([str(path)], ingest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._end_restore(timers)
+        return loaded
+
+    def accepts_native_checkpoint(self) -> bool:
+        """True while no state was registered, restored or reopened here: only then can
+        ``restore_native_checkpoint`` make a native checkpoint this backend's database."""
+        return not self._disposed and not self._stores and self._timer_service is None
+
+    def restore_native_checkpoint(
+        self,
+        directory: Path,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        timers: TimerSnapshotInfo | None = None,
+    ) -> None:
+        """``restore`` without reading an entry: the native checkpoint in ``directory`` (an
+        incremental snapshot's files, downloaded onto the file system of ``local_dir``) is
+        moved in as this backend's database and clipped to its key-group range with
+        ``delete_range``, as Flink restores an incremental handle. StateAccessError unless
+        ``accepts_native_checkpoint()``."""
+        if not self.accepts_native_checkpoint():
+            raise StateAccessError(
+                "a native checkpoint can only become the database of a fresh backend: "
+                "restore it before any other restore or get_state"
+            )
+        states = list(states)
+        self._check_restorable(key_serializer, states)
+        db_path = self.local_dir / "db"
+        self._db.close()
+        shutil.rmtree(db_path)
+        Path(directory).rename(db_path)
+        names = [n for n in Rdict.list_cf(str(db_path), _options()) if n != "default"]
+        self._db = Rdict(str(db_path), _options(), column_families={n: _options() for n in names})
+        if self._db.get(_META_KEY) is not None:
+            del self._db[_META_KEY]  # the meta info of the backend that took the checkpoint
+        below = KEY_GROUP_PREFIX.pack(self.key_group_range.start)
+        above = KEY_GROUP_PREFIX.pack(self.key_group_range.end + 1)
+        for name in names:
+            column = self._columns[name] = self._db.get_column_family(name)
+            column.delete_range(b"", below)
+            column.delete_range(above, _ABOVE_EVERY_KEY_GROUP)
+        self._begin_restore(key_serializer, states, timers)
+        self._end_restore(timers)
 
     def _freeze(self, names: list[str]) -> FrozenState:
         self._checkpoints += 1

@@ -11,8 +11,10 @@ operator state by the old handles' element spans, per distribution mode.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
@@ -30,7 +32,11 @@ from statebackend.redistribution import (
     plan_operator_state,
 )
 from statebackend.snapshot.handles import resolve_path
-from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
+from statebackend.snapshot.incremental import (
+    IncrementalKeyedStateHandle,
+    download_native_checkpoint,
+)
+from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle, read_keyed_runs
 from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.snapshot.raw_keyed_format import read_raw_keyed_streams
 
@@ -135,36 +141,81 @@ def restore_keyed_state(
 ) -> int:
     """Load into ``backend`` the key groups of its range from the checkpoint.
 
-    Full snapshots: reads only the intersecting key groups, by ranged reads, verifying
-    every frame. Incremental snapshots: downloads the intersecting handles' files (next
-    to a RocksDB backend's database, else into the system's temp directory), checks
-    their checksums and streams the intersecting key groups. Returns the number of
-    entries restored.
+    Full snapshots: reads only the intersecting key groups, by ranged reads run ahead of
+    the decoding, verifying every frame. Incremental snapshots: downloads the
+    intersecting handles' files (next to a RocksDB backend's database, else into the
+    system's temp directory) and checks their checksums. A RocksDB backend loads without
+    a put (``restore_rocksdb``); the heap backend stores entry by entry. Returns the
+    number of entries copied (a native checkpoint that becomes the database is not
+    copied: its entries do not count).
     """
     check_max_parallelism(metadata, backend.max_parallelism)
     snapshot = operator_snapshot(metadata, operator_id)
     if snapshot is None:
         return 0
+    sources = [
+        (handle, key_groups)
+        for handle in snapshot.keyed_handles()
+        if (key_groups := handle.key_group_range.intersection(backend.key_group_range))
+    ]
+    if isinstance(backend, RocksDBKeyedStateBackend):
+        return restore_rocksdb(backend, fs, checkpoint_dir, sources)
     restored = 0
-    local_dir = backend.local_dir if isinstance(backend, RocksDBKeyedStateBackend) else None
 
     def counted(handle: KeyedHandle, key_groups: KeyGroupRange) -> Iterator[tuple[str, int, Entry]]:
         nonlocal restored
         for item in read_keyed_handle(
-            fs, checkpoint_dir, handle, key_groups, read_range=fs.read_range, local_dir=local_dir
+            fs, checkpoint_dir, handle, key_groups, read_range=fs.read_range
         ):
             restored += 1
             yield item
 
-    for handle in snapshot.keyed_handles():
-        key_groups = handle.key_group_range.intersection(backend.key_group_range)
-        if key_groups:
-            backend.restore(
-                handle.key_serializer,
-                handle.states,
-                counted(handle, key_groups),
-                handle.timers,
+    for handle, key_groups in sources:
+        backend.restore(
+            handle.key_serializer, handle.states, counted(handle, key_groups), handle.timers
+        )
+    return restored
+
+
+def restore_rocksdb(
+    backend: RocksDBKeyedStateBackend,
+    fs: CheckpointFileSystem,
+    checkpoint_dir: str,
+    sources: list[tuple[KeyedHandle, KeyGroupRange]],
+) -> int:
+    """Load (handle, key groups) ``sources`` into a RocksDB backend without a put.
+
+    Into a fresh backend, the incremental handle that covers most of its key groups is
+    downloaded and becomes its database, clipped to its range by ``delete_range`` (as
+    Flink does); every other source is read as sorted runs, written into SST files and
+    ingested (``RocksDBKeyedStateBackend.restore_sorted``). Returns the entries copied.
+    """
+    restored = 0
+    incremental = [s for s in sources if isinstance(s[0], IncrementalKeyedStateHandle)]
+    if incremental and backend.accepts_native_checkpoint():
+        base = max(incremental, key=lambda source: len(source[1]))
+        sources = [source for source in sources if source is not base]
+        handle = base[0]
+        assert isinstance(handle, IncrementalKeyedStateHandle)
+        with tempfile.TemporaryDirectory(prefix="restore-", dir=backend.local_dir) as temporary:
+            download = Path(temporary) / "db"
+            download.mkdir()
+            download_native_checkpoint(fs, checkpoint_dir, handle, download)
+            backend.restore_native_checkpoint(
+                download, handle.key_serializer, handle.states, handle.timers
             )
+    for handle, key_groups in sources:
+        runs = read_keyed_runs(
+            fs,
+            checkpoint_dir,
+            handle,
+            key_groups,
+            read_range=fs.read_range,
+            local_dir=backend.local_dir,
+        )
+        restored += backend.restore_sorted(
+            handle.key_serializer, handle.states, runs, handle.timers
+        )
     return restored
 
 

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Protocol
 
 from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMetaInfo
 from statebackend.backends.rocksdb import CheckpointReader, RocksDBCheckpointView
-from statebackend.backends.stores import Entry
+from statebackend.backends.stores import Entry, split_composite_key
 from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.checksums import CRC32, RunningChecksum, algorithm_of
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError
@@ -330,6 +330,52 @@ def _download(fs: IncrementalFileSystem, remote: str, file: NativeFile, target: 
         )
 
 
+def download_native_checkpoint(
+    fs: IncrementalFileSystem,
+    directory: str,
+    handle: IncrementalKeyedStateHandle,
+    target: Path,
+    threads: int = 4,
+) -> None:
+    """Download every file of ``handle`` (relative to ``directory``) into the existing
+    directory ``target``, up to ``threads`` at a time, checking each one's size and
+    checksum (CheckpointCorruptedError naming it)."""
+    files = (*handle.shared, *handle.private)
+    with ThreadPoolExecutor(max(1, min(threads, len(files))), "statebackend-file") as pool:
+        futures = [
+            pool.submit(_download, fs, resolve_path(directory, f.path), f, target / f.name)
+            for f in files
+        ]
+        for future in futures:
+            future.result()
+
+
+def read_incremental_runs(
+    fs: IncrementalFileSystem,
+    directory: str,
+    handle: IncrementalKeyedStateHandle,
+    key_groups: KeyGroupRange,
+    local_dir: Path | None = None,
+) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
+    """(state name, key group, its (composite key, value) pairs) for the key groups of
+    ``handle`` in ``key_groups``, state by state, in composite-key order. Downloads the
+    handle's files (``download_native_checkpoint``) into a temporary directory under
+    ``local_dir`` (default: the system's), removed when the iteration ends."""
+    wanted = handle.key_group_range.intersection(key_groups)
+    if not wanted:
+        return
+    with tempfile.TemporaryDirectory(prefix="restore-", dir=local_dir) as temporary:
+        download_native_checkpoint(fs, directory, handle, Path(temporary))
+        reader = CheckpointReader(temporary, [meta.name for meta in handle.states])
+        try:
+            for meta in handle.states:
+                view = RocksDBCheckpointView(reader, meta.name)
+                for key_group in wanted:
+                    yield meta.name, key_group, list(view.composite_items(key_group))
+        finally:
+            reader.close()
+
+
 def read_incremental_entries(
     fs: IncrementalFileSystem,
     directory: str,
@@ -338,22 +384,10 @@ def read_incremental_entries(
     local_dir: Path | None = None,
 ) -> Iterator[tuple[str, int, Entry]]:
     """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``,
-    state by state. Downloads the handle's files (relative to ``directory``) into a
-    temporary directory under ``local_dir`` (default: the system's), checking each one's
-    size and checksum (CheckpointCorruptedError naming it), removed when the iteration
-    ends."""
-    wanted = handle.key_group_range.intersection(key_groups)
-    if not wanted:
-        return
-    with tempfile.TemporaryDirectory(prefix="restore-", dir=local_dir) as temporary:
-        for file in (*handle.shared, *handle.private):
-            _download(fs, resolve_path(directory, file.path), file, Path(temporary) / file.name)
-        reader = CheckpointReader(temporary, [meta.name for meta in handle.states])
-        try:
-            for meta in handle.states:
-                view = RocksDBCheckpointView(reader, meta.name)
-                for key_group in wanted:
-                    for entry in view.entries(key_group):
-                        yield meta.name, key_group, entry
-        finally:
-            reader.close()
+    state by state, read as ``read_incremental_runs`` does."""
+    for name, key_group, pairs in read_incremental_runs(
+        fs, directory, handle, key_groups, local_dir
+    ):
+        for composite, value in pairs:
+            _, key, user_key = split_composite_key(composite)
+            yield name, key_group, (key, user_key, value)

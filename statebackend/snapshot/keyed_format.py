@@ -11,7 +11,9 @@ the backend that wrote it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from struct import Struct
 from typing import Any
@@ -37,9 +39,6 @@ _KEY_BYTES_FROM = KEY_GROUP_PREFIX.size + KEY_LENGTH.size
 """Where the key's bytes start in a composite key."""
 FRAME_BYTES = 1 << 20
 """Raw bytes gathered before a frame is cut (a key group may span several frames)."""
-
-READ_BYTES = 16 << 20
-"""How much a restore reads at once: consecutive key groups are fetched together."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +180,27 @@ def _decode_entries(payload: bytes, where: str) -> Iterator[tuple[int, Entry]]:
         raise CheckpointCorruptedError(f"{where}: malformed entry at byte {position}") from exc
 
 
+READ_BYTES = 4 << 20
+"""How much a restore reads at once: consecutive key groups are fetched together."""
+READ_AHEAD = 4
+"""Reads in flight while earlier ones are decoded (threads of one restore)."""
+
+
+def _read_batches(
+    wanted: list[tuple[int, int, int]],
+) -> Iterator[list[tuple[int, int, int]]]:
+    """Consecutive index items grouped into reads of at most ``READ_BYTES`` (an item
+    longer than that is read alone)."""
+    batch: list[tuple[int, int, int]] = []
+    for item in wanted:
+        if batch and item[1] + item[2] - batch[0][1] > READ_BYTES:
+            yield batch
+            batch = []
+        batch.append(item)
+    if batch:
+        yield batch
+
+
 def read_key_group_blocks(
     read_range: Any,
     path: str,
@@ -191,27 +211,93 @@ def read_key_group_blocks(
     offset, length]``) in ``key_groups``, each frame checked as it is decoded.
 
     ``read_range(path, start, length)`` fetches bytes; consecutive key groups are read
-    together, up to ``READ_BYTES`` at a time. Only the needed bytes are read.
+    together, up to ``READ_BYTES`` at a time, and up to ``READ_AHEAD`` reads run ahead in
+    threads while the caller decodes. Only the needed bytes are read.
     """
     wanted = [item for item in index if item[0] in key_groups]
-    position = 0
-    while position < len(wanted):
-        batch = [wanted[position]]
-        while (
-            position + len(batch) < len(wanted)
-            and wanted[position + len(batch)][1] + wanted[position + len(batch)][2] - batch[0][1]
-            <= READ_BYTES
-        ):
-            batch.append(wanted[position + len(batch)])
-        position += len(batch)
-        start = batch[0][1]
-        data = read_range(path, start, batch[-1][1] + batch[-1][2] - start)
-        for key_group, offset, length in batch:
-            where = f"{path} (key group {key_group})"
-            block = data[offset - start : offset - start + length]
-            if len(block) != length:
-                raise CheckpointCorruptedError(f"{where}: file is truncated")
-            yield key_group, decode_frames(block, where)
+    if not wanted:
+        return
+    with ThreadPoolExecutor(READ_AHEAD, "statebackend-read") as pool:
+        reads: deque[tuple[list[tuple[int, int, int]], Future[bytes]]] = deque()
+        try:
+            for batch in _read_batches(wanted):
+                start = batch[0][1]
+                length = batch[-1][1] + batch[-1][2] - start
+                reads.append((batch, pool.submit(read_range, path, start, length)))
+                if len(reads) > READ_AHEAD:
+                    done, data = reads.popleft()
+                    yield from _split_blocks(path, done, data.result())
+            while reads:
+                done, data = reads.popleft()
+                yield from _split_blocks(path, done, data.result())
+        finally:
+            for _, future in reads:
+                future.cancel()
+
+
+def _split_blocks(
+    path: str, batch: list[tuple[int, int, int]], data: bytes
+) -> Iterator[tuple[int, Iterator[bytes]]]:
+    start = batch[0][1]
+    for key_group, offset, length in batch:
+        where = f"{path} (key group {key_group})"
+        block = data[offset - start : offset - start + length]
+        if len(block) != length:
+            raise CheckpointCorruptedError(f"{where}: file is truncated")
+        yield key_group, decode_frames(block, where)
+
+
+def read_composite_runs(
+    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
+    """(state name, key group, its (composite key, value) pairs) for the key groups of
+    ``handle`` in ``key_groups``, read as ``read_key_group_blocks`` does: the entries
+    rebuilt as the composite keys a RocksDB backend stores (``stores.CurrentKey`` + user
+    key), in the file's order, which is composite-key order within each state and key
+    group. The bulk restore's input (``RocksDBKeyedStateBackend.restore_sorted``)."""
+    names = [meta.name for meta in handle.states]
+    for key_group, payloads in read_key_group_blocks(
+        read_range, path, handle.key_groups, key_groups
+    ):
+        where = f"{path} (key group {key_group})"
+        prefix = KEY_GROUP_PREFIX.pack(key_group)
+        for payload in payloads:
+            for state, pairs in _decode_composites(payload, prefix, where):
+                if state >= len(names):
+                    raise CheckpointCorruptedError(f"{where}: unknown state index {state}")
+                yield names[state], key_group, pairs
+
+
+def _decode_composites(
+    payload: bytes, prefix: bytes, where: str
+) -> Iterator[tuple[int, list[tuple[bytes, bytes]]]]:
+    """(state index, its pairs) per run of one state's entries in a frame's payload."""
+    unpack_head, unpack_length = ENTRY_HEAD.unpack_from, LENGTH.unpack_from
+    end, position, state = len(payload), 0, -1
+    pairs: list[tuple[bytes, bytes]] = []
+    try:
+        while position < end:
+            entry_state, key_length = unpack_head(payload, position)
+            key_end = position + 6 + key_length  # [state: 2][key length: 4][key]
+            (user_key_length,) = unpack_length(payload, key_end)
+            user_key_end = key_end + 4 + user_key_length
+            (value_length,) = unpack_length(payload, user_key_end)
+            value_end = user_key_end + 4 + value_length
+            if value_end > end:
+                raise ValueError("entry runs past the frame")
+            if entry_state != state:
+                if pairs:
+                    yield state, pairs
+                state, pairs = entry_state, []
+            key = prefix + payload[position + 2 : key_end]
+            if user_key_length:
+                key += payload[key_end + 4 : user_key_end]
+            pairs.append((key, payload[user_key_end + 4 : value_end]))
+            position = value_end
+    except Exception as exc:
+        raise CheckpointCorruptedError(f"{where}: malformed entry at byte {position}") from exc
+    if pairs:
+        yield state, pairs
 
 
 def read_keyed_entries(

@@ -14,8 +14,13 @@ from statebackend.snapshot.incremental import (
     IncrementalFileSystem,
     IncrementalKeyedStateHandle,
     read_incremental_entries,
+    read_incremental_runs,
 )
-from statebackend.snapshot.keyed_format import KeyedStateHandle, read_keyed_entries
+from statebackend.snapshot.keyed_format import (
+    KeyedStateHandle,
+    read_composite_runs,
+    read_keyed_entries,
+)
 
 KeyedHandle = KeyedStateHandle | IncrementalKeyedStateHandle
 """A keyed state handle: full (one file, key-group index) or incremental (RocksDB files)."""
@@ -49,3 +54,20 @@ def read_keyed_handle(
     if isinstance(handle, IncrementalKeyedStateHandle):
         return read_incremental_entries(fs, directory, handle, key_groups, local_dir)
     return read_keyed_entries(read_range, resolve_path(directory, handle.path), handle, key_groups)
+
+
+def read_keyed_runs(
+    fs: IncrementalFileSystem,
+    directory: str,
+    handle: KeyedHandle,
+    key_groups: KeyGroupRange,
+    *,
+    read_range: Callable[[str, int, int], bytes],
+    local_dir: Path | None = None,
+) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
+    """(state name, key group, its (composite key, value) pairs) of the key groups of
+    ``handle`` in ``key_groups``, each state's pairs in composite-key order: what
+    ``read_keyed_handle`` reads, as a RocksDB backend bulk-loads it."""
+    if isinstance(handle, IncrementalKeyedStateHandle):
+        return read_incremental_runs(fs, directory, handle, key_groups, local_dir)
+    return read_composite_runs(read_range, resolve_path(directory, handle.path), handle, key_groups)

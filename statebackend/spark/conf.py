@@ -72,6 +72,30 @@ def _optional_int(key: str, text: str) -> int | None:
     return None if text in ("", "auto") else _positive_int(key, text)
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+DEFAULT_ROCKSDB_MEMORY = 512 << 20
+"""Bytes the RocksDB instances of one executor Python worker share (``rocksdb.memory``)."""
+
+
+def parse_memory_size(key: str, text: str) -> int | None:
+    """Bytes of a size such as ``512m``, ``2g`` or ``1048576`` (at least 1 MB), or None
+    for ``unbounded``; ConfigurationError naming ``key`` otherwise."""
+    lowered = text.strip().lower()
+    if lowered == "unbounded":
+        return None
+    unit = lowered[-1:] if lowered[-1:].isalpha() else ""
+    number = lowered[: len(lowered) - len(unit)]
+    try:
+        value = int(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = 0
+    if value < 1 << 20:
+        raise ConfigurationError(
+            f"{key}={text!r} is invalid: give a size of at least 1m (e.g. 512m, 2g) or unbounded"
+        )
+    return value
+
+
 KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "backend": ("backend", _choice(BACKENDS)),
     "checkpoint.dir": ("checkpoint_dir", _text),
@@ -88,6 +112,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "local.dir": ("local_dir", _text),
     "transfer.threads": ("transfer_threads", _positive_int),
     "compression": ("compression", _choice(CODECS)),
+    "rocksdb.memory": ("rocksdb_memory", parse_memory_size),
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
 
@@ -116,6 +141,7 @@ class StateBackendConf:
     local_dir: str = field(default_factory=default_local_dir)
     transfer_threads: int = DEFAULT_TRANSFER_THREADS
     compression: str = "lz4"
+    rocksdb_memory: int | None = DEFAULT_ROCKSDB_MEMORY
     signing_key: str = field(default="", repr=False)
     signing_key_file: str = ""
 

@@ -648,6 +648,7 @@ class StatefulJob:
                 conf.compression,
                 conf.incremental,
                 self._storage.signing_key,
+                conf.rocksdb_memory,
             ),
             local_dir=conf.local_dir,
             output_dir=self.output_dir if read_source else None,

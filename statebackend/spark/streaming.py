@@ -197,6 +197,7 @@ class StatefulStream:
             conf.storage_options,
             conf.transfer_threads,
             conf.compression,
+            rocksdb_memory=conf.rocksdb_memory,
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
         newest = self.committer.newest_batch()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statebackend.backends.rocksdb import set_memory_limit
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.signing import SigningKey
@@ -51,6 +52,8 @@ class StorageSpec:
     compression: str
     incremental: bool = False
     signing_key: SigningKey | None = None
+    rocksdb_memory: int | None = None
+    """The memory all RocksDB instances of an executor process share (None: unbounded)."""
 
     def _cache_key(self) -> str:
         return json.dumps(
@@ -69,7 +72,9 @@ class StorageSpec:
 
     def open(self) -> CheckpointStorage:
         """This process's storage for the spec (one per process, so that its transfer
-        threads outlive the task that started an upload)."""
+        threads outlive the task that started an upload). Bounds the process's RocksDB
+        memory by ``rocksdb_memory`` first, so that the databases it opens share it."""
+        set_memory_limit(self.rocksdb_memory)
         key = self._cache_key()
         storage = _STORAGES.get(key)
         if storage is None:
