@@ -72,12 +72,15 @@ from statebackend.spark.streaming import transform_with_state  # noqa: E402
 if __name__ != "__main__":
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-QUICK = {"events": 4_000, "keys": 400, "batch": 1_000}
+QUICK = {"events": 2_000, "keys": 200, "batch": 1_000}
 WARMUP = {"events": 2_000, "keys": 100, "batch": 1_000}
 PARALLELISM = 2
 JVM = "spark-jvm-agg"
 SPARK_PYTHON = ("spark-tws", "spark-twsp", "spark-aipws")
-OURS = ("ours-row", "ours-pandas")
+PROVIDER_KEY = "spark.sql.streaming.stateStore.providerClass"
+CHECKPOINT_DIR_KEY = "spark.statebackend.checkpoint.dir"
+LOCAL_DIR_KEY = "spark.statebackend.local.dir"
+SESSION_KEYS = (PROVIDER_KEY, CHECKPOINT_DIR_KEY, LOCAL_DIR_KEY)
 
 
 class RowCountSumProcessor(StatefulProcessor):
@@ -211,8 +214,8 @@ def run_engine(
     """Run one engine over the files in ``input_dir`` to the end, verify and measure it."""
     checkpoint = work_dir / "spark-checkpoint"
     ours_dir = work_dir / "statebackend"
-    spark.conf.set("spark.statebackend.checkpoint.dir", ours_dir.as_uri())
-    spark.conf.set("spark.statebackend.local.dir", str(work_dir / "local"))
+    spark.conf.set(CHECKPOINT_DIR_KEY, ours_dir.as_uri())
+    spark.conf.set(LOCAL_DIR_KEY, str(work_dir / "local"))
     checkpoint.mkdir(parents=True)
     ours_dir.mkdir()
     written = _WrittenBytes([checkpoint, ours_dir])
@@ -264,22 +267,33 @@ def run_engine(
 
 
 def run_all(
-    spark: SparkSession, engines: list[str], events: int, keys: int, batch: int, seed: int = 0
+    spark: SparkSession,
+    engines: list[str],
+    events: int,
+    keys: int,
+    batch: int,
+    seed: int = 0,
+    warmup: bool = True,
 ) -> list[EngineResult]:
-    """Warm every engine up, then run each on the same generated files; their results."""
+    """Warm every engine up (unless ``warmup`` is False), then run each on the same
+    generated files; their results. The session's ``SESSION_KEYS`` are set for the run
+    (RocksDB state store provider, our directories) and restored after it."""
     work_dir = Path(tempfile.mkdtemp(prefix="statebackend-streaming-bench-"))
+    saved = {key: spark.conf.get(key, None) for key in SESSION_KEYS}
+    spark.conf.set(PROVIDER_KEY, spark_baseline.ROCKSDB_PROVIDER)
     try:
-        warmup = spark_baseline.make_workload(WARMUP["events"], WARMUP["keys"], seed + 1)
-        spark_baseline.write_event_files(warmup, WARMUP["batch"], work_dir / "warmup-input")
-        for engine in engines:
-            run_engine(
-                spark,
-                engine,
-                work_dir / "warmup-input",
-                work_dir / f"warmup-{engine}",
-                warmup.expected,
-                WARMUP["batch"],
-            )
+        if warmup:
+            small = spark_baseline.make_workload(WARMUP["events"], WARMUP["keys"], seed + 1)
+            spark_baseline.write_event_files(small, WARMUP["batch"], work_dir / "warmup-input")
+            for engine in engines:
+                run_engine(
+                    spark,
+                    engine,
+                    work_dir / "warmup-input",
+                    work_dir / f"warmup-{engine}",
+                    small.expected,
+                    WARMUP["batch"],
+                )
         workload = spark_baseline.make_workload(events, keys, seed)
         spark_baseline.write_event_files(workload, batch, work_dir / "input")
         results = []
@@ -297,6 +311,11 @@ def run_all(
             print(f"# {engine}: {results[-1].seconds:.1f} s", file=sys.stderr, flush=True)
         return results
     finally:
+        for key, value in saved.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
@@ -335,7 +354,9 @@ def main(argv: list[str] | None = None, spark: SparkSession | None = None) -> li
         default=",".join(ENGINES),
         help=f"comma-separated subset of {','.join(ENGINES)} (default: all)",
     )
-    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"a smoke run: sizes {QUICK}, no warm-up"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object per engine")
     args = parser.parse_args(argv)
@@ -348,7 +369,13 @@ def main(argv: list[str] | None = None, spark: SparkSession | None = None) -> li
     session = spark if spark is not None else spark_baseline.create_session(PARALLELISM)
     try:
         results = run_all(
-            session, engines, sizes["events"], sizes["keys"], sizes["batch"], args.seed
+            session,
+            engines,
+            sizes["events"],
+            sizes["keys"],
+            sizes["batch"],
+            args.seed,
+            warmup=not args.quick,
         )
     finally:
         if spark is None:
