@@ -53,6 +53,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark import cloudpickle
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -266,6 +267,21 @@ def run_engine(
     )
 
 
+def _run_with_retry(
+    spark: SparkSession, engine: str, input_dir: Path, work_dir: Path, *args: Any
+) -> EngineResult:
+    """``run_engine``, up to twice more (in a fresh directory) if Spark's Python worker
+    did not connect back in time (Spark's limit, which a heavily loaded machine misses)."""
+    for attempt in range(2):
+        try:
+            return run_engine(spark, engine, input_dir, work_dir / f"attempt-{attempt}", *args)
+        except StreamingQueryException as exc:
+            if "failed to connect back" not in str(exc):
+                raise
+            print(f"# {engine}: Python worker did not connect back; retrying", file=sys.stderr)
+    return run_engine(spark, engine, input_dir, work_dir / "attempt-2", *args)
+
+
 def run_all(
     spark: SparkSession,
     engines: list[str],
@@ -286,7 +302,7 @@ def run_all(
             small = spark_baseline.make_workload(WARMUP["events"], WARMUP["keys"], seed + 1)
             spark_baseline.write_event_files(small, WARMUP["batch"], work_dir / "warmup-input")
             for engine in engines:
-                run_engine(
+                _run_with_retry(
                     spark,
                     engine,
                     work_dir / "warmup-input",
@@ -299,7 +315,7 @@ def run_all(
         results = []
         for engine in engines:
             results.append(
-                run_engine(
+                _run_with_retry(
                     spark,
                     engine,
                     work_dir / "input",
@@ -308,7 +324,7 @@ def run_all(
                     batch,
                 )
             )
-            print(f"# {engine}: {results[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+            print(f"# {json.dumps(asdict(results[-1]))}", file=sys.stderr, flush=True)
         return results
     finally:
         for key, value in saved.items():
