@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from itertools import chain
 from typing import Any, ClassVar, Generic, TypeVar
 
 from statebackend.errors import ConfigurationError, IncompatibleStateError, SerializationError
@@ -455,12 +456,41 @@ def _nullable(codec: tuple[_Encoder, _Decoder]) -> tuple[_Encoder, _Decoder]:
     return encode, decode
 
 
+_FLAT_FIELDS = {
+    **{name: (fmt, int) for name, fmt in _FIXED_WIDTH_INTS.items()},
+    "double": ("d", float),
+    "float": ("f", float),
+}
+"""Fixed-width number types: format character and the Python type packed as it is."""
+
+
+def _flat_struct(fields: list[dict[str, Any]]) -> tuple[struct.Struct, tuple[type, ...]] | None:
+    """For a struct of fixed-width numbers only: one ``Struct`` packing every field with
+    its not-null tag, and the exact Python type of each field it takes; else None."""
+    if not fields or not all(
+        isinstance(field["type"], str) and field["type"] in _FLAT_FIELDS for field in fields
+    ):
+        return None
+    kinds = [_FLAT_FIELDS[field["type"]] for field in fields]
+    return struct.Struct(">" + "".join("B" + fmt for fmt, _ in kinds)), tuple(
+        kind for _, kind in kinds
+    )
+
+
 def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
     fields = struct_type.get("fields", [])
     names = [field["name"] for field in fields]
     codecs = [_nullable(_field_codec(field["type"])) for field in fields]
+    flat = _flat_struct(fields)
+    # The field-by-field bytes of a tuple of exact ints/floats without nulls, in one call:
+    # the hot path of numeric keys and values.
+    packer, flat_types = flat if flat is not None else (None, ())
+    tags = (1,) * len(fields)
 
     def encode(value: Any, out: list[bytes]) -> None:
+        if packer is not None and type(value) is tuple and tuple(map(type, value)) == flat_types:
+            out.append(packer.pack(*chain.from_iterable(zip(tags, value, strict=True))))
+            return
         if isinstance(value, dict):
             value = tuple(value.get(name) for name in names)
         if not isinstance(value, (tuple, list)) or len(value) != len(codecs):
@@ -469,6 +499,10 @@ def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
             field_encode(item, out)
 
     def decode(view: memoryview, position: int) -> tuple[Any, int]:
+        if packer is not None and len(view) - position >= packer.size:
+            unpacked = packer.unpack_from(view, position)
+            if unpacked[0::2] == tags:
+                return unpacked[1::2], position + packer.size
         items = []
         for _, field_decode in codecs:
             item, position = field_decode(view, position)

@@ -143,7 +143,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_PLAIN_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def _row_tuple(value: Any) -> tuple[Any, ...]:
+    if type(value) is tuple and set(map(type, value)) <= _PLAIN_TYPES:
+        return value  # already what _plain would make of it
     plain = _plain(value)
     return tuple(plain) if isinstance(plain, (tuple, list)) else plain
 

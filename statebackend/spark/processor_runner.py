@@ -102,18 +102,21 @@ class KeyedFunctionProcessor(StatefulProcessor):
 
 def _key_runs(
     batches: Iterable[pa.RecordBatch], key_columns: tuple[str, ...]
-) -> Iterator[tuple[tuple[Any, ...], int, pa.RecordBatch]]:
-    """(key, kind, slice) for each run of rows with the same key and kind, in order."""
+) -> Iterator[tuple[tuple[Any, ...], int, pa.RecordBatch, int, int]]:
+    """(key, kind, batch, start, stop) for each run of rows with the same key and kind,
+    in order: rows ``start:stop`` of ``batch``."""
     for batch in batches:
         if batch.num_rows == 0:
             continue
         keys = list(zip(*(batch.column(name).to_pylist() for name in key_columns), strict=True))
         kinds = batch.column(KIND_COLUMN).to_pylist()
         start = 0
-        for end in range(1, batch.num_rows + 1):
-            if end == batch.num_rows or keys[end] != keys[start] or kinds[end] != kinds[start]:
-                yield keys[start], kinds[start], batch.slice(start, end - start)
-                start = end
+        key, kind = keys[0], kinds[0]
+        for end in range(1, batch.num_rows):
+            if keys[end] != key or kinds[end] != kind:
+                yield key, kind, batch, start, end
+                start, key, kind = end, keys[end], kinds[end]
+        yield key, kind, batch, start, batch.num_rows
 
 
 class OutputBuilder:
@@ -131,8 +134,11 @@ class OutputBuilder:
     def add_rows(self, rows: Iterable[Any]) -> Iterator[pa.RecordBatch]:
         """Take Row-mode output; yield full record batches as they fill up."""
         width = len(self.names)
+        names = self.names
         for row in rows:
-            if isinstance(row, Row) and hasattr(row, "__fields__"):
+            if type(row) is Row and getattr(row, "__fields__", None) == names:
+                self._rows.append(tuple(row))  # the common case: Row(**fields) in order
+            elif isinstance(row, Row) and hasattr(row, "__fields__"):
                 values = row.asDict(recursive=False)
                 missing = [name for name in self.names if name not in values]
                 if missing:
@@ -197,35 +203,57 @@ def _table_rows(table: pa.Table) -> Iterator[Row]:
     return (row_type(*values) for values in zip(*columns, strict=True))
 
 
+def _batch_rows(batch: pa.RecordBatch, names: list[str]) -> list[Row]:
+    """Every row of ``batch`` as a ``Row`` of the columns ``names``, equal to what
+    ``Row(*names)(*values)`` makes, built without its per-row Python calls."""
+    row_type = Row(*names)
+    new_tuple = tuple.__new__
+    rows = []
+    for values in zip(*(batch.column(name).to_pylist() for name in names), strict=True):
+        row = new_tuple(Row, values)
+        row.__dict__["__fields__"] = row_type
+        rows.append(row)
+    return rows
+
+
+Run = tuple[pa.RecordBatch, int, int]
+"""Rows ``start:stop`` of an Arrow record batch."""
+
+
 class _Inputs:
-    """Turns a key's Arrow slices into what the processor takes (Rows or DataFrames)."""
+    """Turns a key's runs of rows into what the processor takes (Rows or DataFrames).
+    Row mode converts each Arrow batch to Rows once, when its first run is asked for."""
 
     def __init__(self, spec: ProcessorSpec) -> None:
         self._spec = spec
         self._initial_names = [INITIAL_PREFIX + name for name in spec.initial_columns]
+        self._rows_of: pa.RecordBatch | None = None
+        self._rows: list[Row] = []
 
     @staticmethod
-    def _select(batch: pa.RecordBatch, names: list[str], as_names: list[str]) -> pa.Table:
-        return pa.Table.from_batches([batch.select(names)]).rename_columns(as_names)
+    def _select(run: Run, names: list[str], as_names: list[str]) -> pa.Table:
+        batch, start, stop = run
+        piece = batch.slice(start, stop - start).select(names)
+        return pa.Table.from_batches([piece]).rename_columns(as_names)
 
-    def input_rows(self, slices: list[pa.RecordBatch]) -> Iterator[Any]:
-        """The key's input rows: Rows, or one DataFrame per slice (pandas mode)."""
+    def input_rows(self, runs: list[Run]) -> Iterator[Any]:
+        """The key's input rows: Rows, or one DataFrame per run (pandas mode)."""
         names = list(self._spec.input_columns)
-        for piece in slices:
-            table = self._select(piece, names, names)
+        for run in runs:
             if self._spec.use_pandas:
-                yield table.to_pandas()
-            else:
-                yield from _table_rows(table)
+                yield self._select(run, names, names).to_pandas()
+                continue
+            batch, start, stop = run
+            if batch is not self._rows_of:
+                self._rows_of, self._rows = batch, _batch_rows(batch, names)
+            yield from self._rows[start:stop]
 
-    def initial_states(self, slices: list[pa.RecordBatch]) -> Iterator[Any]:
+    def initial_states(self, runs: list[Run]) -> Iterator[Any]:
         """The key's initial-state rows: one Row each, or one DataFrame (pandas mode)."""
-        if not slices:
+        if not runs:
             return
         names = list(self._spec.initial_columns)
-        table = pa.concat_tables(
-            [self._select(piece, self._initial_names, names) for piece in slices]
-        )
+        table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         if self._spec.use_pandas:
             yield table.to_pandas()
         else:
@@ -272,9 +300,9 @@ def run_keyed_subtask(
     if spec.time_mode == "EventTime" and spec.event_time_column is not None:
         batches = _drop_late_events(batches, spec.event_time_column, times.late_events_watermark_ms)
     for key, runs in groupby(_key_runs(batches, spec.key_columns), key=lambda run: run[0]):
-        by_kind: dict[int, list[pa.RecordBatch]] = {CONTROL: [], INITIAL: [], INPUT: []}
-        for _, kind, piece in runs:
-            by_kind[kind].append(piece)
+        by_kind: dict[int, list[Run]] = {CONTROL: [], INITIAL: [], INPUT: []}
+        for _, kind, batch, start, stop in runs:
+            by_kind[kind].append((batch, start, stop))
         if not by_kind[INITIAL] and not by_kind[INPUT]:
             continue  # the control row
         backend.set_current_key(key)

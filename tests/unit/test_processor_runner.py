@@ -3,9 +3,11 @@ JVM, over the heap and RocksDB backends, compared with plain-Python computations
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +203,41 @@ def test_running_totals_match_plain_python(
             totals[user] += amount
             expected[user] = totals[user]
         assert sorted(output) == sorted(expected.items())
+
+
+class RowRecorder(StatefulProcessor):
+    """Keeps every (key, Row) it is given and echoes the rows as they came."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.seen: list[tuple[Any, Row]] = []
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        for row in rows:
+            self.seen.append((key, row))
+            yield Row(user=row.user, total=row["amount"])
+
+
+def test_rows_are_spark_rows_of_the_input_columns(backend: KeyedStateBackend) -> None:
+    """Rows spanning several Arrow batches reach the processor as ``Row``s like
+    ``Row(user=..., amount=...)``, grouped by key, each key's in arrival order."""
+    processor = RowRecorder()
+    rows = [(f"u{i % 5}", i) for i in range(40)]
+    output = _rows(run_keyed_subtask(_spec(processor), backend, BatchTimes(0), _batches(rows)))
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for user, amount in rows:
+        by_key[user].append(amount)
+    assert sorted(output) == sorted(rows)
+    for key, row in processor.seen:
+        assert type(row) is Row and row == Row(user=key[0], amount=row[1])
+        assert row.asDict() == {"user": key[0], "amount": row[1]}
+        assert list(row.__fields__) == ["user", "amount"]
+        assert pickle.loads(pickle.dumps(row)).asDict() == row.asDict()
+    seen_keys = [key for key, _ in processor.seen]
+    assert [k for k, _ in groupby(seen_keys)] == list(dict.fromkeys(seen_keys))
+    for user, amounts in by_key.items():
+        assert [row.amount for key, row in processor.seen if key == (user,)] == amounts
 
 
 def test_initial_state_runs_once_per_row_before_input(backend: KeyedStateBackend) -> None:
