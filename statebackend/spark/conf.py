@@ -72,6 +72,10 @@ def _optional_int(key: str, text: str) -> int | None:
     return None if text in ("", "auto") else _positive_int(key, text)
 
 
+def _optional_seconds(key: str, text: str) -> float | None:
+    return None if text in ("", "off") else _positive_float(key, text)
+
+
 KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "backend": ("backend", _choice(BACKENDS)),
     "checkpoint.dir": ("checkpoint_dir", _text),
@@ -88,8 +92,11 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "local.dir": ("local_dir", _text),
     "transfer.threads": ("transfer_threads", _positive_int),
     "compression": ("compression", _choice(CODECS)),
+    "streaming.tick-interval": ("tick_interval", _optional_seconds),
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
+
+TICK_INTERVAL_KEY = PREFIX + "streaming.tick-interval"
 
 
 def default_local_dir() -> str:
@@ -118,6 +125,8 @@ class StateBackendConf:
     compression: str = "lz4"
     signing_key: str = field(default="", repr=False)
     signing_key_file: str = ""
+    tick_interval: float | None = None
+    """Seconds between the batches of an idle ``transform_with_state`` query (None: off)."""
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, str]], **overrides: Any) -> StateBackendConf:

@@ -47,7 +47,7 @@ from statebackend.spark.arrow_path import (
     combined_input,
     keyed_batch,
 )
-from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
     BatchTimes,
@@ -63,6 +63,7 @@ from statebackend.spark.streaming_commit import (
     publish_once,
     publish_parquet,
 )
+from statebackend.spark.streaming_ticks import with_ticks, without_ticks
 from statebackend.spark.tasks import StorageSpec
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
@@ -364,16 +365,26 @@ class StatefulStreamWriter:
                 "no checkpointLocation: set .option('checkpointLocation', dir); the batch "
                 "times are read from its offsets/ log"
             )
+        tick = stream.conf.tick_interval
+        trigger = self._trigger or ({} if tick is None else {"processingTime": f"{tick} seconds"})
+        if tick is not None and "processingTime" not in trigger:
+            raise ConfigurationError(
+                f"trigger {trigger} ends the query, so {TICK_INTERVAL_KEY} has nothing to "
+                f"tick: use trigger(processingTime=...) or unset {TICK_INTERVAL_KEY}"
+            )
         spark = stream.df.sparkSession
         stream.binding_id = bind(stream.committer.storage, checkpoint, stream.conf.storage_options)
 
         def run(batch_df: DataFrame, batch_id: int) -> None:
             times = read_batch_times(spark, checkpoint, batch_id)
+            if tick is not None:
+                batch_df = without_ticks(batch_df)
             self._publish(stream.run_batch(batch_df, batch_id, times), table)
 
-        writer = stream.df.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
-        if self._trigger:
-            writer = writer.trigger(**self._trigger)
+        source = stream.df if tick is None else with_ticks(stream.df, tick)
+        writer = source.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
+        if trigger:
+            writer = writer.trigger(**trigger)
         if self._query_name is not None:
             writer = writer.queryName(self._query_name)
         return writer.start()

@@ -4,6 +4,7 @@ and both equal a plain-Python computation."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -32,7 +33,14 @@ from pyspark.sql.types import (
 )
 
 from tests.spark import streaming_parity
-from tests.spark.streaming_parity import ParityCase, run_parity
+from tests.spark.streaming_parity import (
+    ParityCase,
+    parity_settings,
+    run_ours,
+    run_parity,
+    run_spark,
+    write_batches,
+)
 
 # Spark's workers cannot import test modules: ship their classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -541,4 +549,113 @@ def test_event_time_timers_like_spark(
     theirs, ours = run_parity(spark_local, case, batches, tmp_path)
     expected = expected_event_timers(EVENT_BATCHES, len(EVENT_BATCHES))
     assert theirs == expected
+    assert ours == expected
+
+
+# -- no-data batches: streaming.tick-interval -------------------------------------------
+
+TICK_SECONDS = "0.5"
+
+
+def test_ticks_fire_event_time_timers_like_sparks_no_data_batch(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """After the last input batch moved the watermark, Spark runs one no-data batch that
+    fires the timers it passed; with ticks our query runs a batch on every trigger and
+    fires the same timers in the same batch (here the batch ids agree: the input files
+    come one per batch, then every batch is a tick)."""
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        EventTimers,
+        EVENT_OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    input_dir = tmp_path / "input"
+    write_batches(input_dir, _event_rows(EVENT_BATCHES))
+    batch_count = len(EVENT_BATCHES) + 2
+    with parity_settings(
+        spark_local, tmp_path, no_data_batches=True, **{"streaming.tick-interval": TICK_SECONDS}
+    ):
+        theirs = run_spark(spark_local, case, input_dir, tmp_path / "spark-checkpoint")
+        ours = run_ours(
+            spark_local, case, input_dir, tmp_path / "ckpt", "ticks", until_batches=batch_count
+        )
+    expected = expected_event_timers(EVENT_BATCHES, batch_count)
+    assert max(batch_id for batch_id, _ in expected) == len(EVENT_BATCHES)  # a no-data batch
+    assert theirs == expected
+    assert ours == expected
+
+
+REMINDER_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("expiry_ms", LongType()),
+        StructField("note_exists", LongType()),
+    ]
+)
+REMINDER_DELAY_MS = 1500
+NOTE_TTL_MS = 1000
+
+
+class Reminder(StatefulProcessor):
+    """ProcessingTime: per key, a note with a 1 s TTL and a timer 1.5 s after the input's
+    batch; the fired timer reports whether the note is still there."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.note = handle.getValueState("note", "amount long", NOTE_TTL_MS)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        for row in rows:
+            self.note.update((row.amount,))
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + REMINDER_DELAY_MS)
+        return iter(())
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        yield Row(
+            user=key[0],
+            expiry_ms=expiredTimerInfo.getExpiryTimeInMs(),
+            note_exists=int(self.note.exists()),
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _batch_timestamps(checkpoint: Path, count: int) -> list[int]:
+    """Batch timestamps of batches 0 .. count - 1, from Spark's offsets log."""
+    logs = [(checkpoint / "offsets" / str(n)).read_text().splitlines() for n in range(count)]
+    return [int(json.loads(lines[1])["batchTimestampMs"]) for lines in logs]
+
+
+def test_ticks_fire_processing_time_timers_and_ttl_without_input(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Two input batches, then only ticks: each key's timer fires in the first batch
+    whose timestamp reaches it; its note is there only if the key's newest input is
+    younger than the note's TTL (by batch timestamps)."""
+    case = ParityCase(INPUT, ["user"], Reminder, REMINDER_OUTPUT, time_mode="ProcessingTime")
+    batches = [BATCHES[0], BATCHES[1]]
+    input_dir, checkpoint = tmp_path / "input", tmp_path / "ckpt"
+    write_batches(input_dir, batches)
+    batch_count = 7  # ticks >= 0.5 s apart: batch 6 is >= 2.5 s after batch 1
+    with parity_settings(spark_local, tmp_path, **{"streaming.tick-interval": TICK_SECONDS}):
+        ours = run_ours(
+            spark_local, case, input_dir, checkpoint, "ticks", until_batches=batch_count
+        )
+    times = _batch_timestamps(checkpoint, batch_count)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(batches):
+        for user in {r["user"] for r in batch}:
+            expiry = times[batch_id] + REMINDER_DELAY_MS
+            fired = next(n for n, at in enumerate(times) if at >= expiry)
+            inputs = batches[: fired + 1]
+            noted = max(n for n, b in enumerate(inputs) if any(r["user"] == user for r in b))
+            note_exists = times[noted] + NOTE_TTL_MS > times[fired]
+            expected[(fired, (user, expiry, int(note_exists)))] += 1
+    assert max(batch_id for batch_id, _ in expected) >= len(batches)  # without input
     assert ours == expected
