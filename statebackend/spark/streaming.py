@@ -68,6 +68,10 @@ from statebackend.spark.tasks import StorageSpec
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
 WATERMARK_METADATA = "spark.watermarkDelayMs"
+NON_REPLAYABLE_SOURCES = frozenset({"socket"})
+"""Spark's streaming sources that keep no data to run a batch again (``sourceName``)."""
+STREAMING_RELATIONS = frozenset({"StreamingRelation", "StreamingRelationV2"})
+"""The analyzed plan's leaves that are streaming sources (they have a ``sourceName``)."""
 
 
 def _parse_struct(schema: object, what: str) -> StructType:
@@ -116,6 +120,24 @@ def _initial_state_frame(initial_state: object, key_columns: tuple[str, ...]) ->
             f"initial_state has no key column {missing[0]!r}: it has {frame.columns}"
         )
     return frame
+
+
+def _check_replayable(df: DataFrame) -> None:
+    """ConfigurationError if a streaming source of ``df`` cannot replay a batch: after a
+    failure Spark runs the last uncommitted batch again from the same offsets."""
+    if not df.isStreaming:
+        return
+    leaves = df._jdf.queryExecution().analyzed().collectLeaves()
+    for index in range(leaves.size()):
+        leaf = leaves.apply(index)
+        relation = str(leaf.getClass().getSimpleName()) in STREAMING_RELATIONS
+        name = str(leaf.sourceName()) if relation else ""
+        if name.lower() in NON_REPLAYABLE_SOURCES:
+            raise ConfigurationError(
+                f"streaming source {name!r} cannot replay a batch after a failure, so "
+                f"exactly-once is impossible: read a replayable source (files, Kafka, rate, "
+                f"a table) instead"
+            )
 
 
 def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
@@ -419,6 +441,7 @@ def transform_with_state(
         raise ConfigurationError(f"df {df!r} is not a pyspark DataFrame")
     spark = df.sparkSession
     keys = _key_columns(df, key_by)
+    _check_replayable(df)
     if isinstance(processor, KeyedFunction):
         if use_pandas:
             raise ConfigurationError(
