@@ -220,6 +220,7 @@ class StatefulStream:
             conf.storage_options,
             conf.transfer_threads,
             conf.compression,
+            signing_key=conf.checkpoint_signing_key(),
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
         newest = self.committer.newest_batch()

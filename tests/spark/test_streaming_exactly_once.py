@@ -152,6 +152,31 @@ def restart_at_another_parallelism(spark: SparkSession, tmp_path: Path) -> None:
     assert max(written.values()) == 1  # no row twice
 
 
+def test_signed_job_refuses_a_forged_changelog_record_on_rebuild(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """With ``checkpoint.signing-key`` the driver signs the manifests and the keyed
+    subtasks checksum their records with SHA-256: a record replaced by another
+    well-formed one is refused when a subtask rebuilds from storage."""
+    spark.conf.set("spark.statebackend.checkpoint.signing-key", "0123456789abcdef-streaming")
+    try:
+        batches = make_batches(3, seed=3)
+        input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+        write_batch_files(input_dir, batches[:2])
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
+        job = tmp_path / "ours" / "totals"
+        assert "signature" in json.loads((job / "manifests" / "1").read_text())
+        (older,) = (job / "changelog" / "0").iterdir()
+        (newest,) = (job / "changelog" / "1").iterdir()
+        newest.write_bytes(older.read_bytes())
+        shutil.rmtree(tmp_path / "local")  # batch 2 rebuilds from storage
+        write_batch_files(input_dir, batches[2:], first=2)
+        with pytest.raises(Exception, match=f"{newest.name} does not match the signed"):
+            run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
+    finally:
+        spark.conf.unset("spark.statebackend.checkpoint.signing-key")
+
+
 def test_lost_local_copy_is_rebuilt_from_storage(spark: SparkSession, tmp_path: Path) -> None:
     batches = make_batches(4, seed=5)
     input_dir, local = tmp_path / "in", tmp_path / "local"
