@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,10 @@ cloudpickle.register_pickle_by_value(example)
 
 Batches = list[list[tuple[str, int]]]
 OutputRows = Counter[tuple[int, tuple[Any, ...]]]
-KILLED_RUN_PARALLELISMS = (2, 3, 2, 3, 2)
-"""One SIGKILLed driver per entry, started at that parallelism (a rescale each time)."""
+KILLS = 5
+"""SIGKILLed drivers per run of the kill test; each restart changes the parallelism."""
+FILES_PER_RUN = 2
+MAX_KILLED_RUNS = 8
 PART_NAME = re.compile(r"part-(\d+)-(\d+)\.parquet$")
 
 
@@ -264,17 +266,21 @@ def _run_script(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 def spark_batches(checkpoint: Path, batches: Batches) -> Batches:
     """The batches Spark actually ran, from its own logs: after a restart the file source
     may put several files into one batch (it re-plans a batch whose offsets it had not
-    logged). ``offsets/N`` ends with the source's log offset, ``sources/0/<k>`` names the
-    files of source batch k."""
+    logged). ``offsets/N`` ends with the source's log offset; the source log
+    ``sources/0/<k>`` (every 10th one compacted: ``<k>.compact``, holding all entries so
+    far) names each file with its source batch k."""
+    files: dict[int, set[str]] = defaultdict(set)
+    for log in (checkpoint / "sources" / "0").iterdir():
+        if not log.name.startswith("."):
+            for entry in map(json.loads, log.read_text().splitlines()[1:]):
+                files[int(entry["batchId"])].add(Path(entry["path"]).name)
     ran: Batches = []
     previous = -1
     for batch_id in range(_committed_batches(checkpoint / "commits")):
         last = json.loads((checkpoint / "offsets" / str(batch_id)).read_text().splitlines()[-1])
         rows: list[tuple[str, int]] = []
         for source_batch in range(previous + 1, int(last["logOffset"]) + 1):
-            lines = (checkpoint / "sources" / "0" / str(source_batch)).read_text().splitlines()
-            for entry in lines[1:]:
-                name = Path(json.loads(entry)["path"]).name
+            for name in sorted(files[source_batch]):
                 rows.extend(batches[int(name.removeprefix("batch-").removesuffix(".json"))])
         ran.append(rows)
         previous = int(last["logOffset"])
@@ -296,9 +302,11 @@ def _committed_batches(commits: Path) -> int:
 
 
 def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: Path) -> None:
-    batches = make_batches(10, seed=23)
+    """Each run gets new input files, is SIGKILLed at a random moment of the batch after
+    its first commit, and the next run starts at the other parallelism; a run that ends
+    before its kill does not count. Then a last run finishes the input."""
+    batches = make_batches(MAX_KILLED_RUNS * FILES_PER_RUN, seed=23)
     input_dir, out = tmp_path / "in", tmp_path / "out"
-    write_batch_files(input_dir, batches)
     args = [
         "--input", str(input_dir),
         "--output", str(out),
@@ -310,10 +318,15 @@ def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: P
     commits = tmp_path / "ckpt" / "commits"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    kills = 0
-    for parallelism in KILLED_RUN_PARALLELISMS:
+    kills = written_files = 0
+    while kills < KILLS:
+        assert written_files < len(batches), (
+            f"{kills} kills (seed {seed}): {log.read_text()[-2000:]}"
+        )
+        write_batch_files(input_dir, batches[written_files:][:FILES_PER_RUN], first=written_files)
+        written_files += FILES_PER_RUN
         before = _committed_batches(commits)
-        process = _run_script([*args, "--parallelism", str(parallelism)], log)
+        process = _run_script([*args, "--parallelism", str(2 + kills % 2)], log)
         deadline = time.monotonic() + 240
         while process.poll() is None and _committed_batches(commits) == before:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -323,12 +336,12 @@ def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: P
             os.killpg(process.pid, signal.SIGKILL)
             kills += 1
         process.wait()
-    assert kills == len(KILLED_RUN_PARALLELISMS), f"the query finished early (seed {seed})"
     final = _run_script([*args, "--parallelism", "3"], log)
     assert final.wait(timeout=300) == 0, log.read_text()[-3000:]
     written = read_output(spark, out)
     ran = spark_batches(tmp_path / "ckpt", batches)
-    assert sorted(row for rows in ran for row in rows) == sorted(r for b in batches for r in b)
+    given = batches[:written_files]
+    assert sorted(row for rows in ran for row in rows) == sorted(r for b in given for r in b)
     expected = _amounts_as_sets(expected_output(ran))
     assert _amounts_as_sets(written) == expected, f"seed {seed}, {kills} kills"
     assert max(written.values()) == 1
