@@ -42,6 +42,7 @@ from statebackend.spark.processor_runner import (
     run_keyed_subtask,
 )
 from statebackend.state.descriptors import ValueStateDescriptor
+from statebackend.state.ttl import StateTtlConfig
 from tests.unit.stateful_processors import (
     KEY_SCHEMA,
     MAX_PARALLELISM,
@@ -305,3 +306,21 @@ def test_pandas_output_without_a_column_names_it(backend: KeyedStateBackend) -> 
     spec = _spec(WrongOutput(pd.DataFrame({"user": ["a"]})), use_pandas=True)
     with pytest.raises(OutputSchemaError, match="no column 'total'"):
         list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)])))
+
+
+def test_a_one_ms_ttl_lives_through_its_batch_and_not_the_next(
+    backend: KeyedStateBackend,
+) -> None:
+    """TTL expiry in whole milliseconds of the batch timestamp, as Spark computes it (a
+    float clock in seconds lost the last millisecond for about a third of timestamps,
+    expiring a 1 ms TTL within its own batch)."""
+    clock = backend.clock
+    assert isinstance(clock, BatchClock)
+    state = backend.get_state(ValueStateDescriptor("note", ttl=StateTtlConfig(0.001)))
+    backend.set_current_key(("a",))
+    for timestamp_ms in range(1_795_366_454_000, 1_795_366_454_100):
+        clock.timestamp_ms = timestamp_ms
+        state.update(timestamp_ms)
+        assert state.value() == timestamp_ms
+        clock.timestamp_ms = timestamp_ms + 1
+        assert state.value() is None
