@@ -68,5 +68,10 @@ class StatefulProcessorError(StateAccessError):
         self.error_class = error_class
 
 
+class ProcessorFailedError(StateBackendError):
+    """A user's StatefulProcessor (or KeyedFunction) raised while a keyed subtask ran a
+    micro-batch; names the processor and the batch. The batch is not committed."""
+
+
 class OutputSchemaError(StateBackendError):
     """A processor's output does not fit the declared output schema (names the column)."""

@@ -31,7 +31,7 @@ from statebackend.state.interfaces import (
     State,
     ValueState,
 )
-from statebackend.state.ttl import Clock, TtlSerializer, TtlUpdateType, TtlValue
+from statebackend.state.ttl import Clock, TtlSerializer, TtlUpdateType, TtlValue, to_ms
 
 _ELEMENT_LENGTH = Struct(">I")
 
@@ -89,7 +89,7 @@ class KeyedStateImpl(State):
         value = self._serializer.deserialize(data)
         if self._ttl is None:
             return True, value
-        return value.expires_at_ms > self._clock() * 1000, value.value
+        return value.expires_at_ms > to_ms(self._clock()), value.value
 
     def _read_value(self) -> tuple[CurrentKey, Any]:
         """The current key and its live value (None if absent or expired)."""

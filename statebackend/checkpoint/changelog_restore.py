@@ -4,8 +4,11 @@ A subtask whose local copy is missing or stale loads exactly the key groups of i
 those of the manifest's base checkpoint (``restore.restore_keyed_state``: ranged reads or
 the incremental download), then, batch by batch in ascending order, the changes of every
 accepted record whose key-group range intersects its own, read with one ranged read per
-record. The old and the new parallelism may differ, and may have changed between
-batches: each record carries its own key-group range.
+record. With the storage's signing key the manifest's signature was checked when it was
+loaded, and the base checkpoint and every record are read through ``verified_reads``:
+only bytes matching their signed SHA-256 are replayed. The old and the new parallelism
+may differ, and may have changed between batches: each record carries its own key-group
+range.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.restore import restore_keyed_state
+from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import (
     CheckpointCorruptedError,
@@ -55,29 +59,33 @@ def rebuild_keyed_state(
             f"{manifest.max_parallelism}"
         )
     base_entries = 0
+    key = changelog.storage.signing_key
     directory = changelog.base_directory(manifest)
     if directory is not None:
         try:
-            metadata = load_metadata(changelog.fs, directory)
+            metadata = load_metadata(changelog.fs, directory, key)
         except CheckpointNotFoundError as exc:
             raise CheckpointCorruptedError(
                 f"the base checkpoint {directory} of manifest {manifest.batch_id} is gone: {exc}"
             ) from exc
-        base_entries = restore_keyed_state(backend, changelog.fs, directory, metadata, operator_id)
+        with verified_reads(changelog.fs, directory, metadata.files(), key) as reads:
+            base_entries = restore_keyed_state(backend, reads, directory, metadata, operator_id)
     changes = records = 0
     owned = backend.key_group_range
-    for batch in manifest.operators.get(operator_id, ()):
-        for handle in batch.subtasks:
-            key_groups = handle.key_group_range.intersection(owned)
-            if not key_groups:
-                continue
-            path = changelog.record_path(handle)
-            read = (
-                ()
-                if path is None
-                else list(read_changes(changelog.fs.read_range, path, handle, key_groups))
-            )
-            backend.replay(handle.key_serializer, handle.states, read, handle.timers)
-            changes += len(read)
-            records += path is not None
+    manifests_dir = changelog.layout.manifests_dir
+    with verified_reads(changelog.fs, manifests_dir, manifest.files(), key) as reads:
+        for batch in manifest.operators.get(operator_id, ()):
+            for handle in batch.subtasks:
+                key_groups = handle.key_group_range.intersection(owned)
+                if not key_groups:
+                    continue
+                path = changelog.record_path(handle)
+                read = (
+                    ()
+                    if path is None
+                    else list(read_changes(reads.read_range, path, handle, key_groups))
+                )
+                backend.replay(handle.key_serializer, handle.states, read, handle.timers)
+                changes += len(read)
+                records += path is not None
     return RebuildResult(base_entries, changes, records)

@@ -89,7 +89,7 @@ class ChangelogStorage:
             attempt=attempt,
             path=self._relative(path) if data else None,
             size=len(data),
-            checksum=checksum(data),
+            checksum=checksum(data, self.fs.checksum_algorithm),
             changes=len(changes),
             key_group_range=changes.key_group_range,
             key_groups=tuple(key_groups),
@@ -141,7 +141,7 @@ class ChangelogStorage:
             properties=properties,
             committed_at=self.clock(),
         )
-        self.fs.write_atomic(path, manifest.to_bytes())
+        self.fs.write_atomic(path, manifest.to_bytes(self.storage.signing_key))
         self._manifests[batch_id] = manifest
         if cleanup:
             self.cleanup()
@@ -213,7 +213,8 @@ class ChangelogStorage:
         if cached is not None:
             return cached
         path = self.layout.manifest_path(batch_id)
-        manifest = BatchManifest.from_bytes(self.fs.read_file(path), path)
+        data = self.fs.read_file(path)
+        manifest = BatchManifest.from_bytes(data, path, self.storage.signing_key)
         if manifest.job_id != self.storage.job_id or manifest.batch_id != batch_id:
             raise CheckpointCorruptedError(
                 f"{path} commits batch {manifest.batch_id} of job {manifest.job_id!r}, not "

@@ -17,6 +17,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statebackend.checkpoint.signing import (
+    ALGORITHM,
+    FILE_CHECKSUM,
+    SigningKey,
+    check_signature,
+)
+from statebackend.checksums import algorithm_of
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.snapshot.changelog_format import ChangelogHandle
@@ -24,6 +31,12 @@ from statebackend.snapshot.handles import StoredFile
 
 MANIFEST_FORMAT_VERSION = 1
 _KIND = "batch-manifest"
+SIGNATURE = "signature"
+"""The field of a signed manifest holding its signature (``{"algorithm", "value"}``)."""
+
+
+def _compact(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -142,9 +155,21 @@ class BatchManifest:
             "operators": operators,
         }
 
-    def to_bytes(self) -> bytes:
-        """The manifest file's bytes."""
-        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode("utf-8")
+    def to_bytes(self, signing_key: SigningKey | None = None) -> bytes:
+        """The manifest file's bytes; with ``signing_key`` signed (HMAC-SHA256 over the
+        bytes without the signature, as ``_metadata``). Raises CheckpointError if signing
+        was asked for but a record has no SHA-256 checksum."""
+        document = self.to_json()
+        if signing_key is None:
+            return _compact(document)
+        weak = [f.path for f in self.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
+        if weak:
+            raise CheckpointError(
+                f"cannot sign manifest {self.batch_id}: {', '.join(weak)} have no "
+                f"{FILE_CHECKSUM} checksum; write the changelog with the signing key set"
+            )
+        signature = {"algorithm": ALGORITHM, "value": signing_key.sign(_compact(document))}
+        return _compact({**document, SIGNATURE: signature})
 
     def accepted(self, records: Mapping[str, Sequence[ChangelogHandle]]) -> bool:
         """Whether this manifest accepted exactly ``records`` (per operator, by subtask)
@@ -158,11 +183,16 @@ class BatchManifest:
         return True
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> BatchManifest:
-        """Parse and validate a manifest read from ``where``.
+    def from_bytes(
+        cls, data: bytes, where: str, signing_key: SigningKey | None = None
+    ) -> BatchManifest:
+        """Parse and validate a manifest read from ``where``; with ``signing_key`` its
+        signature is checked first, and an unsigned manifest, or one naming a record
+        without a SHA-256 checksum, is refused.
 
         Raises IncompatibleStateError for a format version this release cannot read and
-        CheckpointCorruptedError naming ``where`` for anything malformed or inconsistent.
+        CheckpointCorruptedError naming ``where`` for anything malformed, inconsistent or
+        not signed.
         """
         try:
             document = json.loads(data)
@@ -172,6 +202,9 @@ class BatchManifest:
             raise CheckpointCorruptedError(f"{where}: not a batch manifest") from exc
         if kind != _KIND:
             raise CheckpointCorruptedError(f"{where}: not a batch manifest (kind {kind!r})")
+        signature = document.pop(SIGNATURE, None)
+        if signing_key is not None:
+            check_signature(_compact(document), signature, signing_key, where)
         if not isinstance(version, int) or not 1 <= version <= MANIFEST_FORMAT_VERSION:
             raise IncompatibleStateError(
                 f"{where} has manifest format version {version!r}; this statebackend reads up "
@@ -197,6 +230,12 @@ class BatchManifest:
         problem = manifest.inconsistency()
         if problem is not None:
             raise CheckpointCorruptedError(f"{where}: inconsistent batch manifest: {problem}")
+        weak = [f.path for f in manifest.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
+        if signing_key is not None and weak:
+            raise CheckpointCorruptedError(
+                f"{where} is signed but {', '.join(weak)} have no {FILE_CHECKSUM} checksum, "
+                f"so their content is not protected: do not restore it"
+            )
         return manifest
 
     def inconsistency(self) -> str | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from statebackend.checkpoint.signing import ALGORITHM, FILE_CHECKSUM, SigningKey
+from statebackend.checkpoint.signing import ALGORITHM, FILE_CHECKSUM, SigningKey, check_signature
 from statebackend.checksums import algorithm_of
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
@@ -239,7 +239,7 @@ class CheckpointMetadata:
             )
         signature = document.pop(SIGNATURE, None)
         if signing_key is not None:
-            _check_signature(document, signature, signing_key, where)
+            check_signature(_canonical(document), signature, signing_key, where)
         try:
             operators = {}
             for operator_id, op in document["operators"].items():
@@ -287,27 +287,6 @@ class CheckpointMetadata:
 
 def _canonical(document: dict[str, Any]) -> bytes:
     return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
-
-
-def _check_signature(document: dict[str, Any], signature: Any, key: SigningKey, where: str) -> None:
-    """CheckpointCorruptedError naming ``where`` unless ``signature`` is ``key``'s
-    signature of ``document`` (without its signature field)."""
-    if signature is None:
-        raise CheckpointCorruptedError(
-            f"{where} is not signed, but a signing key was given: only restore or read it "
-            "without the key if you trust everyone who can write to its storage"
-        )
-    value = signature.get("value") if isinstance(signature, dict) else None
-    algorithm = signature.get("algorithm") if isinstance(signature, dict) else None
-    if (
-        algorithm != ALGORITHM
-        or not isinstance(value, str)
-        or not key.matches(_canonical(document), value)
-    ):
-        raise CheckpointCorruptedError(
-            f"{where}: the signature does not match: the checkpoint was changed after it "
-            "was written, or signed with another key; do not restore it"
-        )
 
 
 def _operator_problem(op: OperatorSnapshot, max_parallelism: int) -> str | None:

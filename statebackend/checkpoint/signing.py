@@ -71,6 +71,24 @@ class SigningKey:
         return hmac.compare_digest(self.sign(payload), signature)
 
 
+def check_signature(payload: bytes, signature: Any, key: SigningKey, where: str) -> None:
+    """CheckpointCorruptedError naming ``where`` unless ``signature`` (the document's
+    ``{"algorithm", "value"}`` field) is ``key``'s signature of ``payload`` (the
+    document's canonical bytes without that field)."""
+    if signature is None:
+        raise CheckpointCorruptedError(
+            f"{where} is not signed, but a signing key was given: only restore or read it "
+            "without the key if you trust everyone who can write to its storage"
+        )
+    value = signature.get("value") if isinstance(signature, dict) else None
+    algorithm = signature.get("algorithm") if isinstance(signature, dict) else None
+    if algorithm != ALGORITHM or not isinstance(value, str) or not key.matches(payload, value):
+        raise CheckpointCorruptedError(
+            f"{where}: the signature does not match: the checkpoint was changed after it "
+            "was written, or signed with another key; do not restore it"
+        )
+
+
 def load_signing_key(key: str | None = None, key_file: str | None = None) -> SigningKey | None:
     """The signing key given as text (``key``) or in a local file (``key_file``: its
     bytes, one trailing newline dropped), or None if neither is given.

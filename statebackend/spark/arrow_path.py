@@ -43,7 +43,7 @@ from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, Stru
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import StateBackendError
+from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.arrow_keys import key_groups
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion, StaleLocalStateError
@@ -153,6 +153,15 @@ def _metadata_batch(subtask: int, handle: str, output: str, rows: int) -> pa.Rec
     )
 
 
+def _processor_failed(plan: KeyedBatchPlan, subtask: int, exc: Exception) -> ProcessorFailedError:
+    name = type(plan.spec.processor).__name__
+    return ProcessorFailedError(
+        f"processor {name} raised {type(exc).__name__}: {exc} in batch {plan.batch_id} "
+        f"(keyed subtask {subtask}); the batch is not committed: fix the processor and "
+        f"restart the query with the same checkpointLocation to run it again"
+    )
+
+
 def _keyed_task(
     plan: KeyedBatchPlan,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
@@ -181,9 +190,16 @@ def _keyed_task(
             backend.clock = BatchClock(plan.times.batch_timestamp_ms)
             backend.enable_changelog()
             timers = backend.timer_service if plan.spec.time_mode != "None" else None
-            output = list(
-                run_keyed_subtask(plan.spec, backend, plan.times, chain([first], batches), timers)
-            )
+            try:
+                output = list(
+                    run_keyed_subtask(
+                        plan.spec, backend, plan.times, chain([first], batches), timers
+                    )
+                )
+            except StateBackendError:
+                raise
+            except Exception as exc:
+                raise _processor_failed(plan, subtask, exc) from exc
             handle = ChangelogStorage(storage).write_record(
                 plan.batch_id, OPERATOR_ID, subtask, attempt, backend.drain_changelog()
             )

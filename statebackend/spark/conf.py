@@ -96,6 +96,10 @@ def parse_memory_size(key: str, text: str) -> int | None:
     return value
 
 
+def _optional_seconds(key: str, text: str) -> float | None:
+    return None if text in ("", "off") else _positive_float(key, text)
+
+
 KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "backend": ("backend", _choice(BACKENDS)),
     "checkpoint.dir": ("checkpoint_dir", _text),
@@ -113,8 +117,11 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "transfer.threads": ("transfer_threads", _positive_int),
     "compression": ("compression", _choice(CODECS)),
     "rocksdb.memory": ("rocksdb_memory", parse_memory_size),
+    "streaming.tick-interval": ("tick_interval", _optional_seconds),
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
+
+TICK_INTERVAL_KEY = PREFIX + "streaming.tick-interval"
 
 
 def default_local_dir() -> str:
@@ -144,6 +151,8 @@ class StateBackendConf:
     rocksdb_memory: int | None = DEFAULT_ROCKSDB_MEMORY
     signing_key: str = field(default="", repr=False)
     signing_key_file: str = ""
+    tick_interval: float | None = None
+    """Seconds between the batches of an idle ``transform_with_state`` query (None: off)."""
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, str]], **overrides: Any) -> StateBackendConf:

@@ -313,7 +313,7 @@ def run_keyed_subtask(
             yield from emit(processor.handleInputRows(key, rows, timer_values) or ())
 
     handle.phase = Phase.DATA_PROCESSED
-    yield from _fire_timers(spec, backend, times, timer_service, emit)
+    yield from _fire_timers(spec, handle, times, timer_service, emit)
     handle.phase = Phase.TIMER_PROCESSED
     processor.close()
     handle.phase = Phase.CLOSED
@@ -323,23 +323,29 @@ def run_keyed_subtask(
 
 def _fire_timers(
     spec: ProcessorSpec,
-    backend: KeyedStateBackend,
+    handle: ProcessorHandle,
     times: BatchTimes,
     timer_service: TimerService | None,
     emit: Callable[[Iterable[Any]], Iterator[pa.RecordBatch]],
 ) -> Iterator[pa.RecordBatch]:
-    """Due timers in ascending expiry order, through ``handleExpiredTimer``."""
+    """Due timers in ascending expiry order, through ``handleExpiredTimer``; the handler
+    sees its own timer as registered (``ProcessorHandle.expiring``), as in Spark."""
     if spec.time_mode == "None" or timer_service is None:
         return
     timer_values = times.timer_values(spec.time_mode)
     fired: list[pa.RecordBatch] = []
 
     def on_timer(key: Any, timestamp_ms: int) -> None:
-        backend.set_current_key(key)
-        result = spec.processor.handleExpiredTimer(
-            key, timer_values, ExpiredTimerInfo(timestamp_ms)
-        )
-        fired.extend(emit(result or ()))
+        assert handle.backend is not None
+        handle.backend.set_current_key(key)
+        handle.expiring = timestamp_ms
+        try:
+            result = spec.processor.handleExpiredTimer(
+                key, timer_values, ExpiredTimerInfo(timestamp_ms)
+            )
+            fired.extend(emit(result or ()))
+        finally:
+            handle.expiring = None
 
     if spec.time_mode == "ProcessingTime":
         timer_service.advance_processing_time(times.batch_timestamp_ms, on_timer)

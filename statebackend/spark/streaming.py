@@ -47,7 +47,7 @@ from statebackend.spark.arrow_path import (
     combined_input,
     keyed_batch,
 )
-from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
     BatchTimes,
@@ -63,10 +63,15 @@ from statebackend.spark.streaming_commit import (
     publish_once,
     publish_parquet,
 )
+from statebackend.spark.streaming_ticks import with_ticks, without_ticks
 from statebackend.spark.tasks import StorageSpec
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
 WATERMARK_METADATA = "spark.watermarkDelayMs"
+NON_REPLAYABLE_SOURCES = frozenset({"socket"})
+"""Spark's streaming sources that keep no data to run a batch again (``sourceName``)."""
+STREAMING_RELATIONS = frozenset({"StreamingRelation", "StreamingRelationV2"})
+"""The analyzed plan's leaves that are streaming sources (they have a ``sourceName``)."""
 
 
 def _parse_struct(schema: object, what: str) -> StructType:
@@ -115,6 +120,24 @@ def _initial_state_frame(initial_state: object, key_columns: tuple[str, ...]) ->
             f"initial_state has no key column {missing[0]!r}: it has {frame.columns}"
         )
     return frame
+
+
+def _check_replayable(df: DataFrame) -> None:
+    """ConfigurationError if a streaming source of ``df`` cannot replay a batch: after a
+    failure Spark runs the last uncommitted batch again from the same offsets."""
+    if not df.isStreaming:
+        return
+    leaves = df._jdf.queryExecution().analyzed().collectLeaves()
+    for index in range(leaves.size()):
+        leaf = leaves.apply(index)
+        relation = str(leaf.getClass().getSimpleName()) in STREAMING_RELATIONS
+        name = str(leaf.sourceName()) if relation else ""
+        if name.lower() in NON_REPLAYABLE_SOURCES:
+            raise ConfigurationError(
+                f"streaming source {name!r} cannot replay a batch after a failure, so "
+                f"exactly-once is impossible: read a replayable source (files, Kafka, rate, "
+                f"a table) instead"
+            )
 
 
 def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
@@ -198,6 +221,7 @@ class StatefulStream:
             conf.transfer_threads,
             conf.compression,
             rocksdb_memory=conf.rocksdb_memory,
+            signing_key=conf.checkpoint_signing_key(),
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
         newest = self.committer.newest_batch()
@@ -365,16 +389,26 @@ class StatefulStreamWriter:
                 "no checkpointLocation: set .option('checkpointLocation', dir); the batch "
                 "times are read from its offsets/ log"
             )
+        tick = stream.conf.tick_interval
+        trigger = self._trigger or ({} if tick is None else {"processingTime": f"{tick} seconds"})
+        if tick is not None and "processingTime" not in trigger:
+            raise ConfigurationError(
+                f"trigger {trigger} ends the query, so {TICK_INTERVAL_KEY} has nothing to "
+                f"tick: use trigger(processingTime=...) or unset {TICK_INTERVAL_KEY}"
+            )
         spark = stream.df.sparkSession
         stream.binding_id = bind(stream.committer.storage, checkpoint, stream.conf.storage_options)
 
         def run(batch_df: DataFrame, batch_id: int) -> None:
             times = read_batch_times(spark, checkpoint, batch_id)
+            if tick is not None:
+                batch_df = without_ticks(batch_df)
             self._publish(stream.run_batch(batch_df, batch_id, times), table)
 
-        writer = stream.df.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
-        if self._trigger:
-            writer = writer.trigger(**self._trigger)
+        source = stream.df if tick is None else with_ticks(stream.df, tick)
+        writer = source.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
+        if trigger:
+            writer = writer.trigger(**trigger)
         if self._query_name is not None:
             writer = writer.queryName(self._query_name)
         return writer.start()
@@ -409,6 +443,7 @@ def transform_with_state(
         raise ConfigurationError(f"df {df!r} is not a pyspark DataFrame")
     spark = df.sparkSession
     keys = _key_columns(df, key_by)
+    _check_replayable(df)
     if isinstance(processor, KeyedFunction):
         if use_pandas:
             raise ConfigurationError(

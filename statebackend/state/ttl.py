@@ -51,8 +51,15 @@ class StateTtlConfig:
             )
 
     def expiry_ms(self, now: float) -> int:
-        """The expiration timestamp (ms) of a value written or refreshed at ``now``."""
-        return int((now + self.ttl_seconds) * 1000)
+        """The expiration timestamp (ms) of a value written or refreshed at ``now``: both
+        in whole milliseconds, so that a clock of whole milliseconds (a batch timestamp)
+        gives exact expiries whatever the float rounding of ``now``."""
+        return to_ms(now) + round(self.ttl_seconds * 1000)
+
+
+def to_ms(seconds: float) -> int:
+    """A clock reading (seconds since the epoch) in whole milliseconds."""
+    return round(seconds * 1000)
 
 
 class TtlValue(NamedTuple):

@@ -26,12 +26,14 @@ from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.signing import SigningKey
+from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.tools.gc import find_garbage
 from tests.conftest import Storage
-from tests.s3.changelog_jobs import enabled, live_states, open_storage, rebuild, run_batch
+from tests.s3.changelog_jobs import JOB, enabled, live_states, open_storage, rebuild, run_batch
 from tests.s3.test_checkpoint_matrix import (
     KEYS,
     MAX_PARALLELISM,
@@ -363,3 +365,36 @@ def test_a_batch_without_changes_writes_no_file_but_keeps_its_meta(
         assert {k: s["count"] for k, s in read_keyed(rebuilt).items()} == {"user-1": 10}
     finally:
         rebuilt.dispose()
+
+
+def test_a_signed_changelog_refuses_a_forged_record_or_manifest(tmp_path: Path) -> None:
+    """With a signing key, manifests are signed and records carry SHA-256 checksums: a
+    record replaced by another well-formed one (which an unsigned job replays as it is),
+    an edited manifest, or an unsigned one is refused with the path on rebuild."""
+    key = SigningKey(b"0123456789abcdef-test-key")
+    url = tmp_path.as_uri()
+    plain = ChangelogStorage(CheckpointStorage(url, JOB, compression="none"))
+    signed = ChangelogStorage(CheckpointStorage(url, JOB, compression="none", signing_key=key))
+    accepted = record_of(signed, 1, "a", "user-1", 10)
+    forged = record_of(signed, 1, "b", "user-1", 99)
+    accepted_path, forged_path = signed.record_path(accepted), signed.record_path(forged)
+    assert accepted_path is not None and forged_path is not None
+    forgery = signed.fs.read_file(forged_path)  # the commit deletes the other attempt
+    manifest = signed.commit(1, {OPERATOR: [accepted]}, max_parallelism=MAX_PARALLELISM)
+    assert counts_after_rebuild(signed, manifest) == {"user-1": 10}
+
+    signed.fs.write_atomic(accepted_path, forgery)
+    assert counts_after_rebuild(plain, plain.load_manifest(1)) == {"user-1": 99}
+    with pytest.raises(CheckpointCorruptedError, match=f"{accepted_path}.*does not match"):
+        counts_after_rebuild(signed, manifest)
+
+    path = signed.layout.manifest_path(1)
+    document = json.loads(signed.fs.read_file(path))
+    document["properties"] = {"forged": True}
+    signed.fs.write_atomic(path, json.dumps(document).encode())
+    with pytest.raises(CheckpointCorruptedError, match="signature does not match"):
+        ChangelogStorage(signed.storage).load_manifest(1)
+    del document["signature"]
+    signed.fs.write_atomic(path, json.dumps(document).encode())
+    with pytest.raises(CheckpointCorruptedError, match=f"{path} is not signed"):
+        ChangelogStorage(signed.storage).load_manifest(1)

@@ -149,6 +149,11 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
     stall = [("spark.statebackend.checkpoint.upload-stall-timeout", "0")]
     with pytest.raises(ConfigurationError, match="upload-stall-timeout='0'"):
         StateBackendConf.from_pairs(stall)
+    tick = "spark.statebackend.streaming.tick-interval"
+    assert StateBackendConf.from_pairs([(tick, "0.5")]).tick_interval == 0.5
+    assert StateBackendConf.from_pairs([(tick, "off")]).tick_interval is None
+    with pytest.raises(ConfigurationError, match="tick-interval='-1'"):
+        StateBackendConf.from_pairs([(tick, "-1")])
 
 
 def _properties(name: str) -> list[tuple[str, str]]:

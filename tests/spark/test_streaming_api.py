@@ -150,3 +150,73 @@ def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:
     query.awaitTermination()
     written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
     assert written == [("a", 1), ("a", 6), ("b", 2)]
+
+
+class Fragile(Totals):
+    """Totals that, on a negative amount, raises (mode "raise"), returns a row without
+    the output schema's ``total`` (mode "misfit"), or skips the amount (mode "fixed")."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        amounts = [row.amount for row in rows]
+        if min(amounts) < 0 and self.mode == "raise":
+            raise ValueError("negative amount")
+        if min(amounts) < 0 and self.mode == "misfit":
+            yield Row(user=key[0])
+            return
+        yield Row(user=key[0], total=self._add(sum(a for a in amounts if a >= 0)))
+
+
+def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    batches = [
+        [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}],
+        [{"user": "a", "amount": -5}, {"user": "c", "amount": 3}],
+        [{"user": "a", "amount": 4}],
+    ]
+    write_batches(tmp_path / "input", batches)
+    out = tmp_path / "out"
+
+    def run(mode: str) -> None:
+        source = (
+            spark.readStream.schema("user string, amount long")
+            .option("maxFilesPerTrigger", 1)
+            .json(str(tmp_path / "input"))
+        )
+        query = (
+            transform_with_state(source, "user", Fragile(mode), OUTPUT, "fragile")
+            .writeStream.format("parquet")
+            .options(path=str(out), checkpointLocation=str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    with pytest.raises(
+        Exception, match="processor Fragile raised ValueError: negative amount in batch 1"
+    ):
+        run("raise")
+    with pytest.raises(Exception, match="output row .* has no column 'total'"):
+        run("misfit")
+    run("fixed")
+    totals: dict[str, int] = defaultdict(int)
+    expected = []
+    for batch in batches:
+        for user in sorted({r["user"] for r in batch}):
+            totals[user] += sum(
+                r["amount"] for r in batch if r["user"] == user and r["amount"] >= 0
+            )
+            expected.append((user, totals[user]))
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == sorted(expected)
+
+
+def test_non_replayable_source_is_one_clear_error(spark: SparkSession) -> None:
+    socket = spark.readStream.format("socket").option("host", "127.0.0.1").option("port", 9).load()
+    with pytest.raises(ConfigurationError, match="source 'socket' cannot replay a batch"):
+        transform_with_state(socket, "value", Totals(), OUTPUT, "socket")

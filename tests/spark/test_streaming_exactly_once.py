@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,10 @@ cloudpickle.register_pickle_by_value(example)
 
 Batches = list[list[tuple[str, int]]]
 OutputRows = Counter[tuple[int, tuple[Any, ...]]]
+KILLS = 5
+"""SIGKILLed drivers per run of the kill test; each restart changes the parallelism."""
+FILES_PER_RUN = 2
+MAX_KILLED_RUNS = 8
 PART_NAME = re.compile(r"part-(\d+)-(\d+)\.parquet$")
 
 
@@ -131,6 +135,12 @@ def run_to_parquet(
 
 
 def test_restart_at_another_parallelism_is_exact(spark: SparkSession, tmp_path: Path) -> None:
+    restart_at_another_parallelism(spark, tmp_path)
+
+
+def restart_at_another_parallelism(spark: SparkSession, tmp_path: Path) -> None:
+    """Four batches at parallelism 2, then three more at 3: the parquet output equals
+    plain Python, no row twice."""
     batches = make_batches(7, seed=11)
     input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
     write_batch_files(input_dir, batches[:4])
@@ -142,6 +152,31 @@ def test_restart_at_another_parallelism_is_exact(spark: SparkSession, tmp_path: 
     written = read_output(spark, out)
     assert written == expected_output(batches)
     assert max(written.values()) == 1  # no row twice
+
+
+def test_signed_job_refuses_a_forged_changelog_record_on_rebuild(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """With ``checkpoint.signing-key`` the driver signs the manifests and the keyed
+    subtasks checksum their records with SHA-256: a record replaced by another
+    well-formed one is refused when a subtask rebuilds from storage."""
+    spark.conf.set("spark.statebackend.checkpoint.signing-key", "0123456789abcdef-streaming")
+    try:
+        batches = make_batches(3, seed=3)
+        input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+        write_batch_files(input_dir, batches[:2])
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
+        job = tmp_path / "ours" / "totals"
+        assert "signature" in json.loads((job / "manifests" / "1").read_text())
+        (older,) = (job / "changelog" / "0").iterdir()
+        (newest,) = (job / "changelog" / "1").iterdir()
+        newest.write_bytes(older.read_bytes())
+        shutil.rmtree(tmp_path / "local")  # batch 2 rebuilds from storage
+        write_batch_files(input_dir, batches[2:], first=2)
+        with pytest.raises(Exception, match=f"{newest.name} does not match the signed"):
+            run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
+    finally:
+        spark.conf.unset("spark.statebackend.checkpoint.signing-key")
 
 
 def test_lost_local_copy_is_rebuilt_from_storage(spark: SparkSession, tmp_path: Path) -> None:
@@ -231,17 +266,21 @@ def _run_script(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 def spark_batches(checkpoint: Path, batches: Batches) -> Batches:
     """The batches Spark actually ran, from its own logs: after a restart the file source
     may put several files into one batch (it re-plans a batch whose offsets it had not
-    logged). ``offsets/N`` ends with the source's log offset, ``sources/0/<k>`` names the
-    files of source batch k."""
+    logged). ``offsets/N`` ends with the source's log offset; the source log
+    ``sources/0/<k>`` (every 10th one compacted: ``<k>.compact``, holding all entries so
+    far) names each file with its source batch k."""
+    files: dict[int, set[str]] = defaultdict(set)
+    for log in (checkpoint / "sources" / "0").iterdir():
+        if not log.name.startswith("."):
+            for entry in map(json.loads, log.read_text().splitlines()[1:]):
+                files[int(entry["batchId"])].add(Path(entry["path"]).name)
     ran: Batches = []
     previous = -1
     for batch_id in range(_committed_batches(checkpoint / "commits")):
         last = json.loads((checkpoint / "offsets" / str(batch_id)).read_text().splitlines()[-1])
         rows: list[tuple[str, int]] = []
         for source_batch in range(previous + 1, int(last["logOffset"]) + 1):
-            lines = (checkpoint / "sources" / "0" / str(source_batch)).read_text().splitlines()
-            for entry in lines[1:]:
-                name = Path(json.loads(entry)["path"]).name
+            for name in sorted(files[source_batch]):
                 rows.extend(batches[int(name.removeprefix("batch-").removesuffix(".json"))])
         ran.append(rows)
         previous = int(last["logOffset"])
@@ -263,9 +302,11 @@ def _committed_batches(commits: Path) -> int:
 
 
 def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: Path) -> None:
-    batches = make_batches(6, seed=23)
+    """Each run gets new input files, is SIGKILLed at a random moment of the batch after
+    its first commit, and the next run starts at the other parallelism; a run that ends
+    before its kill does not count. Then a last run finishes the input."""
+    batches = make_batches(MAX_KILLED_RUNS * FILES_PER_RUN, seed=23)
     input_dir, out = tmp_path / "in", tmp_path / "out"
-    write_batch_files(input_dir, batches)
     args = [
         "--input", str(input_dir),
         "--output", str(out),
@@ -277,25 +318,30 @@ def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: P
     commits = tmp_path / "ckpt" / "commits"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    kills = 0
-    for parallelism in (2, 3, 2):
+    kills = written_files = 0
+    while kills < KILLS:
+        assert written_files < len(batches), (
+            f"{kills} kills (seed {seed}): {log.read_text()[-2000:]}"
+        )
+        write_batch_files(input_dir, batches[written_files:][:FILES_PER_RUN], first=written_files)
+        written_files += FILES_PER_RUN
         before = _committed_batches(commits)
-        process = _run_script([*args, "--parallelism", str(parallelism)], log)
+        process = _run_script([*args, "--parallelism", str(2 + kills % 2)], log)
         deadline = time.monotonic() + 240
         while process.poll() is None and _committed_batches(commits) == before:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        time.sleep(rng.uniform(0.0, 2.0))  # anywhere in the next batch: job, commit, publish
+        time.sleep(rng.uniform(0.0, 1.5))  # anywhere in the next batch: job, commit, publish
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             kills += 1
         process.wait()
-    assert kills >= 3, f"the query finished before it was killed 3 times (seed {seed})"
     final = _run_script([*args, "--parallelism", "3"], log)
     assert final.wait(timeout=300) == 0, log.read_text()[-3000:]
     written = read_output(spark, out)
     ran = spark_batches(tmp_path / "ckpt", batches)
-    assert sorted(row for rows in ran for row in rows) == sorted(r for b in batches for r in b)
+    given = batches[:written_files]
+    assert sorted(row for rows in ran for row in rows) == sorted(r for b in given for r in b)
     expected = _amounts_as_sets(expected_output(ran))
     assert _amounts_as_sets(written) == expected, f"seed {seed}, {kills} kills"
     assert max(written.values()) == 1

@@ -4,9 +4,11 @@ and both equal a plain-Python computation."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +17,30 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import Row, SparkSession
 from pyspark.sql.streaming.stateful_processor import (
+    ExpiredTimerInfo,
     StatefulProcessor,
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
+from pyspark.sql.types import (
+    ArrayType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from tests.spark import streaming_parity
-from tests.spark.streaming_parity import ParityCase, run_parity
+from tests.spark.streaming_parity import (
+    ParityCase,
+    parity_settings,
+    run_ours,
+    run_parity,
+    run_spark,
+    write_batches,
+)
 
 # Spark's workers cannot import test modules: ship their classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -177,4 +195,467 @@ def test_event_time_drops_late_rows_like_spark(spark_local: SparkSession, tmp_pa
     on_time = [batch if n != 2 else batch[1:] for n, batch in enumerate(batches)]
     expected = _expected(on_time)
     assert theirs == expected
+    assert ours == expected
+
+
+SESSION_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        *[StructField(name, LongType()) for name in ("a", "b", "c", "d", "e")],
+        StructField("tags", ArrayType(StringType())),
+        StructField("span", StructType([StructField(n, LongType()) for n in ("first", "last")])),
+        StructField("counts", MapType(StringType(), LongType())),
+    ]
+)
+INITIAL_SCHEMA = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("start", LongType()),
+        StructField("tag", StringType()),
+    ]
+)
+HOUR_MS = 3_600_000
+
+
+class Sessions(StatefulProcessor):
+    """ProcessingTime: TTL'd value, list and map state (1 ms: gone by the next batch; one
+    hour: kept), a composite value (array, struct, map) echoed in the output, timers at
+    now (fire after this batch's input), now + 1 (fire in the next batch) and now + 1 h
+    (never), initial state. Output columns a..e (see ``_expected_sessions``)."""
+
+    use_pandas = False
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.recent = handle.getValueState("recent", "amount long", 1)
+        self.kept = handle.getListState("kept", "amount long", HOUR_MS)
+        self.short = handle.getListState("short", "amount long", 1)
+        self.seen = handle.getMapState("seen", "item string", "n long", 1)
+        self.profile = handle.getValueState(
+            "profile",
+            "tags array<string>, span struct<first: long, last: long>, counts map<string, long>",
+        )
+
+    def _profile(self) -> tuple[list[str], tuple[int, int], dict[str, int]]:
+        current = self.profile.get()
+        if current is None:
+            return [], (0, 0), {}
+        tags, span, counts = current
+        return list(tags), (int(span[0]), int(span[1])), dict(counts)
+
+    def _extend(self, tag: str, amount: int) -> None:
+        tags, span, counts = self._profile()
+        first = span[0] if tags else amount
+        counts[tag] = counts.get(tag, 0) + amount
+        self.profile.update((tags + [tag], Row(first=first, last=amount), counts))
+
+    def _row(self, key: Any, kind: str, values: tuple[int, ...]) -> Any:
+        tags, (first, last), counts = self._profile()
+        row = {"user": key[0], "kind": kind, **dict(zip("abcde", values, strict=True))}
+        row.update(tags=tags, span={"first": first, "last": last}, counts=counts)
+        if self.use_pandas:
+            return pd.DataFrame({name: [value] for name, value in row.items()})
+        return Row(**{**row, "span": Row(**row["span"])})
+
+    def _timers(self) -> int:
+        return len(list(self.handle.listTimers()))
+
+    def handleInitialState(self, key: Any, initialState: Any, timerValues: TimerValues) -> None:
+        rows = initialState.to_dict("records") if self.use_pandas else [initialState.asDict()]
+        for row in rows:
+            self.kept.appendValue((int(row["start"]),))
+            self._extend(row["tag"], int(row["start"]))
+            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + 1)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        records = (
+            [r for df in rows for r in df.to_dict("records")]
+            if self.use_pandas
+            else [row.asDict() for row in rows]
+        )
+        had_recent = int(self.recent.exists())
+        short_before = len(list(self.short.get()))
+        seen_before = len(list(self.seen.keys()))
+        for record in records:
+            amount = int(record["amount"])
+            self.recent.update((amount,))
+            self.kept.appendValue((amount,))
+            self.short.appendValue((amount,))
+            self.seen.updateValue((record["item"],), (amount,))
+            self._extend(record["item"], amount)
+        now = timerValues.getCurrentProcessingTimeInMs()
+        for expiry in (now, now + 1, now + HOUR_MS):
+            self.handle.registerTimer(expiry)
+        kept = len(list(self.kept.get()))
+        yield self._row(key, "in", (had_recent, short_before, seen_before, kept, self._timers()))
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        due_now = expiredTimerInfo.getExpiryTimeInMs() == timerValues.getCurrentProcessingTimeInMs()
+        values = (
+            int(due_now),
+            int(self.recent.exists()),
+            len(list(self.seen.keys())),
+            len(list(self.kept.get())),
+            self._timers(),
+        )
+        yield self._row(key, "timer", values)
+
+    def close(self) -> None:
+        pass
+
+
+class PandasSessions(Sessions):
+    """The same in pandas mode."""
+
+    use_pandas = True
+
+
+SESSION_INITIAL = [
+    {"user": "a", "start": 100, "tag": "init"},
+    {"user": "d", "start": 7, "tag": "init"},
+]
+SESSION_BATCHES = [
+    [
+        {"user": "a", "item": "x", "amount": 1},
+        {"user": "b", "item": "y", "amount": 2},
+        {"user": "a", "item": "y", "amount": 3},
+    ],
+    [{"user": "a", "item": "y", "amount": 4}],
+    [{"user": "b", "item": "z", "amount": 5}, {"user": "c", "item": "x", "amount": 6}],
+]
+
+
+def _expected_sessions(
+    batches: list[list[dict[str, Any]]], initial: list[dict[str, Any]]
+) -> Counter[tuple[int, tuple[Any, ...]]]:
+    """Plain Python over abstract batch times 1000 * (n + 1): a 1 ms TTL has expired by
+    the next batch, a timer at now + 1 fires in the next batch, one at now + 1 h never;
+    a firing timer is listed by listTimers until its handler returns (as Spark does)."""
+    timers: dict[str, set[int]] = {}
+    kept: dict[str, int] = {}
+    written: dict[str, int] = {}  # batch of the TTL'd writes (value, list, map)
+    seen: dict[str, set[str]] = {}
+    short: dict[str, int] = {}
+    profile: dict[str, tuple[list[str], tuple[int, int], dict[str, int]]] = {}
+    out: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+
+    def extend(user: str, tag: str, amount: int) -> None:
+        tags, span, counts = profile.get(user, ([], (0, 0), {}))
+        counts = {**counts, tag: counts.get(tag, 0) + amount}
+        profile[user] = (tags + [tag], (span[0] if tags else amount, amount), counts)
+
+    def row(user: str, kind: str, values: tuple[int, ...]) -> tuple[Any, ...]:
+        tags, span, counts = profile.get(user, ([], (0, 0), {}))
+        return (user, kind, *values, tuple(tags), span, tuple(sorted(counts.items())))
+
+    for batch_id, batch in enumerate(batches):
+        now = 1000 * (batch_id + 1)
+        for record in initial if batch_id == 0 else []:
+            user = record["user"]
+            kept[user] = kept.get(user, 0) + 1
+            extend(user, record["tag"], record["start"])
+            timers.setdefault(user, set()).add(now + 1)
+        for user in sorted({r["user"] for r in batch}):
+            records = [r for r in batch if r["user"] == user]
+            fresh = written.get(user) == batch_id
+            values = (
+                int(fresh),
+                short[user] if fresh else 0,
+                len(seen[user]) if fresh else 0,
+            )
+            if not fresh:
+                short[user], seen[user] = 0, set()
+            written[user] = batch_id
+            for r in records:
+                kept[user] = kept.get(user, 0) + 1
+                short[user] += 1
+                seen[user].add(r["item"])
+                extend(user, r["item"], r["amount"])
+            timers.setdefault(user, set()).update({now, now + 1, now + HOUR_MS})
+            out[(batch_id, row(user, "in", (*values, kept[user], len(timers[user]))))] += 1
+        for user, user_timers in timers.items():
+            for expiry in sorted(t for t in user_timers if t <= now):
+                fresh = written.get(user) == batch_id
+                values = (
+                    int(expiry == now),
+                    int(fresh),
+                    len(seen[user]) if fresh else 0,
+                    kept[user],
+                    len(user_timers),
+                )
+                out[(batch_id, row(user, "timer", values))] += 1
+                user_timers.discard(expiry)
+    return out
+
+
+@pytest.mark.parametrize("processor", [Sessions, PandasSessions], ids=["row", "pandas"])
+def test_processing_time_timers_ttl_initial_state_composite_types_like_spark(
+    spark_local: SparkSession, tmp_path: Path, processor: type[Sessions]
+) -> None:
+    case = ParityCase(
+        INPUT,
+        ["user"],
+        processor,
+        SESSION_OUTPUT,
+        use_pandas=processor.use_pandas,
+        time_mode="ProcessingTime",
+        initial_state=SESSION_INITIAL,
+        initial_schema=INITIAL_SCHEMA,
+    )
+    theirs, ours = run_parity(spark_local, case, SESSION_BATCHES, tmp_path)
+    expected = _expected_sessions(SESSION_BATCHES, SESSION_INITIAL)
+    assert theirs == expected
+    assert ours == expected
+
+
+EVENT_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        StructField("at_ms", LongType()),
+        StructField("watermark_ms", LongType()),
+        StructField("timers", LongType()),
+    ]
+)
+TIMER_DELAY_MS = 5_000
+
+
+def _ms(second: int) -> int:
+    return (1_767_225_600 + second) * 1000  # 2026-01-01T00:00:00Z + second
+
+
+class EventTimers(StatefulProcessor):
+    """EventTime: a timer at (event time + 5 s) per row; rows and fired timers are
+    echoed with the watermark the processor sees and how many timers the key has."""
+
+    use_pandas = False
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.latest = handle.getValueState("latest", "at_ms long")
+
+    def _row(self, key: Any, kind: str, at_ms: int, timer_values: TimerValues) -> Any:
+        row = {
+            "user": key[0],
+            "kind": kind,
+            "at_ms": at_ms,
+            "watermark_ms": timer_values.getCurrentWatermarkInMs(),
+            "timers": len(list(self.handle.listTimers())),
+        }
+        if self.use_pandas:
+            return pd.DataFrame({name: [value] for name, value in row.items()})
+        return Row(**row)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        times = (
+            [int(t.timestamp() * 1000) for df in rows for t in df["ts"]]
+            if self.use_pandas
+            else [int(row.ts.timestamp() * 1000) for row in rows]
+        )
+        for at_ms in times:
+            self.handle.registerTimer(at_ms + TIMER_DELAY_MS)
+        latest = max([*times, *(self.latest.get() or ())])
+        self.latest.update((latest,))
+        yield self._row(key, "in", latest, timerValues)
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        yield self._row(key, "timer", expiredTimerInfo.getExpiryTimeInMs(), timerValues)
+
+    def close(self) -> None:
+        pass
+
+
+class PandasEventTimers(EventTimers):
+    """The same in pandas mode."""
+
+    use_pandas = True
+
+
+EVENT_DELAY_MS = 5_000
+EVENT_BATCHES = [
+    [{"user": "a", "second": 10}, {"user": "b", "second": 20}],
+    [{"user": "a", "second": 12}, {"user": "c", "second": 30}],
+    [{"user": "a", "second": 14}, {"user": "b", "second": 40}],  # a@14 is late
+    [{"user": "d", "second": 50}],
+]
+
+
+def _event_rows(batches: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    return [
+        [{"user": r["user"], "item": "x", "amount": 1, "ts": _at_ms(_ms(r["second"]))} for r in b]
+        for b in batches
+    ]
+
+
+def _at_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat()
+
+
+def expected_event_timers(
+    batches: list[list[dict[str, Any]]], batch_count: int
+) -> Counter[tuple[int, tuple[Any, ...]]]:
+    """Plain Python, as Spark defines it: batch N's watermark is the largest event time
+    of batches < N minus the delay (0 before any); rows at or below batch N-1's
+    watermark are dropped; timers at or below batch N's fire after its input. Batches
+    from ``len(batches)`` to ``batch_count - 1`` have no input."""
+    timers: dict[str, set[int]] = {}
+    latest: dict[str, int] = {}
+    out: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    watermarks = [0]
+    seen = 0
+    for batch in batches:
+        seen = max([seen, *(_ms(r["second"]) for r in batch)])
+        watermarks.append(max(watermarks[-1], seen - EVENT_DELAY_MS))
+    watermarks += [watermarks[-1]] * batch_count
+    for batch_id in range(batch_count):
+        watermark = watermarks[batch_id]
+        late = watermarks[batch_id - 1] if batch_id else 0
+        batch = batches[batch_id] if batch_id < len(batches) else []
+        for user in sorted({r["user"] for r in batch}):
+            times = [_ms(r["second"]) for r in batch if r["user"] == user]
+            times = [t for t in times if t > late]
+            if not times:
+                continue
+            timers.setdefault(user, set()).update(t + TIMER_DELAY_MS for t in times)
+            latest[user] = max([*times, latest.get(user, 0)])
+            row = (user, "in", latest[user], watermark, len(timers[user]))
+            out[(batch_id, row)] += 1
+        for user, user_timers in timers.items():
+            for expiry in sorted(t for t in user_timers if t <= watermark):
+                out[(batch_id, (user, "timer", expiry, watermark, len(user_timers)))] += 1
+                user_timers.discard(expiry)
+    return out
+
+
+@pytest.mark.parametrize("processor", [EventTimers, PandasEventTimers], ids=["row", "pandas"])
+def test_event_time_timers_like_spark(
+    spark_local: SparkSession, tmp_path: Path, processor: type[EventTimers]
+) -> None:
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        processor,
+        EVENT_OUTPUT,
+        use_pandas=processor.use_pandas,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    batches = _event_rows(EVENT_BATCHES)
+    theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    expected = expected_event_timers(EVENT_BATCHES, len(EVENT_BATCHES))
+    assert theirs == expected
+    assert ours == expected
+
+
+# -- no-data batches: streaming.tick-interval -------------------------------------------
+
+TICK_SECONDS = "0.5"
+
+
+def test_ticks_fire_event_time_timers_like_sparks_no_data_batch(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """After the last input batch moved the watermark, Spark runs one no-data batch that
+    fires the timers it passed; with ticks our query runs a batch on every trigger and
+    fires the same timers in the same batch (here the batch ids agree: the input files
+    come one per batch, then every batch is a tick)."""
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        EventTimers,
+        EVENT_OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    input_dir = tmp_path / "input"
+    write_batches(input_dir, _event_rows(EVENT_BATCHES))
+    batch_count = len(EVENT_BATCHES) + 2
+    with parity_settings(
+        spark_local, tmp_path, no_data_batches=True, **{"streaming.tick-interval": TICK_SECONDS}
+    ):
+        theirs = run_spark(spark_local, case, input_dir, tmp_path / "spark-checkpoint")
+        ours = run_ours(
+            spark_local, case, input_dir, tmp_path / "ckpt", "ticks", until_batches=batch_count
+        )
+    expected = expected_event_timers(EVENT_BATCHES, batch_count)
+    assert max(batch_id for batch_id, _ in expected) == len(EVENT_BATCHES)  # a no-data batch
+    assert theirs == expected
+    assert ours == expected
+
+
+REMINDER_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("expiry_ms", LongType()),
+        StructField("note_exists", LongType()),
+    ]
+)
+REMINDER_DELAY_MS = 1500
+NOTE_TTL_MS = 1000
+
+
+class Reminder(StatefulProcessor):
+    """ProcessingTime: per key, a note with a 1 s TTL and a timer 1.5 s after the input's
+    batch; the fired timer reports whether the note is still there."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.note = handle.getValueState("note", "amount long", NOTE_TTL_MS)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        for row in rows:
+            self.note.update((row.amount,))
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + REMINDER_DELAY_MS)
+        return iter(())
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        yield Row(
+            user=key[0],
+            expiry_ms=expiredTimerInfo.getExpiryTimeInMs(),
+            note_exists=int(self.note.exists()),
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _batch_timestamps(checkpoint: Path, count: int) -> list[int]:
+    """Batch timestamps of batches 0 .. count - 1, from Spark's offsets log."""
+    logs = [(checkpoint / "offsets" / str(n)).read_text().splitlines() for n in range(count)]
+    return [int(json.loads(lines[1])["batchTimestampMs"]) for lines in logs]
+
+
+def test_ticks_fire_processing_time_timers_and_ttl_without_input(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Two input batches, then only ticks: each key's timer fires in the first batch
+    whose timestamp reaches it; its note is there only if the key's newest input is
+    younger than the note's TTL (by batch timestamps)."""
+    case = ParityCase(INPUT, ["user"], Reminder, REMINDER_OUTPUT, time_mode="ProcessingTime")
+    batches = [BATCHES[0], BATCHES[1]]
+    input_dir, checkpoint = tmp_path / "input", tmp_path / "ckpt"
+    write_batches(input_dir, batches)
+    batch_count = 7  # ticks >= 0.5 s apart: batch 6 is >= 2.5 s after batch 1
+    with parity_settings(spark_local, tmp_path, **{"streaming.tick-interval": TICK_SECONDS}):
+        ours = run_ours(
+            spark_local, case, input_dir, checkpoint, "ticks", until_batches=batch_count
+        )
+    times = _batch_timestamps(checkpoint, batch_count)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(batches):
+        for user in {r["user"] for r in batch}:
+            expiry = times[batch_id] + REMINDER_DELAY_MS
+            fired = next(n for n, at in enumerate(times) if at >= expiry)
+            inputs = batches[: fired + 1]
+            noted = max(n for n, b in enumerate(inputs) if any(r["user"] == user for r in b))
+            note_exists = times[noted] + NOTE_TTL_MS > times[fired]
+            expected[(fired, (user, expiry, int(note_exists)))] += 1
+    assert max(batch_id for batch_id, _ in expected) >= len(batches)  # without input
     assert ours == expected

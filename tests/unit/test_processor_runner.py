@@ -44,6 +44,7 @@ from statebackend.spark.processor_runner import (
     run_keyed_subtask,
 )
 from statebackend.state.descriptors import ValueStateDescriptor
+from statebackend.state.ttl import StateTtlConfig
 from tests.unit.stateful_processors import (
     KEY_SCHEMA,
     MAX_PARALLELISM,
@@ -262,6 +263,43 @@ def test_timers_fire_after_input_in_expiry_order(backend: KeyedStateBackend) -> 
     assert third == [("c", 1500)]
 
 
+class TimerLister(StatefulProcessor):
+    """Timers at batch time + amount; a fired timer re-registers itself (a no-op, as in
+    Spark), emits how many timers its key lists, then deletes the timer at + 1000."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        for row in rows:
+            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + row.amount)
+        return iter(())
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Row]:
+        expiry = expiredTimerInfo.getExpiryTimeInMs()
+        self.handle.registerTimer(expiry)
+        yield Row(user=key[0], total=len(list(self.handle.listTimers())))
+        self.handle.deleteTimer(expiry + 1000)
+
+
+def test_a_firing_timer_is_listed_until_its_handler_returns(backend: KeyedStateBackend) -> None:
+    timers = backend.timer_service
+    spec = _spec(TimerLister(), time_mode="ProcessingTime")
+    rows = [("a", 10), ("a", 20), ("a", 1020), ("b", 10)]
+    output = _rows(run_keyed_subtask(spec, backend, BatchTimes(1000), _batches(rows), timers))
+    assert output == []
+    output = _rows(run_keyed_subtask(spec, backend, BatchTimes(5000), _batches([]), timers))
+    # a: 1010 fires with {1010, 1020, 2020} listed and deletes 2010 (none); 1020 fires
+    # with {1020, 2020} and deletes 2020; b: 1010 alone. Nothing fires twice.
+    assert sorted(output) == [("a", 2), ("a", 3), ("b", 1)]
+    backend.set_current_key(("a",))
+    assert list(timers.processing_time_timers()) == []
+
+
 def test_late_events_are_dropped_in_event_time(backend: KeyedStateBackend) -> None:
     spec = _spec(RowTotals(), time_mode="EventTime", event_time_column="amount")
     rows = [("a", 5), ("a", 50), ("b", 10), ("b", 11)]
@@ -305,3 +343,21 @@ def test_pandas_output_without_a_column_names_it(backend: KeyedStateBackend) -> 
     spec = _spec(WrongOutput(pd.DataFrame({"user": ["a"]})), use_pandas=True)
     with pytest.raises(OutputSchemaError, match="no column 'total'"):
         list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)])))
+
+
+def test_a_one_ms_ttl_lives_through_its_batch_and_not_the_next(
+    backend: KeyedStateBackend,
+) -> None:
+    """TTL expiry in whole milliseconds of the batch timestamp, as Spark computes it (a
+    float clock in seconds lost the last millisecond for about a third of timestamps,
+    expiring a 1 ms TTL within its own batch)."""
+    clock = backend.clock
+    assert isinstance(clock, BatchClock)
+    state = backend.get_state(ValueStateDescriptor("note", ttl=StateTtlConfig(0.001)))
+    backend.set_current_key(("a",))
+    for timestamp_ms in range(1_795_366_454_000, 1_795_366_454_100):
+        clock.timestamp_ms = timestamp_ms
+        state.update(timestamp_ms)
+        assert state.value() == timestamp_ms
+        clock.timestamp_ms = timestamp_ms + 1
+        assert state.value() is None
