@@ -50,11 +50,7 @@ from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import validate_id
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
-from statebackend.checkpoint.requests import (
-    SavepointRequest,
-    answer_savepoint_request,
-    pending_savepoint_requests,
-)
+from statebackend.checkpoint.requests import SavepointRequest
 from statebackend.checkpoint.restore import (
     check_max_parallelism,
     check_operators,
@@ -64,7 +60,6 @@ from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointError,
-    CheckpointFencedError,
     CheckpointUnreadableError,
     ConfigurationError,
     IncompatibleStateError,
@@ -77,6 +72,7 @@ from statebackend.errors import (
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.serializers import Serializer, StrSerializer
 from statebackend.spark.api import KeyedFunction
+from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.source import (
@@ -88,12 +84,10 @@ from statebackend.spark.source import (
     offsets_state,
 )
 from statebackend.spark.tasks import (
-    HEARTBEAT_SECONDS,
     KeyedPlan,
     KeyedResult,
     SourcePlan,
     StorageSpec,
-    heartbeat_path,
     keyed_task,
     source_task,
 )
@@ -101,10 +95,6 @@ from statebackend.spark.tasks import (
 _log = logging.getLogger(__name__)
 
 SOURCE_OPERATOR = "source"
-_POLL_FIRST_SECONDS = 0.002
-_POLL_MAX_SECONDS = 0.05
-"""Waiting for a checkpoint, the driver polls its acks after 2 ms, then ever less often
-(doubling, up to every 50 ms): a small upload is usually done within a few ms."""
 _FATAL_ERRORS: dict[str, type[StateBackendError]] = {
     cls.__name__: cls
     for cls in (
@@ -188,18 +178,6 @@ def task_error(
         if cls is not None:
             return cls(message)
     return None
-
-
-@dataclass
-class _Pending:
-    checkpoint_id: int
-    batch_id: int
-    savepoint_request: SavepointRequest | None
-    uploads_since: float | None = None
-    """When the batch's keyed subtasks returned, leaving their uploads in the background."""
-    beats: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)
-    """Keyed subtask -> (its last heartbeat seen, when it was first seen)."""
-    next_check: float = 0.0
 
 
 class StatefulJob:
@@ -361,7 +339,6 @@ class StatefulJob:
         self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
         self._lineage = self._initial_lineage(storage)
         self._generation = 0
-        self._pending: _Pending | None = None
         metadata = self._restart_from(self._lineage[-1] if self._lineage else None)
         if metadata is not None:
             max_parallelism = check_max_parallelism(metadata, self.conf.max_parallelism)
@@ -380,6 +357,13 @@ class StatefulJob:
             timeout_seconds=self.conf.timeout_seconds,
             run_id=self._run_id,
         )
+        self._tracker = CheckpointTracker(
+            storage,
+            self._coordinator,
+            self.operator_id,
+            self.conf.upload_stall_seconds,
+            self._completed,
+        )
         self._summary.max_parallelism = max_parallelism
         self._summary.restored_from = self._restore_point
         retries = 0
@@ -388,8 +372,8 @@ class StatefulJob:
             self._discover_partitions()
             more = self._has_input()
             if not more:
-                self._wait_pending()
-            request = self._savepoint_request()
+                self._tracker.wait()
+            request = self._tracker.savepoint_request()
             if not more and request is None and self._covered():
                 break
             checkpoint = (
@@ -400,29 +384,32 @@ class StatefulJob:
             )
             try:
                 self._batch(read_source=more, checkpoint=checkpoint, request=request)
-                completed = self._wait_pending() if self._heap or not more else True
+                completed = self._tracker.wait() if self._heap or not more else True
                 if not more and not completed:
                     raise JobFailedError(
                         f"job {self.job_id}: its final checkpoint did not complete within "
                         f"{self.conf.timeout_seconds:g} s"
                     )
-            except StateBackendError:
-                self._coordinator.abort_all()
+            except StateBackendError as exc:
+                self._tracker.abort(f"the job failed: {exc}")
                 raise
             except Exception as exc:
                 retries = self._recover(exc, retries)
                 since_checkpoint = 0
                 continue
             since_checkpoint = 0 if checkpoint else since_checkpoint + 1
-            if checkpoint and self._poll():
+            if checkpoint and self._tracker.poll():
                 retries = 0
+        self._summary.aborted = self._tracker.aborted
+        self._summary.checkpoint_waits = self._tracker.waits
+        self._summary.savepoints = self._tracker.savepoints
         self._summary.seconds = time.perf_counter() - started
         return self._summary
 
     def _covered(self) -> bool:
         """Whether a completed checkpoint holds everything the run did so far."""
         return (
-            self._pending is None
+            self._tracker.pending is None
             and self._restore_point is not None
             and self._previous_batch == self._covered_batch
         )
@@ -469,10 +456,7 @@ class StatefulJob:
     def _recover(self, exc: Exception, retries: int) -> int:
         fatal = task_error(exc)
         unreadable = task_error(exc, _UNREADABLE_ERRORS)
-        self._coordinator.abort_all()
-        if self._pending is not None and self._pending.savepoint_request is not None:
-            self._answer(self._pending.savepoint_request, None, f"the job failed: {exc}")
-        self._pending = None
+        self._tracker.abort(f"the job failed: {exc}")
         if fatal is not None:
             raise fatal from None
         self._summary.failures += 1
@@ -494,121 +478,26 @@ class StatefulJob:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _savepoint_request(self) -> SavepointRequest | None:
-        requests = pending_savepoint_requests(self._storage.fs, self._storage.layout.job_dir)
-        return requests[0] if requests else None
-
-    def _answer(self, request: SavepointRequest, path: str | None, error: str | None) -> None:
-        answer_savepoint_request(
-            self._storage.fs, self._storage.layout.job_dir, request, path, error
-        )
-
-    def _poll(self) -> bool:
-        """Poll the pending checkpoint; True if it completed now."""
-        pending = self._pending
-        if pending is None:
-            return False
-        try:
-            result = self._coordinator.poll(pending.checkpoint_id)
-            if result is None:
-                self._check_uploads(pending)
-        except CheckpointError as exc:  # timed out, stalled or failed: the job goes on
-            self._pending = None
-            if pending.checkpoint_id in self._coordinator.pending:
-                # e.g. writing _metadata failed: abort it, or no checkpoint could follow.
-                self._coordinator.abort(pending.checkpoint_id)
-            if isinstance(exc, CheckpointFencedError):
-                raise
-            if pending.savepoint_request is not None:
-                self._answer(pending.savepoint_request, None, str(exc))
-            if self._coordinator.last_completed_id == pending.checkpoint_id:
-                # Only the savepoint copy failed: the checkpoint itself is complete.
-                self._completed(pending)
-                return True
-            self._summary.aborted += 1
-            return False
-        if result is None:
-            return False
-        self._pending = None
-        self._completed(pending)
-        if pending.savepoint_request is not None:
-            self._summary.savepoints.append(result)
-            self._answer(pending.savepoint_request, result, None)
-        return True
-
-    def _completed(self, pending: _Pending) -> None:
-        """Make the completed checkpoint of ``pending`` the restore point."""
-        self._covered_batch = pending.batch_id
-        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
-        self._summary.checkpoints.append(checkpoint_dir)
-        self._lineage.append(checkpoint_dir)
-        self._restore_point = checkpoint_dir
-
-    def _check_uploads(self, pending: _Pending) -> None:
-        """Abort the pending checkpoint (CheckpointError) if a keyed subtask's background
-        upload has neither acknowledged nor beaten its heartbeat for
-        ``upload_stall_seconds``: its Python worker died, so it never will. Reads the
-        heartbeats of missing subtasks at most every ``HEARTBEAT_SECONDS``."""
-        now = time.monotonic()
-        if pending.uploads_since is None or now < pending.next_check:
-            return
-        pending.next_check = now + HEARTBEAT_SECONDS
-        coordinator = self._coordinator
-        missing = coordinator.pending[pending.checkpoint_id].missing()
-        for operator_id, subtask in missing:
-            if operator_id != self.operator_id:
-                continue
-            path = heartbeat_path(self._storage, pending.checkpoint_id, operator_id, subtask)
-            try:
-                beat: bytes | None = self._storage.fs.read_file(path)
-            except CheckpointError:  # none written yet (or unreadable now): no beat seen
-                beat = None
-            seen = pending.beats.get(subtask)
-            if seen is None:  # no beat yet counts from the end of the batch
-                pending.beats[subtask] = (beat, now if beat else pending.uploads_since)
-            elif seen[0] != beat:
-                pending.beats[subtask] = (beat, now)
-            elif now - seen[1] > self.conf.upload_stall_seconds:
-                coordinator.abort(pending.checkpoint_id)
-                raise CheckpointError(
-                    f"checkpoint {pending.checkpoint_id}: the upload of {operator_id} subtask "
-                    f"{subtask} made no progress for {now - seen[1]:.0f} s (no ack, no "
-                    f"heartbeat; its Python worker has probably died); it was aborted"
-                )
-
-    def _wait_pending(self) -> bool:
-        """Wait until no checkpoint is pending; record the wait. True unless the pending
-        checkpoint was aborted."""
-        if self._pending is None:
-            return True
-        started = time.perf_counter()
-        completed = False
-        interval = _POLL_FIRST_SECONDS
-        while self._pending is not None:
-            completed = self._poll()
-            if not completed and self._pending is not None:
-                time.sleep(interval)
-                interval = min(2 * interval, _POLL_MAX_SECONDS)
-        self._summary.checkpoint_waits.append(time.perf_counter() - started)
-        return completed
-
     def _trigger(self, request: SavepointRequest | None) -> int:
-        self._wait_pending()
-        savepoint_dir = None
-        if request is not None:
-            savepoint_dir = request.savepoint_dir(self._storage.layout.job_dir)
-        checkpoint_id = self._coordinator.trigger(
+        return self._tracker.trigger(
             {SOURCE_OPERATOR: self.parallelism, self.operator_id: self.parallelism},
-            savepoint_dir=savepoint_dir,
-            properties={
+            self._next_batch,
+            request,
+            {
                 "next_batch": self._next_batch + 1,
                 "key_by": _describe_key_by(self.key_by),
                 "operator": self.operator_id,
                 "source": self.source.directory,
             },
         )
-        self._pending = _Pending(checkpoint_id, self._next_batch, request)
-        return checkpoint_id
+
+    def _completed(self, pending: TrackedCheckpoint) -> None:
+        """Make the completed checkpoint of ``pending`` the restore point."""
+        self._covered_batch = pending.batch_id
+        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
+        self._summary.checkpoints.append(checkpoint_dir)
+        self._lineage.append(checkpoint_dir)
+        self._restore_point = checkpoint_dir
 
     def _acknowledge_source(self, checkpoint_id: int) -> None:
         run = self._coordinator.run_id
@@ -678,8 +567,7 @@ class StatefulJob:
         ).collect()
         self._apply(results, batch_id)
         if checkpoint_id is not None:
-            assert self._pending is not None
-            self._pending.uploads_since = time.monotonic()
+            self._tracker.uploads_started()
             self._acknowledge_source(checkpoint_id)
 
     def _apply(self, results: list[KeyedResult], batch_id: int) -> None:

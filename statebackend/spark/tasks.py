@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -31,6 +28,7 @@ from statebackend.errors import CheckpointCancelledError
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import Serializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion
 from statebackend.spark.source import KeyOf, LogSource, Offsets
 
@@ -173,69 +171,6 @@ def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:
     return count
 
 
-HEARTBEAT_SECONDS = 2.0
-"""How often a worker's pending upload says it is alive (see ``_Heartbeat``)."""
-
-
-def heartbeat_path(
-    storage: CheckpointStorage, checkpoint_id: int, operator_id: str, subtask: int
-) -> str:
-    """The heartbeat file of a subtask's background upload of checkpoint N: next to the
-    acks (not an ack name), so completing or aborting the checkpoint deletes it."""
-    return join(storage.layout.acks_dir(checkpoint_id), f"{operator_id}-{subtask}.alive")
-
-
-class _Heartbeat:
-    """While a background upload runs, a daemon thread of the worker writes a growing
-    counter to the upload's heartbeat file every ``HEARTBEAT_SECONDS`` (the first after
-    that long, so quick uploads write none). If the worker dies (e.g. Spark kills an idle
-    Python worker after 60 s), the counter stops, and the driver aborts the checkpoint
-    after ``checkpoint.upload-stall-timeout`` instead of ``checkpoint.timeout``.
-
-    The lock orders the last beat before the ack: no beat is written once the ack is,
-    so a completed checkpoint (whose acks directory is deleted) never gets one back. It
-    stops once the checkpoint is no longer pending (aborted or completed)."""
-
-    def __init__(self, storage: CheckpointStorage, checkpoint_id: int, path: str) -> None:
-        self._storage = storage
-        self._checkpoint_id = checkpoint_id
-        self._path = path
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-
-    def start(self) -> None:
-        """Start beating in a daemon thread."""
-        threading.Thread(target=self._run, name="statebackend-heartbeat", daemon=True).start()
-
-    def stop(self) -> None:
-        """Stop beating."""
-        with self._lock:
-            self._stopped.set()
-
-    @contextmanager
-    def stopping(self) -> Iterator[None]:
-        """Run the block (the ack) with no beat in flight, then stop beating."""
-        with self._lock:
-            try:
-                yield
-            finally:
-                self._stopped.set()
-
-    def _run(self) -> None:
-        beat = 0
-        while not self._stopped.wait(HEARTBEAT_SECONDS):
-            beat += 1
-            with self._lock:
-                if self._stopped.is_set():
-                    return
-                try:
-                    if not self._storage.is_pending(self._checkpoint_id):
-                        return
-                    self._storage.fs.write_atomic(self._path, str(beat).encode())
-                except Exception:  # a missed beat; the next one may get through
-                    _log.warning("could not write the upload heartbeat %s", self._path)
-
-
 def _acknowledge(storage: CheckpointStorage, checkpoint_id: int, ack: SubtaskAck) -> None:
     try:
         if not storage.write_ack(checkpoint_id, ack):
@@ -281,7 +216,7 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
             _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
         return sync_seconds
     path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
-    heartbeat = _Heartbeat(storage, checkpoint_id, path)
+    heartbeat = UploadHeartbeat(storage, checkpoint_id, path)
 
     def uploaded(done: Any) -> None:
         try:
