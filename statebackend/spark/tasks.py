@@ -4,8 +4,10 @@ The driver builds a ``SourcePlan`` and a ``KeyedPlan`` per batch; Spark ships th
 the user's function) to the tasks. A source subtask reads its partitions and emits
 ``(keyed subtask, (RECORD, key, record))`` plus one ``(subtask, (MARKER, ...))`` with its
 new offsets. A keyed subtask groups its records by key, runs the user's function over its
-local RocksDB, writes its output rows, takes the checkpoint's synchronous cut if the
-batch is a checkpoint, and returns a small ``KeyedResult``. The checkpoint's upload runs
+local RocksDB (reused, or rebuilt from the newest batch manifest), writes its output rows
+and its batch's state changes (a changelog record, named by run and task attempt), takes
+the checkpoint's synchronous cut if the batch is a checkpoint, and returns a small
+``KeyedResult`` with the record's handle. The checkpoint's upload runs
 on the worker's transfer threads and writes the subtask's ack when done; the task does
 not wait for it (except on a run's final checkpoint, or without Python worker reuse).
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -127,9 +130,12 @@ class KeyedResult:
     outputs: int = 0
     restored_bytes: int = 0
     reused: bool = False
+    rebuilt: bool = False
     sync_seconds: float = 0.0
     source_offsets: dict[int, Offsets] = field(default_factory=dict)
     skipped: int = 0
+    changelog: dict[str, Any] = field(default_factory=dict)
+    """The handle (JSON) of the subtask's changelog record of the batch."""
 
 
 def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
@@ -259,6 +265,8 @@ def keyed_task(
         backend = local.backend
         assert backend is not None
         result.restored_bytes, result.reused = local.restored_bytes, local.reused
+        result.rebuilt = local.rebuilt
+        backend.enable_changelog()
         ctx = KeyedContext(backend, subtask, plan.batch_id)
         plan.function.open(ctx)
 
@@ -268,6 +276,11 @@ def keyed_task(
                 yield from plan.function.process(key, values, ctx)
 
         result.outputs = _write_output(plan, subtask, rows())
+        attempt = f"{plan.run_id}-{_task_attempt()}"
+        handle = ChangelogStorage(plan.storage.open()).write_record(
+            plan.batch_id, plan.operator_id, subtask, attempt, backend.drain_changelog()
+        )
+        result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
             result.sync_seconds = _snapshot(plan, subtask, local)
         local.commit(plan.batch_id)
