@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ from statebackend.spark.tasks import (
     SourcePlan,
     StorageSpec,
     keyed_task,
+    output_directory,
     source_task,
 )
 
@@ -602,6 +604,10 @@ class StatefulJob:
         sc = self.spark.sparkContext
         sc.setJobDescription(f"statebackend {self.job_id} batch {batch_id}")
         if read_source:
+            if self.output_dir is not None:
+                # Output of an attempt whose batch was not committed (a failed attempt,
+                # a killed driver's), maybe at another parallelism: rewritten whole.
+                shutil.rmtree(output_directory(self.output_dir, batch_id), ignore_errors=True)
             source_plan = SourcePlan(
                 self.source,
                 self._offsets(),

@@ -160,10 +160,15 @@ def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any
     yield subtask, (MARKER, subtask, new_offsets, skipped)
 
 
+def output_directory(output_dir: str, batch_id: int) -> Path:
+    """The directory of batch B's output rows, one ``part-<subtask>.jsonl`` per subtask."""
+    return Path(output_dir) / f"batch-{batch_id:06d}"
+
+
 def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:
     if plan.output_dir is None:
         return sum(1 for _ in rows)
-    directory = Path(plan.output_dir) / f"batch-{plan.batch_id:06d}"
+    directory = output_directory(plan.output_dir, plan.batch_id)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"part-{subtask}.jsonl"
     temporary = directory / f".part-{subtask}.jsonl.{os.getpid()}.tmp"
