@@ -160,13 +160,41 @@ class ChangelogStorage:
                 f"checkpoint {checkpoint_id} of batch {batch_id} cannot become the base "
                 f"before manifest {batch_id} is committed: commit the batch first"
             )
+        base = self._completed_base(checkpoint_id, batch_id, directory)
+        if self._base is None or self._base.batch_id < batch_id:
+            self._base = base
+
+    def restart(
+        self, batch_id: int | None, checkpoint_id: int = 0, directory: str | None = None
+    ) -> list[int]:
+        """The job continues from completed checkpoint N (``directory``, default its
+        ``chk-<N>``), taken at the end of batch b, or from nothing (``batch_id`` None),
+        instead of from its newest manifest: the manifests of later batches (a history
+        that is abandoned) are deleted, and the next manifest builds on N. Returns the
+        batches whose manifests were deleted.
+
+        Raises CheckpointError if N is not complete.
+        """
+        base = (
+            None if batch_id is None else self._completed_base(checkpoint_id, batch_id, directory)
+        )
+        after = -1 if batch_id is None else batch_id
+        dropped = [old for old in self.manifest_ids() if old > after]
+        for old in reversed(dropped):  # newest first: a crash leaves a prefix of the history
+            self.fs.delete(self.layout.manifest_path(old))
+            self._manifests.pop(old, None)
+        self._base = base
+        return dropped
+
+    def _completed_base(
+        self, checkpoint_id: int, batch_id: int, directory: str | None
+    ) -> ManifestBase:
         own = self.layout.checkpoint_path(checkpoint_id)
         directory = own if directory is None else directory.rstrip("/")
         if not self.fs.exists(metadata_path(directory)):
             raise CheckpointError(f"{directory} is not a completed checkpoint: no _metadata")
         path = self._relative(own) if directory == own else directory
-        if self._base is None or self._base.batch_id < batch_id:
-            self._base = ManifestBase(checkpoint_id, batch_id, path)
+        return ManifestBase(checkpoint_id, batch_id, path)
 
     def cleanup(self) -> list[str]:
         """Keep the newest ``retained`` manifests; delete the records of committed

@@ -3,7 +3,8 @@
 It runs where the job is driven (the Spark driver). A checkpoint is complete only when
 every expected (operator, subtask) acknowledged and ``_metadata`` was written; anything
 else is pending or aborted and never restored from. After each completion the coordinator
-keeps the newest ``retained`` checkpoints and deletes the older ones. Savepoints live in
+keeps the newest ``retained`` checkpoints and deletes the older ones, except those that
+are ``pinned`` (e.g. the bases of the job's retained batch manifests). Savepoints live in
 their own self-contained directories, which retention never touches.
 
 Shared files (``shared/``, written by incremental snapshots) are deleted by retention and
@@ -50,7 +51,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,8 @@ class CheckpointCoordinator:
 
     Its first trigger claims the job's next leader epoch for run ``run_id`` (a new random
     id by default), which fences every coordinator that claimed one before on the same
-    job directory (see the module docstring).
+    job directory (see the module docstring). Retention keeps the checkpoints ``pinned``
+    names (asked at each retention) besides the newest ``retained``.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class CheckpointCoordinator:
         max_concurrent: int = 1,
         clock: Clock = time.time,
         run_id: str | None = None,
+        pinned: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         if retained < 1:
             raise ConfigurationError(f"retained checkpoints {retained!r} is invalid: keep >= 1")
@@ -121,6 +124,7 @@ class CheckpointCoordinator:
         self.timeout_seconds = timeout_seconds
         self.max_concurrent = max_concurrent
         self.clock = clock
+        self.pinned = pinned
         self.pending: dict[int, PendingCheckpoint] = {}
         self.registry = SharedFileRegistry(storage)
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -387,6 +391,8 @@ class CheckpointCoordinator:
     def _discard_older(self) -> None:
         completed = self.storage.completed_checkpoint_ids()
         keep = set(completed[-self.retained :]) | set(self.pending)
+        if self.pinned is not None:
+            keep |= set(self.pinned())
         newest = completed[-1] if completed else 0
         # Older incomplete directories are leftovers of aborted or crashed attempts.
         discarded = [n for n in self.storage.checkpoint_ids() if n not in keep and n < newest]

@@ -22,6 +22,7 @@ from statebackend.backends.raw_keyed import RawKeyedState, RawKeyedStateCut
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.backends.stores import Entry
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot
 from statebackend.errors import CheckpointNotFoundError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange, check_parallelism
@@ -41,9 +42,11 @@ from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.snapshot.raw_keyed_format import read_raw_keyed_streams
 
 
-def check_max_parallelism(metadata: CheckpointMetadata, requested: int | None) -> int:
-    """The max parallelism to run with: the checkpoint's, unless another was set explicitly
-    (then IncompatibleStateError: key groups cannot be re-cut)."""
+def check_max_parallelism(
+    metadata: CheckpointMetadata | BatchManifest, requested: int | None
+) -> int:
+    """The max parallelism to run with: the checkpoint's (or batch manifest's), unless
+    another was set explicitly (then IncompatibleStateError: key groups cannot be re-cut)."""
     if requested is not None and requested != metadata.max_parallelism:
         raise IncompatibleStateError(
             f"the checkpoint has max parallelism {metadata.max_parallelism} but "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
@@ -40,13 +40,12 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
 
-from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.arrow_keys import key_groups
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion, StaleLocalStateError
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion
 from statebackend.spark.processor_handle import BatchClock, BatchTimes
 from statebackend.spark.processor_runner import (
     CONTROL,
@@ -112,26 +111,13 @@ def _current_state(
     empty for a job without manifests."""
     root = Path(plan.local_dir) / plan.storage.job_id / OPERATOR_ID
     key_serializer = RowTupleSerializer(plan.key_schema_json)
-    version = replace(plan.version, previous_batch=plan.restore_batch, restore_dir=None)
-    with ExitStack() as stack:
-        local = None
-        if plan.restore_batch is not None:
-            try:
-                local = stack.enter_context(
-                    LocalKeyedState(root, subtask, version, storage, OPERATOR_ID, key_serializer)
-                )
-            except StaleLocalStateError:
-                local = None
-        if local is None:
-            fresh = replace(version, previous_batch=None)
-            local = stack.enter_context(
-                LocalKeyedState(root, subtask, fresh, storage, OPERATOR_ID, key_serializer)
-            )
-            if plan.restore_batch is not None:
-                assert local.backend is not None
-                changelog = ChangelogStorage(storage)
-                manifest = changelog.load_manifest(plan.restore_batch)
-                rebuild_keyed_state(local.backend, changelog, manifest, OPERATOR_ID)
+    version = replace(
+        plan.version,
+        previous_batch=plan.restore_batch,
+        restore_dir=None,
+        restore_manifest=plan.restore_batch,
+    )
+    with LocalKeyedState(root, subtask, version, storage, OPERATOR_ID, key_serializer) as local:
         yield local
 
 

@@ -1,23 +1,24 @@
 """Executor-local keyed state: one RocksDB per (job, operator, subtask), reused across
-micro-batches when it is current, else rebuilt from a checkpoint.
+micro-batches when it is current, else rebuilt from checkpoint storage.
 
-A Python worker may or may not be reused, and subtask i may run in another worker (or
-executor on the same host) next batch. So the DB directory is guarded by an exclusive
-``fcntl.flock`` on a lock file next to it, and a version marker (restore generation, last
-batch id, parallelism, max parallelism) says what the directory holds. The driver tells
-each task what it expects:
+A Python worker may or may not be reused, and subtask i may run in another worker, or on
+another executor of another host, next batch (Spark gives our tasks no locality). So the
+DB directory is guarded by an exclusive ``fcntl.flock`` on a lock file next to it, and a
+version marker (generation, last batch id, parallelism, max parallelism) says what the
+directory holds. The driver tells each task what it expects (``LocalVersion``):
 
-- ``previous_batch`` set: the marker must say (generation, previous_batch); the DB is
-  reopened as it is. Anything else raises StaleLocalStateError: the job then fails and
-  the driver restores every subtask from the latest completed checkpoint and replays.
-- ``previous_batch`` None (first batch of a generation): the directory is wiped and the
-  subtask's key groups are restored from ``restore_dir`` (or start empty).
+- the marker says (generation, ``previous_batch``): the DB is reopened as it is;
+- anything else (no copy on this host, a copy behind or ahead after a failed batch, of
+  another run or parallelism): the directory is wiped and exactly the subtask's key groups
+  are rebuilt from batch manifest ``restore_manifest`` (base checkpoint + changelog
+  records, any old parallelism), or else restored from checkpoint ``restore_dir``, or
+  else start empty. The other subtasks are not affected.
 
-The marker is removed before the batch changes the DB (before a restore wipes the
+The marker is removed before the batch changes the DB (before a rebuild wipes the
 directory) and written again once the DB is closed, so a task that dies midway never
-leaves a directory that looks current. A restore is all or nothing: if it fails, the
-partly restored DB is deleted and CheckpointUnreadableError names the checkpoint, so that
-the driver can fall back to an older one.
+leaves a directory that looks current. A rebuild is all or nothing: if it fails, the
+partly rebuilt DB is deleted and CheckpointUnreadableError names the checkpoint or
+manifest, so that the driver can fall back to an older checkpoint.
 
 If the local directory cannot be used (not writable, disk full), the task fails with one
 LocalStateError naming it, instead of a RocksDB or OS error: a probe file is written to
@@ -25,11 +26,9 @@ tell a broken directory from other failures.
 
 With the ``heap`` backend the state lives in the Python worker's memory instead: a
 process-wide table maps (root, subtask) to (marker, backend). A worker that holds the
-subtask at (generation, previous_batch) reuses it; any other worker restores the
-subtask's key groups from ``restore_dir``, which the driver guarantees to be the
-completed checkpoint of ``previous_batch`` (``restore_batch``): with heap every batch is
-a checkpoint, completed before the next batch starts. Copies left behind in a worker
-that did not run the subtask's latest batch are disposed of at its next batch.
+subtask at (generation, previous_batch) reuses it; any other worker rebuilds it as above.
+Copies left behind in a worker that did not run the subtask's latest batch are disposed
+of at its next batch.
 """
 
 from __future__ import annotations
@@ -48,6 +47,8 @@ from typing import Any, TypeVar
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -61,21 +62,20 @@ from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.serializers import Serializer
 
 
-class StaleLocalStateError(StateBackendError):
-    """The local copy of a subtask's state is not the version the batch needs."""
-
-
 @dataclass(frozen=True)
 class LocalVersion:
     """What the driver expects of a subtask's local DB at the start of a batch."""
 
     generation: str
     previous_batch: int | None
+    """The batch the local copy must be at to be reused (None: never reuse)."""
     restore_dir: str | None
+    """The checkpoint holding the state at ``previous_batch`` (if no manifest does)."""
     parallelism: int
     max_parallelism: int
-    restore_batch: int | None = None
-    """The last batch ``restore_dir`` holds, if it is the run's own checkpoint."""
+    restore_manifest: int | None = None
+    """The committed batch whose manifest holds the state at ``previous_batch``; it is
+    preferred to ``restore_dir``."""
 
 
 _PROBE_BYTES = 1 << 20
@@ -89,9 +89,10 @@ class LocalKeyedState:
     """Context manager: the subtask's backend (``rocksdb``: locked, on local disk;
     ``heap``: in this process), current, ready for a batch.
 
-    ``restored_bytes`` tells how many bytes were read from checkpoint storage (0 when the
-    local copy was reused). ``commit(batch_id)`` closes the DB and records its version;
-    leaving the context without it disposes of the DB (the next batch restores).
+    ``reused`` tells whether the local copy was current, ``rebuilt`` whether state was
+    read from checkpoint storage instead, ``restored_bytes`` how many bytes.
+    ``commit(batch_id)`` closes the DB and records its version; leaving the context
+    without it disposes of the DB (the next batch rebuilds).
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class LocalKeyedState:
         self.backend: KeyedStateBackend | None = None
         self.restored_bytes = 0
         self.reused = False
+        self.rebuilt = False
 
     def _expected_marker(self, batch_id: int | None) -> dict[str, Any]:
         return {
@@ -203,53 +205,54 @@ class LocalKeyedState:
         if reusable is not None:
             self.reused = True
             return reusable
-        if version.previous_batch is not None and version.restore_batch != version.previous_batch:
-            raise StaleLocalStateError(
-                f"heap state of subtask {self._subtask} at batch {version.previous_batch} of "
-                f"generation {version.generation} is neither in this worker nor in a "
-                f"completed checkpoint: restoring from the latest checkpoint"
-            )
-        return self._restore(HeapKeyedStateBackend(**self._options()))
+        return self._rebuild(HeapKeyedStateBackend(**self._options()))
 
-    def _restore(self, backend: _Backend) -> _Backend:
-        """Load ``restore_dir`` (if any) into the fresh ``backend``; return the backend."""
-        restore_dir = self._version.restore_dir
-        if restore_dir is not None:
-            fs = self._storage.fs
-            before = fs.bytes_read
-            try:
+    def _rebuild(self, backend: _Backend) -> _Backend:
+        """Load the state at ``previous_batch`` into the fresh ``backend`` from manifest
+        ``restore_manifest`` or else checkpoint ``restore_dir`` (neither: it stays empty);
+        return the backend."""
+        manifest_batch, restore_dir = self._version.restore_manifest, self._version.restore_dir
+        if manifest_batch is None and restore_dir is None:
+            return backend
+        fs = self._storage.fs
+        before, extra = fs.bytes_read, 0
+        source = restore_dir
+        try:
+            if manifest_batch is not None:
+                changelog = ChangelogStorage(self._storage)
+                source = self._storage.layout.manifest_path(manifest_batch)
+                manifest = changelog.load_manifest(manifest_batch)
+                rebuild_keyed_state(backend, changelog, manifest, self._operator_id)
+            else:
+                assert restore_dir is not None
                 metadata = self._storage.load(restore_dir)
                 files, key = metadata.files(), self._storage.signing_key
                 with verified_reads(fs, restore_dir, files, key) as reads:
                     restore_keyed_state(backend, reads, restore_dir, metadata, self._operator_id)
-            except CheckpointError as exc:
-                backend.dispose()
-                raise CheckpointUnreadableError(
-                    f"subtask {self._subtask} of {self._operator_id} cannot restore from "
-                    f"{restore_dir}: {exc}"
-                ) from exc
-            except BaseException:
-                backend.dispose()
-                raise
-            self.restored_bytes = fs.bytes_read - before + (0 if reads is fs else reads.bytes_read)
+                extra = 0 if reads is fs else reads.bytes_read
+        except CheckpointError as exc:
+            backend.dispose()
+            raise CheckpointUnreadableError(
+                f"subtask {self._subtask} of {self._operator_id} cannot restore from "
+                f"{source}: {exc}"
+            ) from exc
+        except BaseException:
+            backend.dispose()
+            raise
+        self.rebuilt = True
+        self.restored_bytes = fs.bytes_read - before + extra
         return backend
 
     def _open(self) -> RocksDBKeyedStateBackend:
         version = self._version
         options = self._options()
-        if version.previous_batch is not None:
-            marker = self._read_marker()
-            if marker != self._expected_marker(version.previous_batch):
-                raise StaleLocalStateError(
-                    f"local state of subtask {self._subtask} in {self.directory} is at "
-                    f"{marker}, not at batch {version.previous_batch} of generation "
-                    f"{version.generation}: restoring from the latest checkpoint"
-                )
+        current = self._expected_marker(version.previous_batch)
+        if version.previous_batch is not None and self._read_marker() == current:
             self.reused = True
             return RocksDBKeyedStateBackend(self.directory, open_existing=True, **options)
         self._marker.unlink(missing_ok=True)
         shutil.rmtree(self.directory, ignore_errors=True)
-        return self._restore(RocksDBKeyedStateBackend(self.directory, **options))
+        return self._rebuild(RocksDBKeyedStateBackend(self.directory, **options))
 
     def commit(self, batch_id: int) -> None:
         """Keep the state and mark it as being at ``batch_id`` (RocksDB: close the DB,

@@ -1,34 +1,40 @@
-"""StatefulJob: the driver loop of micro-batches, checkpoints, failure recovery, rescale.
+"""StatefulJob: the driver loop of micro-batches, per-batch changelog, checkpoints, rescale.
 
 Each micro-batch is one Spark job: ``parallelize(range(P), P)`` runs the source subtasks,
 ``partitionBy(P, identity)`` shuffles records to the keyed subtask of their key group, the
 keyed subtasks run the user's function over their executor-local RocksDB, and ``collect()``
-brings back small per-subtask results (new source offsets, counts, restore bytes).
+brings back small per-subtask results (new source offsets, counts, changelog handles).
+
+Every batch N is committed by a batch manifest (``ChangelogStorage``): each keyed
+subtask writes its batch's state changes as a changelog record; the driver accepts one
+attempt's record per subtask (the result Spark collected: retried and speculative
+attempts are absorbed, their records deleted) and writes manifest N with the source
+offsets after N and ``next_batch`` in its properties. The state of batch N is then base
+checkpoint + records, whatever dies afterwards: a restart with ``restore="latest"``
+resumes from the newest manifest if it is newer than the newest completed checkpoint.
 
 The driver holds the source operator state (the offsets, tiny) and writes it into each
-checkpoint as operator-state snapshots of operator ``source``. A checkpoint is triggered
-before its batch runs; keyed subtasks take their cut at the end of the batch and upload
-in the background; the driver polls the acks between batches and completes the
-checkpoint. Batch N+1 does not wait for checkpoint N's upload; the next checkpoint waits
-for the previous one (at most one is pending), and that wait is measured. A background
-upload beats a heartbeat file; one that neither acks nor beats for
-``upload_stall_seconds`` (its Python worker died) aborts the checkpoint early, and the job
-goes on. With the ``heap`` backend every batch is a checkpoint, completed before the next
-batch starts (see ``local_state``).
+checkpoint as operator-state snapshots of operator ``source``. Checkpoints, every
+``checkpoint_every`` batches, are the changelog's materializations (``CheckpointTracker``):
+triggered before their batch, cut by the keyed subtasks at its end and uploaded in the
+background; once one completes, later manifests build on it and the records at or below
+it are deleted. Batch N+1 does not wait for checkpoint N's upload.
 
-On a failed batch the driver aborts pending checkpoints, starts a new restore
-generation (every keyed subtask wipes its local copy and restores from the latest
-completed checkpoint), resets the source offsets to that checkpoint's, and replays. State
-is exactly-once. Deterministic errors (a malformed input line, incompatible state, an
-unusable local directory) stop the run at once instead; other failures are retried up to
-``max_retries`` times.
+A keyed subtask whose local copy is not at batch N-1 (Spark ran it on another host, or a
+failed attempt left it behind or ahead) rebuilds exactly its key groups from manifest N-1
+while the others go on (see ``local_state``). A failed batch is retried as the same batch
+from the newest manifest; there is no job-wide rollback. Deterministic errors (a
+malformed input line, incompatible state, an unusable local directory) stop the run at
+once instead; other failures are retried up to ``max_retries`` times in a row.
 
-A restore point that cannot be read (its ``_metadata`` or a state file missing, corrupted,
-or unreadable after the file system's retries), at the start or when a batch fails
-restoring from it, is replaced by the previous completed checkpoint of the run's lineage
-(the job's retained checkpoints with ``restore="latest"``, and those this run completed),
-as Flink does; the fallback is logged and recorded in the summary. Only when no older one
-can be read does the run fail, leaving the checkpoints as they are.
+A restore point that cannot be read (its ``_metadata``, a state file or changelog record
+missing, corrupted, or unreadable after the file system's retries), at the start or when
+a batch fails rebuilding from it, is replaced by the previous completed checkpoint of
+the run's lineage (the job's retained checkpoints with ``restore="latest"``, and those
+this run completed), as Flink does: this is the only job-wide rollback (counted in the
+summary). Restarting from a checkpoint older than the newest manifest deletes the
+manifests of the later batches: they belong to the history that is abandoned. Only when
+no older checkpoint can be read does the run fail, leaving the checkpoints as they are.
 
 One driver per job directory: each run's coordinator claims a new leader epoch, so a
 second driver started on the same directory fences the first, whose next checkpoint
@@ -41,20 +47,19 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import validate_id
+from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
-from statebackend.checkpoint.requests import (
-    SavepointRequest,
-    answer_savepoint_request,
-    pending_savepoint_requests,
-)
+from statebackend.checkpoint.requests import SavepointRequest
 from statebackend.checkpoint.restore import (
     check_max_parallelism,
     check_operators,
@@ -64,7 +69,6 @@ from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointError,
-    CheckpointFencedError,
     CheckpointUnreadableError,
     ConfigurationError,
     IncompatibleStateError,
@@ -76,7 +80,9 @@ from statebackend.errors import (
 )
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.serializers import Serializer, StrSerializer
+from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.api import KeyedFunction
+from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.source import (
@@ -86,25 +92,21 @@ from statebackend.spark.source import (
     iter_owned,
     key_selector,
     offsets_state,
+    split_offsets,
 )
 from statebackend.spark.tasks import (
-    HEARTBEAT_SECONDS,
     KeyedPlan,
     KeyedResult,
     SourcePlan,
     StorageSpec,
-    heartbeat_path,
     keyed_task,
+    output_directory,
     source_task,
 )
 
 _log = logging.getLogger(__name__)
 
 SOURCE_OPERATOR = "source"
-_POLL_FIRST_SECONDS = 0.002
-_POLL_MAX_SECONDS = 0.05
-"""Waiting for a checkpoint, the driver polls its acks after 2 ms, then ever less often
-(doubling, up to every 50 ms): a small upload is usually done within a few ms."""
 _FATAL_ERRORS: dict[str, type[StateBackendError]] = {
     cls.__name__: cls
     for cls in (
@@ -139,6 +141,9 @@ class RunSummary:
     outputs: int = 0
     skipped: int = 0
     failures: int = 0
+    """Failed batches that were retried."""
+    rollbacks: int = 0
+    """Job-wide rollbacks to an older checkpoint (only when a restore point cannot be read)."""
     aborted: int = 0
     """Checkpoints aborted (timed out, or an upload stalled) while the job went on."""
     fallbacks: list[str] = field(default_factory=list)
@@ -153,6 +158,8 @@ class RunSummary:
     """Bytes keyed subtasks read from checkpoint storage, per batch."""
     reused_subtasks: list[int] = field(default_factory=list)
     """Keyed subtasks that reused their local state, per batch."""
+    rebuilt_subtasks: list[int] = field(default_factory=list)
+    """Keyed subtasks that rebuilt their state from checkpoint storage, per batch."""
     seconds: float = 0.0
 
     @property
@@ -169,7 +176,7 @@ class RunSummary:
             f"{self.parallelism} (max {self.max_parallelism}) in {self.seconds:.1f} s; "
             f"restored from {self.restored_from or 'nothing'}; {len(self.checkpoints)} "
             f"checkpoints (wait max {max(waits) * 1000:.0f} ms), {self.failures} failures "
-            f"recovered; last checkpoint {self.last_checkpoint}"
+            f"recovered, {self.rollbacks} rollbacks; last checkpoint {self.last_checkpoint}"
             + "".join(f"; fell back from unreadable {fallback}" for fallback in self.fallbacks)
         )
 
@@ -188,18 +195,6 @@ def task_error(
         if cls is not None:
             return cls(message)
     return None
-
-
-@dataclass
-class _Pending:
-    checkpoint_id: int
-    batch_id: int
-    savepoint_request: SavepointRequest | None
-    uploads_since: float | None = None
-    """When the batch's keyed subtasks returned, leaving their uploads in the background."""
-    beats: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)
-    """Keyed subtask -> (its last heartbeat seen, when it was first seen)."""
-    next_check: float = 0.0
 
 
 class StatefulJob:
@@ -249,12 +244,10 @@ class StatefulJob:
         self.key_serializer = key_serializer or StrSerializer()
         reuse = spark.sparkContext.getConf().get("spark.python.worker.reuse", "true")
         self._wait_for_uploads = reuse.lower() != "true"
-        # Heap state lives in a Python worker's memory: every batch is a checkpoint,
-        # completed before the next batch starts, so that a subtask running in another
-        # worker than in its last batch restores exactly that batch's state.
-        self._heap = self.conf.backend == "heap"
         self._lineage: list[str] = []
         """Completed checkpoints the run may restore from, oldest first."""
+        self._manifest_batch: int | None = None
+        """The newest committed batch (its manifest holds the state a subtask rebuilds)."""
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -277,20 +270,54 @@ class StatefulJob:
                 self._check_metadata(metadata, directory)
                 self._restore_point: str | None = directory
                 self._reset(metadata)
+                batch_id = self._next_batch - 1
+                self._changelog.restart(batch_id, metadata.checkpoint_id, directory)
                 return metadata
             except CheckpointError as exc:
                 directory = self._fall_back(directory, exc)
         self._restore_point = None
         self._reset(None)
+        self._changelog.restart(None)
         return None
 
+    def _newest_manifest(self) -> BatchManifest | None:
+        """With ``restore="latest"``: the newest batch manifest if it is newer than the
+        newest completed checkpoint (one whose ``_metadata`` cannot be read is left to
+        the fallback of ``_restart_from``), else None."""
+        if self.restore != "latest":
+            return None
+        manifest = self._changelog.latest_manifest()
+        if manifest is None:
+            return None
+        if self._lineage:
+            try:
+                metadata = self._storage.load(self._lineage[-1])
+            except CheckpointError:
+                return None
+            if int(metadata.properties.get("next_batch", 0)) > manifest.batch_id:
+                return None
+        return manifest
+
+    def _restart_from_manifest(self, manifest: BatchManifest) -> None:
+        """Make ``manifest`` the restore point and reset the driver's state to it."""
+        where = self._changelog.layout.manifest_path(manifest.batch_id)
+        self._check_state(where, manifest.properties, set(manifest.operators), manifest.job_id)
+        self._restore_point = where
+        self._reset(None)
+        shares = [list(map(tuple, share)) for share in manifest.properties["offsets"]]
+        if len(shares) != self.parallelism:
+            shares = split_offsets([pair for share in shares for pair in share], self.parallelism)
+        for backend, share in zip(self._source_states, shares, strict=True):
+            offsets_state(backend).update(share)
+        self._next_batch = manifest.batch_id + 1
+        self._manifest_batch = manifest.batch_id
+
     def _fall_back(self, unreadable: str, exc: BaseException) -> str:
-        """The checkpoint before ``unreadable`` in the lineage, which forgets
-        ``unreadable`` and anything newer; raises ``exc`` (JobFailedError after an
-        earlier fallback) if there is none."""
-        older = (
-            self._lineage[: self._lineage.index(unreadable)] if unreadable in self._lineage else []
-        )
+        """The checkpoint before ``unreadable`` in the lineage (the newest one if
+        ``unreadable`` is a batch manifest), which forgets ``unreadable`` and anything
+        newer; raises ``exc`` (JobFailedError after an earlier fallback) if there is none."""
+        lineage = self._lineage
+        older = lineage[: lineage.index(unreadable) if unreadable in lineage else len(lineage)]
         self._lineage = older
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         if not older:
@@ -319,12 +346,20 @@ class StatefulJob:
                 f"use that job id, or restore from a savepoint"
             )
         check_operators(metadata, {SOURCE_OPERATOR, self.operator_id}, False)
-        if self.operator_id not in metadata.operators:
+        self._check_state(where, metadata.properties, set(metadata.operators), self.job_id)
+
+    def _check_state(
+        self, where: str, properties: dict[str, Any], operators: set[str], job_id: str
+    ) -> None:
+        """IncompatibleStateError unless the state at ``where`` (a checkpoint or a batch
+        manifest) is this job's: its operator, keyed the same way."""
+        if job_id != self.job_id or self.operator_id not in operators:
             raise IncompatibleStateError(
-                f"{where} has no state of operator {self.operator_id!r} (it has "
-                f"{sorted(metadata.operators)}): it belongs to another job"
+                f"{where} has no state of operator {self.operator_id!r} of job "
+                f"{self.job_id!r} (it has {sorted(operators)} of job {job_id!r}): it belongs "
+                f"to another job"
             )
-        recorded = metadata.properties.get("key_by")
+        recorded = properties.get("key_by")
         if recorded is not None and recorded != _describe_key_by(self.key_by):
             raise IncompatibleStateError(
                 f"{where} was keyed by {recorded!r}, but this job keys by "
@@ -360,18 +395,22 @@ class StatefulJob:
         self._storage = storage
         self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
         self._lineage = self._initial_lineage(storage)
-        self._generation = 0
-        self._pending: _Pending | None = None
-        metadata = self._restart_from(self._lineage[-1] if self._lineage else None)
-        if metadata is not None:
-            max_parallelism = check_max_parallelism(metadata, self.conf.max_parallelism)
+        self._run_id = uuid.uuid4().hex[:12]
+        self._changelog = ChangelogStorage(storage)
+        manifest = self._newest_manifest()
+        restored: CheckpointMetadata | BatchManifest | None = manifest
+        if manifest is not None:
+            self._restart_from_manifest(manifest)
+        else:
+            restored = self._restart_from(self._lineage[-1] if self._lineage else None)
+        if restored is not None:
+            max_parallelism = check_max_parallelism(restored, self.conf.max_parallelism)
         else:
             max_parallelism = self.conf.max_parallelism or compute_default_max_parallelism(
                 self.parallelism
             )
         check_parallelism(self.parallelism, max_parallelism)
         self._max_parallelism = max_parallelism
-        self._run_id = uuid.uuid4().hex[:12]
         # Claims the job's next leader epoch: a driver still running the job is fenced.
         self._coordinator = CheckpointCoordinator(
             storage,
@@ -379,6 +418,14 @@ class StatefulJob:
             retained=self.conf.retained,
             timeout_seconds=self.conf.timeout_seconds,
             run_id=self._run_id,
+            pinned=self._changelog.referenced_checkpoints,
+        )
+        self._tracker = CheckpointTracker(
+            storage,
+            self._coordinator,
+            self.operator_id,
+            self.conf.upload_stall_seconds,
+            self._completed,
         )
         self._summary.max_parallelism = max_parallelism
         self._summary.restored_from = self._restore_point
@@ -388,44 +435,39 @@ class StatefulJob:
             self._discover_partitions()
             more = self._has_input()
             if not more:
-                self._wait_pending()
-            request = self._savepoint_request()
+                self._tracker.wait()
+            request = self._tracker.savepoint_request()
             if not more and request is None and self._covered():
                 break
             checkpoint = (
-                self._heap
-                or not more
-                or request is not None
-                or since_checkpoint + 1 >= self.checkpoint_every
+                not more or request is not None or since_checkpoint + 1 >= self.checkpoint_every
             )
             try:
                 self._batch(read_source=more, checkpoint=checkpoint, request=request)
-                completed = self._wait_pending() if self._heap or not more else True
+                completed = self._tracker.wait() if not more else True
                 if not more and not completed:
                     raise JobFailedError(
                         f"job {self.job_id}: its final checkpoint did not complete within "
                         f"{self.conf.timeout_seconds:g} s"
                     )
-            except StateBackendError:
-                self._coordinator.abort_all()
+            except StateBackendError as exc:
+                self._tracker.abort(f"the job failed: {exc}")
                 raise
             except Exception as exc:
                 retries = self._recover(exc, retries)
-                since_checkpoint = 0
                 continue
             since_checkpoint = 0 if checkpoint else since_checkpoint + 1
-            if checkpoint and self._poll():
+            if checkpoint and self._tracker.poll():
                 retries = 0
+        self._summary.aborted = self._tracker.aborted
+        self._summary.checkpoint_waits = self._tracker.waits
+        self._summary.savepoints = self._tracker.savepoints
         self._summary.seconds = time.perf_counter() - started
         return self._summary
 
     def _covered(self) -> bool:
         """Whether a completed checkpoint holds everything the run did so far."""
-        return (
-            self._pending is None
-            and self._restore_point is not None
-            and self._previous_batch == self._covered_batch
-        )
+        return self._tracker.pending is None and self._covered_batch == self._next_batch - 1
 
     # -- state of the driver ----------------------------------------------------------------
 
@@ -446,9 +488,8 @@ class StatefulJob:
                     for i in range(p)
                 ]
             self._next_batch = int(metadata.properties.get("next_batch", 0))
-        self._generation += 1
-        self._previous_batch: int | None = None
-        self._covered_batch: int | None = None
+        self._manifest_batch = None
+        self._covered_batch: int | None = None if metadata is None else self._next_batch - 1
 
     def _offsets(self) -> list[Offsets]:
         return [list(offsets_state(backend).get()) for backend in self._source_states]
@@ -467,12 +508,12 @@ class StatefulJob:
         )
 
     def _recover(self, exc: Exception, retries: int) -> int:
+        """After a failed batch: raise a deterministic error; fall back to an older
+        checkpoint if the restore point cannot be read; else count the retry (the batch
+        runs again from the newest manifest). Returns the retries in a row."""
         fatal = task_error(exc)
         unreadable = task_error(exc, _UNREADABLE_ERRORS)
-        self._coordinator.abort_all()
-        if self._pending is not None and self._pending.savepoint_request is not None:
-            self._answer(self._pending.savepoint_request, None, f"the job failed: {exc}")
-        self._pending = None
+        self._tracker.abort(f"the job failed: {exc}")
         if fatal is not None:
             raise fatal from None
         self._summary.failures += 1
@@ -480,6 +521,7 @@ class StatefulJob:
         if unreadable is not None and failed is not None:
             # A subtask could not restore from it (after the file system's retries).
             self._restart_from(self._fall_back(failed, unreadable))
+            self._summary.rollbacks += 1
             return retries
         retries += 1
         if retries > self.conf.max_retries:
@@ -489,126 +531,30 @@ class StatefulJob:
                 f"Its completed checkpoints are intact: fix the cause and rerun with "
                 f"--restore latest"
             ) from exc
-        self._restart_from(failed)
         return retries
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _savepoint_request(self) -> SavepointRequest | None:
-        requests = pending_savepoint_requests(self._storage.fs, self._storage.layout.job_dir)
-        return requests[0] if requests else None
-
-    def _answer(self, request: SavepointRequest, path: str | None, error: str | None) -> None:
-        answer_savepoint_request(
-            self._storage.fs, self._storage.layout.job_dir, request, path, error
-        )
-
-    def _poll(self) -> bool:
-        """Poll the pending checkpoint; True if it completed now."""
-        pending = self._pending
-        if pending is None:
-            return False
-        try:
-            result = self._coordinator.poll(pending.checkpoint_id)
-            if result is None:
-                self._check_uploads(pending)
-        except CheckpointError as exc:  # timed out, stalled or failed: the job goes on
-            self._pending = None
-            if pending.checkpoint_id in self._coordinator.pending:
-                # e.g. writing _metadata failed: abort it, or no checkpoint could follow.
-                self._coordinator.abort(pending.checkpoint_id)
-            if isinstance(exc, CheckpointFencedError):
-                raise
-            if pending.savepoint_request is not None:
-                self._answer(pending.savepoint_request, None, str(exc))
-            if self._coordinator.last_completed_id == pending.checkpoint_id:
-                # Only the savepoint copy failed: the checkpoint itself is complete.
-                self._completed(pending)
-                return True
-            self._summary.aborted += 1
-            return False
-        if result is None:
-            return False
-        self._pending = None
-        self._completed(pending)
-        if pending.savepoint_request is not None:
-            self._summary.savepoints.append(result)
-            self._answer(pending.savepoint_request, result, None)
-        return True
-
-    def _completed(self, pending: _Pending) -> None:
-        """Make the completed checkpoint of ``pending`` the restore point."""
-        self._covered_batch = pending.batch_id
-        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
-        self._summary.checkpoints.append(checkpoint_dir)
-        self._lineage.append(checkpoint_dir)
-        self._restore_point = checkpoint_dir
-
-    def _check_uploads(self, pending: _Pending) -> None:
-        """Abort the pending checkpoint (CheckpointError) if a keyed subtask's background
-        upload has neither acknowledged nor beaten its heartbeat for
-        ``upload_stall_seconds``: its Python worker died, so it never will. Reads the
-        heartbeats of missing subtasks at most every ``HEARTBEAT_SECONDS``."""
-        now = time.monotonic()
-        if pending.uploads_since is None or now < pending.next_check:
-            return
-        pending.next_check = now + HEARTBEAT_SECONDS
-        coordinator = self._coordinator
-        missing = coordinator.pending[pending.checkpoint_id].missing()
-        for operator_id, subtask in missing:
-            if operator_id != self.operator_id:
-                continue
-            path = heartbeat_path(self._storage, pending.checkpoint_id, operator_id, subtask)
-            try:
-                beat: bytes | None = self._storage.fs.read_file(path)
-            except CheckpointError:  # none written yet (or unreadable now): no beat seen
-                beat = None
-            seen = pending.beats.get(subtask)
-            if seen is None:  # no beat yet counts from the end of the batch
-                pending.beats[subtask] = (beat, now if beat else pending.uploads_since)
-            elif seen[0] != beat:
-                pending.beats[subtask] = (beat, now)
-            elif now - seen[1] > self.conf.upload_stall_seconds:
-                coordinator.abort(pending.checkpoint_id)
-                raise CheckpointError(
-                    f"checkpoint {pending.checkpoint_id}: the upload of {operator_id} subtask "
-                    f"{subtask} made no progress for {now - seen[1]:.0f} s (no ack, no "
-                    f"heartbeat; its Python worker has probably died); it was aborted"
-                )
-
-    def _wait_pending(self) -> bool:
-        """Wait until no checkpoint is pending; record the wait. True unless the pending
-        checkpoint was aborted."""
-        if self._pending is None:
-            return True
-        started = time.perf_counter()
-        completed = False
-        interval = _POLL_FIRST_SECONDS
-        while self._pending is not None:
-            completed = self._poll()
-            if not completed and self._pending is not None:
-                time.sleep(interval)
-                interval = min(2 * interval, _POLL_MAX_SECONDS)
-        self._summary.checkpoint_waits.append(time.perf_counter() - started)
-        return completed
-
     def _trigger(self, request: SavepointRequest | None) -> int:
-        self._wait_pending()
-        savepoint_dir = None
-        if request is not None:
-            savepoint_dir = request.savepoint_dir(self._storage.layout.job_dir)
-        checkpoint_id = self._coordinator.trigger(
+        return self._tracker.trigger(
             {SOURCE_OPERATOR: self.parallelism, self.operator_id: self.parallelism},
-            savepoint_dir=savepoint_dir,
-            properties={
+            self._next_batch,
+            request,
+            {
                 "next_batch": self._next_batch + 1,
                 "key_by": _describe_key_by(self.key_by),
                 "operator": self.operator_id,
                 "source": self.source.directory,
             },
         )
-        self._pending = _Pending(checkpoint_id, self._next_batch, request)
-        return checkpoint_id
+
+    def _completed(self, pending: TrackedCheckpoint) -> None:
+        """Make the completed checkpoint of ``pending`` the base of the next manifests."""
+        self._covered_batch = pending.batch_id
+        checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
+        self._summary.checkpoints.append(checkpoint_dir)
+        self._lineage.append(checkpoint_dir)
+        self._changelog.materialized(pending.checkpoint_id, pending.batch_id)
 
     def _acknowledge_source(self, checkpoint_id: int) -> None:
         run = self._coordinator.run_id
@@ -633,12 +579,12 @@ class StatefulJob:
             key_serializer=self.key_serializer,
             batch_id=batch_id,
             version=LocalVersion(
-                f"{self._run_id}-{self._generation}",
-                self._previous_batch,
-                self._restore_point,
+                self._run_id,
+                batch_id - 1 if batch_id > 0 else None,
+                self._restore_point if self._manifest_batch is None else None,
                 p,
                 self._max_parallelism,
-                self._covered_batch,
+                self._manifest_batch,
             ),
             storage=StorageSpec(
                 conf.require_checkpoint_dir(),
@@ -659,6 +605,10 @@ class StatefulJob:
         sc = self.spark.sparkContext
         sc.setJobDescription(f"statebackend {self.job_id} batch {batch_id}")
         if read_source:
+            if self.output_dir is not None:
+                # Output of an attempt whose batch was not committed (a failed attempt,
+                # a killed driver's), maybe at another parallelism: rewritten whole.
+                shutil.rmtree(output_directory(self.output_dir, batch_id), ignore_errors=True)
             source_plan = SourcePlan(
                 self.source,
                 self._offsets(),
@@ -677,24 +627,53 @@ class StatefulJob:
         results: list[KeyedResult] = shuffled.mapPartitionsWithIndex(
             lambda index, items: keyed_task(plan, index, items)
         ).collect()
-        self._apply(results, batch_id)
+        offsets = self._offsets()
+        for result in results:
+            for subtask, share in result.source_offsets.items():
+                offsets[subtask] = share
+        self._commit(results, batch_id, offsets)
+        self._apply(results, batch_id, offsets)
         if checkpoint_id is not None:
-            assert self._pending is not None
-            self._pending.uploads_since = time.monotonic()
+            self._tracker.uploads_started()
             self._acknowledge_source(checkpoint_id)
 
-    def _apply(self, results: list[KeyedResult], batch_id: int) -> None:
+    def _commit(self, results: list[KeyedResult], batch_id: int, offsets: list[Offsets]) -> None:
+        """Write manifest ``batch_id``: the record of the attempt of each keyed subtask
+        whose result was collected, and the source offsets after the batch."""
+        by_subtask = {result.subtask: result.changelog for result in results}
+        handles = [ChangelogHandle.from_json(by_subtask[i]) for i in range(self.parallelism)]
+        manifest = self._changelog.commit(
+            batch_id,
+            {self.operator_id: handles},
+            max_parallelism=self._max_parallelism,
+            properties={
+                "next_batch": batch_id + 1,
+                "offsets": [[list(pair) for pair in share] for share in offsets],
+                "key_by": _describe_key_by(self.key_by),
+                "operator": self.operator_id,
+                "source": self.source.directory,
+            },
+            cleanup=False,
+        )
+        self._manifest_batch = manifest.batch_id
+        self._restore_point = self._changelog.layout.manifest_path(manifest.batch_id)
+        try:  # off the batch's result: a failure leaves files that a later cleanup deletes
+            self._changelog.cleanup()
+        except CheckpointError as exc:
+            _log.warning("deleting changelog records below batch %s failed: %s", batch_id, exc)
+
+    def _apply(self, results: list[KeyedResult], batch_id: int, offsets: list[Offsets]) -> None:
         summary = self._summary
+        for backend, share in zip(self._source_states, offsets, strict=True):
+            offsets_state(backend).update(share)
         for result in results:
-            for subtask, offsets in result.source_offsets.items():
-                offsets_state(self._source_states[subtask]).update(offsets)
             summary.records += result.records
             summary.outputs += result.outputs
             summary.skipped += result.skipped
         summary.batches += 1
         summary.restored_bytes.append(sum(r.restored_bytes for r in results))
         summary.reused_subtasks.append(sum(r.reused for r in results))
+        summary.rebuilt_subtasks.append(sum(r.rebuilt for r in results))
         if any(r.sync_seconds for r in results):
             summary.sync_seconds.append(max(r.sync_seconds for r in results))
-        self._previous_batch = batch_id
         self._next_batch = batch_id + 1

@@ -161,11 +161,17 @@ class LogSource:
 def assign_partitions(partitions: list[int], parallelism: int) -> list[Offsets]:
     """A fresh start's offsets per source subtask: consecutive chunks of the partitions
     (as split state is distributed), each at offset 0."""
-    count, rest = divmod(len(partitions), parallelism)
+    return split_offsets([(partition, 0) for partition in partitions], parallelism)
+
+
+def split_offsets(offsets: Offsets, parallelism: int) -> list[Offsets]:
+    """``offsets`` of all partitions cut into ``parallelism`` consecutive chunks, one per
+    source subtask, as split state is distributed."""
+    count, rest = divmod(len(offsets), parallelism)
     shares, start = [], 0
     for subtask in range(parallelism):
         end = start + count + (1 if subtask < rest else 0)
-        shares.append([(p, 0) for p in partitions[start:end]])
+        shares.append(offsets[start:end])
         start = end
     return shares
 

@@ -4,8 +4,10 @@ The driver builds a ``SourcePlan`` and a ``KeyedPlan`` per batch; Spark ships th
 the user's function) to the tasks. A source subtask reads its partitions and emits
 ``(keyed subtask, (RECORD, key, record))`` plus one ``(subtask, (MARKER, ...))`` with its
 new offsets. A keyed subtask groups its records by key, runs the user's function over its
-local RocksDB, writes its output rows, takes the checkpoint's synchronous cut if the
-batch is a checkpoint, and returns a small ``KeyedResult``. The checkpoint's upload runs
+local RocksDB (reused, or rebuilt from the newest batch manifest), writes its output rows
+and its batch's state changes (a changelog record, named by run and task attempt), takes
+the checkpoint's synchronous cut if the batch is a checkpoint, and returns a small
+``KeyedResult`` with the record's handle. The checkpoint's upload runs
 on the worker's transfer threads and writes the subtask's ack when done; the task does
 not wait for it (except on a run's final checkpoint, or without Python worker reuse).
 """
@@ -15,16 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from statebackend.backends.rocksdb import set_memory_limit
-from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -32,6 +32,7 @@ from statebackend.errors import CheckpointCancelledError
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import Serializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion
 from statebackend.spark.source import KeyOf, LogSource, Offsets
 
@@ -134,9 +135,12 @@ class KeyedResult:
     outputs: int = 0
     restored_bytes: int = 0
     reused: bool = False
+    rebuilt: bool = False
     sync_seconds: float = 0.0
     source_offsets: dict[int, Offsets] = field(default_factory=dict)
     skipped: int = 0
+    changelog: dict[str, Any] = field(default_factory=dict)
+    """The handle (JSON) of the subtask's changelog record of the batch."""
 
 
 def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
@@ -161,10 +165,15 @@ def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any
     yield subtask, (MARKER, subtask, new_offsets, skipped)
 
 
+def output_directory(output_dir: str, batch_id: int) -> Path:
+    """The directory of batch B's output rows, one ``part-<subtask>.jsonl`` per subtask."""
+    return Path(output_dir) / f"batch-{batch_id:06d}"
+
+
 def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:
     if plan.output_dir is None:
         return sum(1 for _ in rows)
-    directory = Path(plan.output_dir) / f"batch-{plan.batch_id:06d}"
+    directory = output_directory(plan.output_dir, plan.batch_id)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"part-{subtask}.jsonl"
     temporary = directory / f".part-{subtask}.jsonl.{os.getpid()}.tmp"
@@ -176,69 +185,6 @@ def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:
             count += 1
     temporary.replace(final)
     return count
-
-
-HEARTBEAT_SECONDS = 2.0
-"""How often a worker's pending upload says it is alive (see ``_Heartbeat``)."""
-
-
-def heartbeat_path(
-    storage: CheckpointStorage, checkpoint_id: int, operator_id: str, subtask: int
-) -> str:
-    """The heartbeat file of a subtask's background upload of checkpoint N: next to the
-    acks (not an ack name), so completing or aborting the checkpoint deletes it."""
-    return join(storage.layout.acks_dir(checkpoint_id), f"{operator_id}-{subtask}.alive")
-
-
-class _Heartbeat:
-    """While a background upload runs, a daemon thread of the worker writes a growing
-    counter to the upload's heartbeat file every ``HEARTBEAT_SECONDS`` (the first after
-    that long, so quick uploads write none). If the worker dies (e.g. Spark kills an idle
-    Python worker after 60 s), the counter stops, and the driver aborts the checkpoint
-    after ``checkpoint.upload-stall-timeout`` instead of ``checkpoint.timeout``.
-
-    The lock orders the last beat before the ack: no beat is written once the ack is,
-    so a completed checkpoint (whose acks directory is deleted) never gets one back. It
-    stops once the checkpoint is no longer pending (aborted or completed)."""
-
-    def __init__(self, storage: CheckpointStorage, checkpoint_id: int, path: str) -> None:
-        self._storage = storage
-        self._checkpoint_id = checkpoint_id
-        self._path = path
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-
-    def start(self) -> None:
-        """Start beating in a daemon thread."""
-        threading.Thread(target=self._run, name="statebackend-heartbeat", daemon=True).start()
-
-    def stop(self) -> None:
-        """Stop beating."""
-        with self._lock:
-            self._stopped.set()
-
-    @contextmanager
-    def stopping(self) -> Iterator[None]:
-        """Run the block (the ack) with no beat in flight, then stop beating."""
-        with self._lock:
-            try:
-                yield
-            finally:
-                self._stopped.set()
-
-    def _run(self) -> None:
-        beat = 0
-        while not self._stopped.wait(HEARTBEAT_SECONDS):
-            beat += 1
-            with self._lock:
-                if self._stopped.is_set():
-                    return
-                try:
-                    if not self._storage.is_pending(self._checkpoint_id):
-                        return
-                    self._storage.fs.write_atomic(self._path, str(beat).encode())
-                except Exception:  # a missed beat; the next one may get through
-                    _log.warning("could not write the upload heartbeat %s", self._path)
 
 
 def _acknowledge(storage: CheckpointStorage, checkpoint_id: int, ack: SubtaskAck) -> None:
@@ -286,7 +232,7 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
             _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
         return sync_seconds
     path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
-    heartbeat = _Heartbeat(storage, checkpoint_id, path)
+    heartbeat = UploadHeartbeat(storage, checkpoint_id, path)
 
     def uploaded(done: Any) -> None:
         try:
@@ -329,6 +275,8 @@ def keyed_task(
         backend = local.backend
         assert backend is not None
         result.restored_bytes, result.reused = local.restored_bytes, local.reused
+        result.rebuilt = local.rebuilt
+        backend.enable_changelog()
         ctx = KeyedContext(backend, subtask, plan.batch_id)
         plan.function.open(ctx)
 
@@ -338,6 +286,11 @@ def keyed_task(
                 yield from plan.function.process(key, values, ctx)
 
         result.outputs = _write_output(plan, subtask, rows())
+        attempt = f"{plan.run_id}-{_task_attempt()}"
+        handle = ChangelogStorage(plan.storage.open()).write_record(
+            plan.batch_id, plan.operator_id, subtask, attempt, backend.drain_changelog()
+        )
+        result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
             result.sync_seconds = _snapshot(plan, subtask, local)
         local.commit(plan.batch_id)

@@ -398,3 +398,67 @@ def test_a_signed_changelog_refuses_a_forged_record_or_manifest(tmp_path: Path) 
     signed.fs.write_atomic(path, json.dumps(document).encode())
     with pytest.raises(CheckpointCorruptedError, match=f"{path} is not signed"):
         ChangelogStorage(signed.storage).load_manifest(1)
+
+
+def test_a_restart_abandons_later_manifests_and_retention_keeps_the_base(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """Continuing from checkpoint N of batch 2 deletes manifests 3-4 and builds manifest 3
+    on N; a coordinator retaining one checkpoint keeps N while a retained manifest
+    builds on it (``pinned``), and discards it once none does."""
+    checkpoints = open_storage(checkpoint_url)
+    changelog = ChangelogStorage(checkpoints, retained=2)
+    coordinator = CheckpointCoordinator(
+        checkpoints,
+        max_parallelism=MAX_PARALLELISM,
+        retained=1,
+        pinned=changelog.referenced_checkpoints,
+    )
+    backend = enabled(make_backend("rocksdb", tmp_path / "db", 1, 0))
+    rng = random.Random(9)
+    models: dict[str, KeyModel] = {}
+
+    def checkpoint() -> int:
+        checkpoint_id = coordinator.trigger({OPERATOR: 1})
+        target = checkpoints.snapshot_target(checkpoint_id, OPERATOR, 0)
+        handle = backend.snapshot(checkpoint_id, target).result()
+        ack = SubtaskAck(OPERATOR, 0, 1, handle, None, coordinator.run_id)
+        assert coordinator.acknowledge(checkpoint_id, ack) is not None
+        return checkpoint_id
+
+    try:
+        for batch_id in (1, 2):
+            run_batch(changelog, [backend], batch_id, rng, models)
+        at_two = live_states(models)
+        base = checkpoint()
+        for batch_id in (3, 4):
+            run_batch(changelog, [backend], batch_id, rng, models)
+        assert changelog.restart(2, base) == [3, 4]
+        assert changelog.manifest_ids() == []
+        key = KEYS[0]
+        manifest = changelog.commit(
+            3, {OPERATOR: [record_of(changelog, 3, "r", key, 77)]}, max_parallelism=MAX_PARALLELISM
+        )
+        assert manifest.base is not None and manifest.base.checkpoint_id == base
+        expected = {k: dict(v) for k, v in at_two.items()}
+        expected.setdefault(key, {})["count"] = 77
+        (rebuilt,) = rebuild("heap", changelog, manifest, 1, tmp_path)
+        try:
+            assert read_keyed(rebuilt) == expected
+        finally:
+            rebuilt.dispose()
+
+        newer = checkpoint()  # retained=1 alone would discard the base now
+        assert checkpoints.fs.exists(checkpoints.layout.checkpoint_path(base) + "/_metadata")
+        changelog.materialized(newer, 3)
+        for batch_id in (4, 5):
+            changelog.commit(
+                batch_id,
+                {OPERATOR: [record_of(changelog, batch_id, "r", key, batch_id)]},
+                max_parallelism=MAX_PARALLELISM,
+            )
+        assert changelog.referenced_checkpoints() == {newer}
+        checkpoint()
+        assert checkpoints.completed_checkpoint_ids() == sorted({newer, newer + 1})
+    finally:
+        backend.dispose()

@@ -1,4 +1,5 @@
-"""Executor-local state without Spark: RocksDB reopen and the version marker protocol."""
+"""Executor-local state without Spark: RocksDB reopen, the version marker protocol, and
+the rebuild of a stale copy from a batch manifest."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ from pathlib import Path
 import pytest
 
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import IncompatibleStateError
-from statebackend.keygroups import KeyGroupRange
+from statebackend.keygroups import (
+    KeyGroupRange,
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+)
 from statebackend.serializers import IntSerializer, StrSerializer
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion, StaleLocalStateError
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
 
@@ -48,11 +54,20 @@ def test_rocksdb_close_and_open_existing(tmp_path: Path) -> None:
 
 
 def test_marker_reuse_and_stale(tmp_path: Path) -> None:
+    """A copy at the expected batch is reused; any other (another generation, a task
+    that failed midway) is wiped and rebuilt from the restore point, here none: empty."""
     storage = CheckpointStorage(tmp_path.as_uri(), "job")
 
     def local(previous: int | None, generation: str = "g1") -> LocalKeyedState:
         version = LocalVersion(generation, previous, None, 1, 128)
         return LocalKeyedState(tmp_path / "local", 0, version, storage, "op", StrSerializer())
+
+    def count_of_k(state: LocalKeyedState) -> int:
+        assert state.backend is not None
+        count = state.backend.get_state(COUNT)
+        assert isinstance(count, ValueState)
+        state.backend.set_current_key("k")
+        return int(count.value())
 
     with local(None) as state:
         assert state.backend is not None and not state.reused
@@ -62,11 +77,55 @@ def test_marker_reuse_and_stale(tmp_path: Path) -> None:
         count.update(5)
         state.commit(0)
     with local(0) as state:
-        assert state.reused and state.restored_bytes == 0
+        assert state.reused and state.restored_bytes == 0 and count_of_k(state) == 5
         state.commit(1)
-    with pytest.raises(StaleLocalStateError):  # another generation
-        local(1, "g2").__enter__()
+    with local(1, "g2") as state:  # another generation: not reused
+        assert not state.reused and not state.rebuilt and count_of_k(state) == 0
+    with local(1) as state:  # g2 left without commit: the copy is gone
+        assert not state.reused
+        state.commit(1)
     with pytest.raises(RuntimeError), local(1) as state:  # a task failing midway ...
+        assert state.reused
         raise RuntimeError("boom")
-    with pytest.raises(StaleLocalStateError):  # ... leaves no current copy behind
-        local(1).__enter__()
+    with local(1) as state:  # ... leaves no current copy behind
+        assert not state.reused
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "heap"])
+def test_a_stale_copy_is_rebuilt_from_the_batch_manifest(tmp_path: Path, kind: str) -> None:
+    """Subtask 1 of 2 without a current copy rebuilds exactly its key groups from the
+    manifest of the previous batch (records of two batches written at parallelism 1)."""
+    storage = CheckpointStorage(tmp_path.as_uri(), "job")
+    changelog = ChangelogStorage(storage)
+    writer = RocksDBKeyedStateBackend(tmp_path / "writer", max_parallelism=128, key_group_range=ALL)
+    writer.enable_changelog()
+    count = writer.get_state(COUNT)
+    assert isinstance(count, ValueState)
+    expected: dict[str, int] = {}
+    for batch_id in range(2):
+        for i in range(40):
+            key = f"user-{(i * 7 + batch_id) % 30}"
+            writer.set_current_key(key)
+            count.update(count.value() + 1)
+            expected[key] = expected.get(key, 0) + 1
+        handle = changelog.write_record(batch_id, "op", 0, "a", writer.drain_changelog())
+        changelog.commit(batch_id, {"op": [handle]}, max_parallelism=128)
+    writer.dispose()
+
+    version = LocalVersion("g1", 1, None, 2, 128, restore_manifest=1)
+    subtask = 1
+    owned = compute_key_group_range_for_operator_index(128, 2, subtask)
+    with LocalKeyedState(
+        tmp_path / "local", subtask, version, storage, "op", StrSerializer(), kind
+    ) as state:
+        assert state.rebuilt and not state.reused and state.restored_bytes > 0
+        assert state.backend is not None
+        restored = state.backend.get_state(COUNT)
+        assert isinstance(restored, ValueState)
+        actual = {}
+        for key in state.backend.keys(COUNT.name):
+            state.backend.set_current_key(key)
+            actual[key] = restored.value()
+    serialize = StrSerializer().serialize
+    mine = {k: v for k, v in expected.items() if assign_to_key_group(serialize(k), 128) in owned}
+    assert actual == mine and 0 < len(mine) < len(expected)

@@ -1,5 +1,6 @@
 """Two Spark task attempts of one keyed subtask checkpoint the same batch: their files and
-acks never mix.
+acks never mix, and the batch manifest accepts exactly one attempt's changelog record per
+subtask (the other attempts' records are deleted).
 
 Spark launches a speculative copy only on another host than the running attempt (and
 local masters do not run the speculation scheduler at all), so on one machine the second
@@ -23,6 +24,8 @@ from pyspark import TaskContext, cloudpickle
 from pyspark.sql import SparkSession
 
 from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -32,6 +35,7 @@ from statebackend.keygroups import (
     compute_operator_index_for_key_group,
 )
 from statebackend.serializers import StrSerializer
+from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.example import COUNT, TOTAL, UserTotals
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.tasks import RECORD, KeyedPlan, KeyedResult, StorageSpec, keyed_task
@@ -145,15 +149,37 @@ def test_two_attempts_of_a_subtask_never_mix_their_files(
     assert taken in slow
     assert find_garbage(storage.fs, storage.layout.job_dir) == []
 
+    checkpointed = _totals(
+        lambda backend: restore_keyed_state(backend, storage.fs, directory, metadata, OPERATOR)
+    )
+    assert checkpointed == expected
+
+    # Both attempts of the slow subtask wrote a changelog record; the manifest accepts
+    # the one of the attempt whose result Spark collected, and cleanup deletes the other.
+    changelog = ChangelogStorage(storage)
+    records = storage.layout.batch_changelog_dir(0)
+    names = storage.fs.list_dir(records)
+    assert len([n for n in names if n.startswith(f"{OPERATOR}-{SLOW_SUBTASK}-")]) == 2
+    ordered = sorted(results, key=lambda result: result.subtask)
+    handles = [ChangelogHandle.from_json(result.changelog) for result in ordered]
+    manifest = changelog.commit(0, {OPERATOR: handles}, max_parallelism=M)
+    kept = sorted(storage.fs.list_dir(records))
+    assert kept == sorted(str(handle.path).rsplit("/", 1)[-1] for handle in handles)
+    rebuilt = _totals(lambda backend: rebuild_keyed_state(backend, changelog, manifest, OPERATOR))
+    assert rebuilt == expected
+    storage.close()
+
+
+def _totals(load: Any) -> dict[str, tuple[int, int]]:
+    """(count, total) per user of a heap backend over all key groups, after ``load``."""
     backend = HeapKeyedStateBackend(
         max_parallelism=M, key_group_range=compute_key_group_range_for_operator_index(M, 1, 0)
     )
-    restore_keyed_state(backend, storage.fs, directory, metadata, OPERATOR)
+    load(backend)
     restored: dict[str, tuple[int, int]] = {}
     for user in backend.keys(COUNT.name):
         backend.set_current_key(user)
         count = cast(ValueState, backend.get_state(COUNT)).value()
         total = cast(ReducingState, backend.get_state(TOTAL)).get()
         restored[user] = (count, total)
-    assert restored == expected
-    storage.close()
+    return restored
