@@ -25,6 +25,7 @@ No record is pickled on the way: rows cross the JVM/Python boundary as Arrow.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -41,6 +42,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
@@ -127,13 +129,16 @@ def _parquet_bytes(batches: list[pa.RecordBatch], schema: pa.Schema) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
-def _metadata_batch(subtask: int, handle: str, output: str, rows: int) -> pa.RecordBatch:
+def _metadata_batch(
+    subtask: int, handle: str, output: str, metrics: BatchMetrics
+) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
         [
             pa.array([subtask], pa.int32()),
             pa.array([handle], pa.string()),
             pa.array([output], pa.string()),
-            pa.array([rows], pa.int64()),
+            pa.array([metrics.records_out], pa.int64()),
+            pa.array([json.dumps(record_to_json(metrics))], pa.string()),
         ],
         names=METADATA_SCHEMA.names,
     )
@@ -170,22 +175,32 @@ def _keyed_task(
             )
         attempt = str(context.taskAttemptId()) if context is not None else "0"
         storage = plan.storage.open()
+        records_in = -1  # the control row is not a record
+
+        def counted(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            nonlocal records_in
+            for batch in batches:
+                records_in += batch.num_rows
+                yield batch
+
         with _current_state(plan, subtask, storage) as local:
             backend = local.backend
             assert backend is not None
             backend.clock = BatchClock(plan.times.batch_timestamp_ms)
             backend.enable_changelog()
             timers = backend.timer_service if plan.spec.time_mode != "None" else None
+            started = time.perf_counter()
             try:
                 output = list(
                     run_keyed_subtask(
-                        plan.spec, backend, plan.times, chain([first], batches), timers
+                        plan.spec, backend, plan.times, counted(chain([first], batches)), timers
                     )
                 )
             except StateBackendError:
                 raise
             except Exception as exc:
                 raise _processor_failed(plan, subtask, exc) from exc
+            keyed_seconds = time.perf_counter() - started
             handle = ChangelogStorage(storage).write_record(
                 plan.batch_id, OPERATOR_ID, subtask, attempt, backend.drain_changelog()
             )
@@ -193,8 +208,15 @@ def _keyed_task(
             schema = to_arrow_schema(plan.spec.output_schema)
             storage.fs.write_atomic(path, _parquet_bytes(output, schema))
             local.commit(plan.batch_id)
-        rows = sum(batch.num_rows for batch in output)
-        yield _metadata_batch(subtask, json.dumps(handle.to_json()), path, rows)
+        metrics = BatchMetrics(
+            batch_id=plan.batch_id,
+            records_in=records_in,
+            records_out=sum(batch.num_rows for batch in output),
+            keys_touched=0,
+            keyed_seconds=keyed_seconds,
+            changelog_bytes=handle.size,
+        )
+        yield _metadata_batch(subtask, json.dumps(handle.to_json()), path, metrics)
 
     return run
 

@@ -45,6 +45,7 @@ after it failed (the savepoint request is answered with the error).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -59,6 +60,13 @@ from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import validate_id
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
+from statebackend.checkpoint.metrics import (
+    FailureMetrics,
+    MetricsHistory,
+    RestoreMetrics,
+    checkpoint_metrics,
+    combine_batches,
+)
 from statebackend.checkpoint.requests import SavepointRequest
 from statebackend.checkpoint.restore import (
     check_max_parallelism,
@@ -84,6 +92,7 @@ from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.api import KeyedFunction
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.source import (
     LogSource,
@@ -396,6 +405,10 @@ class StatefulJob:
         self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
         self._lineage = self._initial_lineage(storage)
         self._run_id = uuid.uuid4().hex[:12]
+        self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
+        """This run's metrics history: a record per batch, checkpoint, restore, failure."""
+        self._checkpoint_syncs: dict[int, float] = {}
+        self._previous_metadata: CheckpointMetadata | None = None
         self._changelog = ChangelogStorage(storage)
         manifest = self._newest_manifest()
         restored: CheckpointMetadata | BatchManifest | None = manifest
@@ -514,7 +527,9 @@ class StatefulJob:
         fatal = task_error(exc)
         unreadable = task_error(exc, _UNREADABLE_ERRORS)
         self._tracker.abort(f"the job failed: {exc}")
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         if fatal is not None:
+            self._failed(error, "none: a deterministic error stops the run")
             raise fatal from None
         self._summary.failures += 1
         failed = self._restore_point
@@ -522,8 +537,10 @@ class StatefulJob:
             # A subtask could not restore from it (after the file system's retries).
             self._restart_from(self._fall_back(failed, unreadable))
             self._summary.rollbacks += 1
+            self._failed(error, f"fell back from unreadable {failed} to {self._restore_point}")
             return retries
         retries += 1
+        self._failed(error, f"batch {self._next_batch} runs again (retry {retries})")
         if retries > self.conf.max_retries:
             raise JobFailedError(
                 f"job {self.job_id} failed {retries} times in a row, giving up; the last "
@@ -532,6 +549,9 @@ class StatefulJob:
                 f"--restore latest"
             ) from exc
         return retries
+
+    def _failed(self, error: str, recovery: str) -> None:
+        self.metrics.record(FailureMetrics(self._next_batch, error, recovery))
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -555,6 +575,18 @@ class StatefulJob:
         self._summary.checkpoints.append(checkpoint_dir)
         self._lineage.append(checkpoint_dir)
         self._changelog.materialized(pending.checkpoint_id, pending.batch_id)
+        metadata = self._storage.load(checkpoint_dir)
+        uploads_since = pending.watch.uploads_since
+        self.metrics.record(
+            checkpoint_metrics(
+                metadata,
+                batch_id=pending.batch_id,
+                sync_seconds=self._checkpoint_syncs.pop(pending.checkpoint_id, 0.0),
+                upload_seconds=0.0 if uploads_since is None else time.monotonic() - uploads_since,
+                previous=self._previous_metadata,
+            )
+        )
+        self._previous_metadata = metadata
 
     def _acknowledge_source(self, checkpoint_id: int) -> None:
         run = self._coordinator.run_id
@@ -570,7 +602,9 @@ class StatefulJob:
 
     def _batch(self, read_source: bool, checkpoint: bool, request: SavepointRequest | None) -> None:
         batch_id = self._next_batch
+        waits = len(self._tracker.waits)
         checkpoint_id = self._trigger(request) if checkpoint else None
+        waited = sum(self._tracker.waits[waits:])
         conf, p = self.conf, self.parallelism
         plan = KeyedPlan(
             operator_id=self.operator_id,
@@ -603,7 +637,6 @@ class StatefulJob:
             run_id=self._coordinator.run_id,
         )
         sc = self.spark.sparkContext
-        sc.setJobDescription(f"statebackend {self.job_id} batch {batch_id}")
         if read_source:
             if self.output_dir is not None:
                 # Output of an attempt whose batch was not committed (a failed attempt,
@@ -624,9 +657,12 @@ class StatefulJob:
             shuffled = records.partitionBy(p, lambda subtask: subtask)
         else:
             shuffled = sc.parallelize([], p)
-        results: list[KeyedResult] = shuffled.mapPartitionsWithIndex(
-            lambda index, items: keyed_task(plan, index, items)
-        ).collect()
+        started = time.perf_counter()
+        with job_group(sc, self.job_id, self.operator_id, "source, shuffle, keyed", batch_id):
+            results: list[KeyedResult] = shuffled.mapPartitionsWithIndex(
+                lambda index, items: keyed_task(plan, index, items)
+            ).collect()
+        self._record_batch(batch_id, results, time.perf_counter() - started, waited, checkpoint_id)
         offsets = self._offsets()
         for result in results:
             for subtask, share in result.source_offsets.items():
@@ -636,6 +672,39 @@ class StatefulJob:
         if checkpoint_id is not None:
             self._tracker.uploads_started()
             self._acknowledge_source(checkpoint_id)
+
+    def _record_batch(
+        self,
+        batch_id: int,
+        results: list[KeyedResult],
+        seconds: float,
+        waited: float,
+        checkpoint_id: int | None,
+    ) -> None:
+        """Record the batch's metrics (and a restore, if subtasks restored): the Spark
+        job's time beyond its slowest keyed subtask counts as source and shuffle, the
+        wait for the previous checkpoint before the batch as waiting."""
+        metrics = combine_batches(batch_id, [r.metrics(batch_id) for r in results], waited)
+        slowest = max(
+            (r.restore_seconds + r.keyed_seconds + r.sync_seconds for r in results), default=0.0
+        )
+        self.metrics.record(
+            dataclasses.replace(metrics, shuffle_seconds=max(0.0, seconds - slowest))
+        )
+        restored = [r for r in results if r.restored_bytes]
+        if restored:
+            self.metrics.record(
+                RestoreMetrics(
+                    self._restore_point or "",
+                    sum(r.restored_bytes for r in restored),
+                    max(r.restore_seconds for r in restored),
+                    len(restored),
+                )
+            )
+        if checkpoint_id is not None:
+            self._checkpoint_syncs[checkpoint_id] = max(
+                (r.sync_seconds for r in results), default=0.0
+            )
 
     def _commit(self, results: list[KeyedResult], batch_id: int, offsets: list[Offsets]) -> None:
         """Write manifest ``batch_id``: the record of the attempt of each keyed subtask

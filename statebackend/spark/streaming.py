@@ -38,6 +38,12 @@ from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
 from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.metrics import (
+    BatchMetrics,
+    MetricsHistory,
+    combine_batches,
+    record_from_json,
+)
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.spark.api import KeyedFunction
@@ -48,6 +54,7 @@ from statebackend.spark.arrow_path import (
     keyed_batch,
 )
 from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
+from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
     BatchTimes,
@@ -224,6 +231,10 @@ class StatefulStream:
             signing_key=conf.checkpoint_signing_key(),
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
+        storage = self.committer.storage
+        self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._generation[:12])
+        """The query's metrics history: a record per batch (``metrics.latest`` is the
+        newest of each kind, as ``StreamingQuery.lastProgress``)."""
         newest = self.committer.newest_batch()
         if newest is not None and conf.max_parallelism is None:
             # Key groups are fixed for the job's life: a restart at another parallelism keeps them.
@@ -283,9 +294,15 @@ class StatefulStream:
             storage=self.storage_spec,
             local_dir=self.conf.local_dir,
         )
-        rows = keyed_batch(combined_input(batch_df, self.spec, initial), plan).collect()
+        sc = self.df.sparkSession.sparkContext
+        with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
+            rows = keyed_batch(combined_input(batch_df, self.spec, initial), plan).collect()
         manifest = self.committer.commit(
             batch_id, rows, self.parallelism, self.max_parallelism, times
+        )
+        parts = [record_from_json(json.loads(row.metrics)) for row in rows]
+        self.metrics.record(
+            combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
         )
         self._previous_batch = batch_id
         return manifest

@@ -57,10 +57,11 @@ METADATA_SCHEMA = StructType(
         StructField("handle", StringType(), False),
         StructField("output", StringType(), False),
         StructField("rows", LongType(), False),
+        StructField("metrics", StringType(), False),
     ]
 )
 """What a keyed subtask returns for batch N: its changelog handle (JSON), the path of
-its staged output rows and their count."""
+its staged output rows, their count, and its ``BatchMetrics`` (JSON)."""
 
 
 def _read_json(fs: CheckpointFileSystem, path: str) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from typing import Any
 from statebackend.backends.rocksdb import set_memory_limit
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.metrics import BatchMetrics
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCancelledError
@@ -141,6 +142,24 @@ class KeyedResult:
     skipped: int = 0
     changelog: dict[str, Any] = field(default_factory=dict)
     """The handle (JSON) of the subtask's changelog record of the batch."""
+    keys: int = 0
+    """Distinct keys the batch's records touched."""
+    keyed_seconds: float = 0.0
+    """Seconds in the user's function (and writing its output)."""
+    restore_seconds: float = 0.0
+    """Seconds opening the local copy: restoring or rebuilding it when not reused."""
+
+    def metrics(self, batch_id: int) -> BatchMetrics:
+        """This subtask's part of batch ``batch_id``'s metrics."""
+        return BatchMetrics(
+            batch_id=batch_id,
+            records_in=self.records,
+            records_out=self.outputs,
+            keys_touched=self.keys,
+            keyed_seconds=self.keyed_seconds,
+            sync_cut_seconds=self.sync_seconds,
+            changelog_bytes=int(self.changelog.get("size", 0)),
+        )
 
 
 def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
@@ -262,7 +281,9 @@ def keyed_task(
         else:
             result.source_offsets[item[1]] = item[2]
             result.skipped += item[3]
+    result.keys = len(groups)
     root = Path(plan.local_dir) / plan.storage.job_id / plan.operator_id
+    opening = time.perf_counter()
     with LocalKeyedState(
         root,
         subtask,
@@ -274,6 +295,7 @@ def keyed_task(
     ) as local:
         backend = local.backend
         assert backend is not None
+        result.restore_seconds = time.perf_counter() - opening
         result.restored_bytes, result.reused = local.restored_bytes, local.reused
         result.rebuilt = local.rebuilt
         backend.enable_changelog()
@@ -285,7 +307,9 @@ def keyed_task(
                 backend.set_current_key(key)
                 yield from plan.function.process(key, values, ctx)
 
+        started = time.perf_counter()
         result.outputs = _write_output(plan, subtask, rows())
+        result.keyed_seconds = time.perf_counter() - started
         attempt = f"{plan.run_id}-{_task_attempt()}"
         handle = ChangelogStorage(plan.storage.open()).write_record(
             plan.batch_id, plan.operator_id, subtask, attempt, backend.drain_changelog()

@@ -1,0 +1,90 @@
+"""Observability of real runs: the metrics history a StatefulJob and a transform_with_state
+batch leave in the job directory, and the Spark job groups that label their Spark jobs,
+checked against the input the tests wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.layout import JobLayout
+from statebackend.checkpoint.metrics import (
+    BatchMetrics,
+    CheckpointMetrics,
+    read_history,
+    records_of,
+)
+from statebackend.spark.arrow_path import OPERATOR_ID as STREAM_OPERATOR_ID
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.example import OPERATOR_ID, generate_events, user_totals_job
+from statebackend.spark.job_groups import job_group_id
+from statebackend.spark.streaming import transform_with_state
+from tests.spark.test_streaming_api import OUTPUT, Totals
+
+EVENTS = 400
+
+
+def _history(url: str, job_id: str) -> list:
+    fs = open_filesystem(url)
+    return read_history(fs, JobLayout(url, job_id).job_dir)
+
+
+def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    url = (tmp_path / "checkpoints").as_uri()
+    generate_events(tmp_path / "input", EVENTS, 30, 3, 11)
+    conf = StateBackendConf(checkpoint_dir=url, local_dir=str(tmp_path / "local"))
+    summary = user_totals_job(
+        spark_local,
+        job_id="observed",
+        input_dir=tmp_path / "input",
+        parallelism=2,
+        conf=conf,
+        batch_size=60,
+        checkpoint_every=2,
+        output_dir=str(tmp_path / "output"),
+    ).run()
+
+    history = _history(url, "observed")
+    batches = records_of(history, BatchMetrics)
+    assert [b.batch_id for b in batches] == list(range(summary.batches))
+    assert sum(b.records_in for b in batches) == EVENTS  # what generate_events wrote
+    assert sum(b.records_out for b in batches) == summary.outputs
+    assert all(b.changelog_bytes > 0 for b in batches if b.records_in)
+    checkpoints = records_of(history, CheckpointMetrics)
+    assert [f"chk-{c.checkpoint_id}" for c in checkpoints] == [
+        Path(path).name for path in summary.checkpoints
+    ]
+    assert all(c.full_bytes + c.incremental_bytes > 0 for c in checkpoints)
+
+    tracker = spark_local.sparkContext.statusTracker()
+    for batch_id in range(summary.batches):
+        group = job_group_id("observed", OPERATOR_ID, batch_id)
+        assert tracker.getJobIdsForGroup(group), group
+    assert spark_local.sparkContext.getLocalProperty("spark.jobGroup.id") is None
+
+
+def test_a_streaming_batch_records_its_metrics_and_labels_its_spark_jobs(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    url = (tmp_path / "ours").as_uri()
+    spark_local.conf.set("spark.statebackend.checkpoint.dir", url)
+    spark_local.conf.set("spark.statebackend.local.dir", str(tmp_path / "local"))
+    try:
+        rows = [("a", 1, 10), ("b", 2, 20), ("a", 3, 30), ("c", 4, 40), ("d", 5, 50)]
+        events = spark_local.createDataFrame(rows, "user string, amount long, ts long")
+        stateful = transform_with_state(events, "user", Totals(), OUTPUT, "observed-stream")
+        assert stateful.toDF().count() == len({user for user, _, _ in rows})
+    finally:
+        spark_local.conf.unset("spark.statebackend.checkpoint.dir")
+        spark_local.conf.unset("spark.statebackend.local.dir")
+
+    latest = stateful.metrics.latest["batch"]
+    assert isinstance(latest, BatchMetrics)
+    assert (latest.batch_id, latest.records_in, latest.records_out) == (0, len(rows), 4)
+    assert records_of(_history(url, "observed-stream"), BatchMetrics) == [latest]
+    group = job_group_id("observed-stream", STREAM_OPERATOR_ID, 0)
+    assert spark_local.sparkContext.statusTracker().getJobIdsForGroup(group)
