@@ -1,27 +1,46 @@
-"""The exceptions statebackend raises: one hierarchy, each message says what to do."""
+"""The exceptions statebackend raises: one hierarchy, each message says what to do.
+
+Every class says whether the runtime retries the work that raised it (``recoverable``,
+Flink's ThrowableType): a deterministic error (bad configuration, bad input, state that
+does not fit) would fail again, so a job stops at once; anything else (storage, a lost
+executor) is retried up to ``max_retries`` times.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class StateBackendError(Exception):
     """Base of every error statebackend raises on purpose."""
 
+    recoverable: ClassVar[bool] = True
+    """Whether retrying the failed work may succeed (False: it fails the same way)."""
+
 
 class ConfigurationError(StateBackendError):
     """A setting, argument or parallelism is invalid (bad key, P > M, M out of range)."""
+
+    recoverable = False
 
 
 class StateAccessError(StateBackendError):
     """State was used wrongly: no current key, a key outside the owned key-group range,
     a state name registered as two kinds, a reserved name, a disposed backend."""
 
+    recoverable = False
+
 
 class SerializationError(StateBackendError):
     """A value could not be encoded or decoded by its serializer."""
 
+    recoverable = False
+
 
 class IncompatibleStateError(StateBackendError):
     """Stored state cannot be read with the serializer, kind or max parallelism asked for."""
+
+    recoverable = False
 
 
 class CheckpointError(StateBackendError):
@@ -45,6 +64,8 @@ class LocalStateError(StateBackendError):
     """An executor's local state directory (``local.dir``) cannot be used: it is not
     writable, or its disk is full."""
 
+    recoverable = False
+
 
 class CheckpointCancelledError(CheckpointError):
     """A snapshot's asynchronous part was cancelled before it finished."""
@@ -54,9 +75,13 @@ class CheckpointFencedError(CheckpointError):
     """Another driver claimed the job's checkpoint directory: this one may not trigger or
     complete checkpoints there any more."""
 
+    recoverable = False
+
 
 class SourceError(StateBackendError):
     """Input could not be read (e.g. a malformed line in a source partition)."""
+
+    recoverable = False
 
 
 class StatefulProcessorError(StateAccessError):
@@ -75,3 +100,11 @@ class ProcessorFailedError(StateBackendError):
 
 class OutputSchemaError(StateBackendError):
     """A processor's output does not fit the declared output schema (names the column)."""
+
+    recoverable = False
+
+
+class JobFailedError(StateBackendError):
+    """A job kept failing after ``max_retries`` recoveries (or cannot go on at all)."""
+
+    recoverable = False

@@ -14,8 +14,9 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from statebackend.errors import JobFailedError
     from statebackend.spark.api import KeyedContext, KeyedFunction, RecordFunction
-    from statebackend.spark.runner import JobFailedError, RunSummary, StatefulJob
+    from statebackend.spark.runner import RunSummary, StatefulJob
     from statebackend.spark.source import LogSource
     from statebackend.spark.state_reader import read_state
     from statebackend.spark.state_writer import StateWriter

@@ -54,6 +54,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from statebackend import errors
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
@@ -80,10 +81,7 @@ from statebackend.errors import (
     CheckpointUnreadableError,
     ConfigurationError,
     IncompatibleStateError,
-    LocalStateError,
-    SerializationError,
-    SourceError,
-    StateAccessError,
+    JobFailedError,
     StateBackendError,
 )
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
@@ -116,25 +114,7 @@ from statebackend.spark.tasks import (
 _log = logging.getLogger(__name__)
 
 SOURCE_OPERATOR = "source"
-_FATAL_ERRORS: dict[str, type[StateBackendError]] = {
-    cls.__name__: cls
-    for cls in (
-        SourceError,
-        IncompatibleStateError,
-        SerializationError,
-        StateAccessError,
-        ConfigurationError,
-        LocalStateError,
-    )
-}
-_UNREADABLE_ERRORS: dict[str, type[StateBackendError]] = {
-    CheckpointUnreadableError.__name__: CheckpointUnreadableError
-}
 _TASK_ERROR = re.compile(r"statebackend\.errors\.(\w+): ([^\n]*)")
-
-
-class JobFailedError(StateBackendError):
-    """A job kept failing after ``max_retries`` recoveries."""
 
 
 @dataclass
@@ -194,16 +174,23 @@ def _describe_key_by(key_by: Any) -> str:
     return key_by if isinstance(key_by, str) else getattr(key_by, "__qualname__", repr(key_by))
 
 
-def task_error(
-    exc: BaseException, kinds: dict[str, type[StateBackendError]] = _FATAL_ERRORS
-) -> StateBackendError | None:
-    """The statebackend error of one of ``kinds`` (default: the deterministic ones) a
-    Spark job failed with, if any."""
+def task_errors(exc: BaseException) -> list[StateBackendError]:
+    """The statebackend errors a Spark job failed with, rebuilt from its error text (a
+    task's Python traceback crosses the JVM as text), in the order they appear."""
+    found = []
     for name, message in _TASK_ERROR.findall(str(exc)):
-        cls = kinds.get(name)
-        if cls is not None:
-            return cls(message)
-    return None
+        cls = getattr(errors, name, None)
+        if isinstance(cls, type) and issubclass(cls, StateBackendError):
+            error = cls.__new__(cls)  # some take other arguments: the message is all we have
+            StateBackendError.__init__(error, message)
+            found.append(error)
+    return found
+
+
+def task_error(exc: BaseException) -> StateBackendError | None:
+    """The first statebackend error a Spark job failed with that retrying cannot fix
+    (``recoverable`` False), if any."""
+    return next((e for e in task_errors(exc) if not e.recoverable), None)
 
 
 class StatefulJob:
@@ -525,7 +512,9 @@ class StatefulJob:
         checkpoint if the restore point cannot be read; else count the retry (the batch
         runs again from the newest manifest). Returns the retries in a row."""
         fatal = task_error(exc)
-        unreadable = task_error(exc, _UNREADABLE_ERRORS)
+        unreadable = next(
+            (e for e in task_errors(exc) if isinstance(e, CheckpointUnreadableError)), None
+        )
         self._tracker.abort(f"the job failed: {exc}")
         error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         if fatal is not None:
