@@ -241,16 +241,7 @@ def _inspect_manifest(ref: ManifestRef, as_json: bool) -> int:
             f"operator {operator_id}: parallelism {op['parallelism']}, base "
             f"{_size(op['base_bytes'])}, changelog {_size(op['record_bytes'])}"
         )
-        if op["keyed_states"]:
-            _out("  keyed state:")
-            _table(
-                ["NAME", "KIND", "KEY", "SERIALIZERS"],
-                (
-                    [name, s["kind"], s["key_serializer"], s["serializer"]]
-                    for name, s in op["keyed_states"].items()
-                ),
-                "    ",
-            )
+        _keyed_states_table(op["keyed_states"])
         rows = [
             [
                 batch["batch_id"],
@@ -270,6 +261,17 @@ def _inspect_manifest(ref: ManifestRef, as_json: bool) -> int:
     return 0
 
 
+def _keyed_states_table(states: dict[str, dict[str, Any]]) -> None:
+    """Print an operator's keyed states (name, kind, key and value serializers), if any."""
+    if states:
+        _out("  keyed state:")
+        _table(
+            ["NAME", "KIND", "KEY", "SERIALIZERS"],
+            ([name, s["kind"], s["key_serializer"], s["serializer"]] for name, s in states.items()),
+            "    ",
+        )
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``statebackend inspect``."""
     ref = open_state(args.checkpoint, _options(args), _signing_key(args))
@@ -286,16 +288,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     for operator_id, op in info["operators"].items():
         _out(f"operator {operator_id}: parallelism {op['parallelism']}, {_size(op['state_bytes'])}")
-        if op["keyed_states"]:
-            _out("  keyed state:")
-            _table(
-                ["NAME", "KIND", "KEY", "SERIALIZERS"],
-                (
-                    [name, s["kind"], s["key_serializer"], s["serializer"]]
-                    for name, s in op["keyed_states"].items()
-                ),
-                "    ",
-            )
+        _keyed_states_table(op["keyed_states"])
         timers = op["timers"]
         if timers is not None and (timers["event"]["count"] or timers["processing"]["count"]):
             _out("  timers:")
