@@ -485,7 +485,10 @@ def cmd_savepoint_create(args: argparse.Namespace) -> int:
                 allow_pickle=args.allow_pickle,
             )
         )
-        print(f"{PROG}: note: {args.target} is not signed (manifests are not)", file=sys.stderr)
+        print(
+            f"{PROG}: note: {args.target} is not signed (folded savepoints are not)",
+            file=sys.stderr,
+        )
         return 0
     if args.parallelism is not None:
         raise ConfigurationError(

@@ -27,7 +27,6 @@ from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
-    ConfigurationError,
 )
 
 _LOCAL_PROTOCOLS = ("file", "local")
@@ -116,11 +115,15 @@ StateRef = CheckpointRef | ManifestRef
 """What a command reads state from."""
 
 
-def job_changelog(fs: CheckpointFileSystem, job_dir: str) -> ChangelogStorage:
+def job_changelog(
+    fs: CheckpointFileSystem, job_dir: str, signing_key: SigningKey | None = None
+) -> ChangelogStorage:
     """The changelog storage of the job in ``job_dir`` (read-only use: nothing is written
-    until a method that writes is called)."""
+    until a method that writes is called); with ``signing_key`` its manifests must be
+    signed with it and its records match their signed digests."""
     parent, _, job_id = job_dir.rstrip("/").rpartition("/")
-    return ChangelogStorage(CheckpointStorage(parent or ".", job_id, filesystem=fs))
+    storage = CheckpointStorage(parent or ".", job_id, filesystem=fs, signing_key=signing_key)
+    return ChangelogStorage(storage)
 
 
 def _manifest_name(path: str) -> tuple[str, int] | None:
@@ -172,19 +175,14 @@ def open_manifest(
 ) -> ManifestRef:
     """Manifest ``batch_id`` of the job in ``job_dir``, with its base checkpoint.
 
-    Manifests and changelog records are not signed, so with a ``signing_key`` this
-    refuses (ConfigurationError) rather than vouch for them. Raises
-    CheckpointNotFoundError if the manifest does not exist, CheckpointCorruptedError if
-    it or its base checkpoint is malformed or the base is gone.
+    With a ``signing_key`` the manifest and its base checkpoint must be signed with it,
+    and the records and the base's files are read only where they match their signed
+    digests. Raises CheckpointNotFoundError if the manifest does not exist,
+    CheckpointCorruptedError if it or its base checkpoint is malformed, unsigned or
+    changed, or the base is gone.
     """
-    changelog = job_changelog(fs, job_dir)
+    changelog = job_changelog(fs, job_dir, signing_key)
     path = changelog.layout.manifest_path(batch_id)
-    if signing_key is not None:
-        raise ConfigurationError(
-            f"{path} is a batch manifest: manifests and changelog records are not signed, "
-            f"so --signing-key-file cannot vouch for them; give a materialized checkpoint "
-            f"(chk-<N>) or a savepoint instead"
-        )
     if not fs.exists(path):
         known = ", ".join(map(str, changelog.manifest_ids())) or "none"
         raise CheckpointNotFoundError(
@@ -196,7 +194,8 @@ def open_manifest(
     directory = changelog.base_directory(manifest)
     if directory is not None:
         try:
-            base = CheckpointRef(fs, directory, load_metadata(fs, directory))
+            metadata = load_metadata(fs, directory, signing_key)
+            base = CheckpointRef(fs, directory, metadata, signing_key)
         except CheckpointNotFoundError as exc:
             raise CheckpointCorruptedError(
                 f"the base checkpoint {directory} of manifest {batch_id} is gone: {exc}"

@@ -20,6 +20,7 @@ from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
 from tests.conftest import Storage
 from tests.s3.test_checkpoint_matrix import (
@@ -33,9 +34,15 @@ from tests.s3.test_checkpoint_matrix import (
 JOB = "job"
 
 
-def open_storage(storage: Storage, compression: str = "none") -> CheckpointStorage:
+def open_storage(
+    storage: Storage, compression: str = "none", signing_key: SigningKey | None = None
+) -> CheckpointStorage:
     return CheckpointStorage(
-        storage.url, JOB, storage_options=storage.storage_options, compression=compression
+        storage.url,
+        JOB,
+        storage_options=storage.storage_options,
+        compression=compression,
+        signing_key=signing_key,
     )
 
 
@@ -130,12 +137,14 @@ def _averages(models: dict[str, KeyModel]) -> dict[str, list[int]]:
 
 
 @contextmanager
-def changelog_job(storage: Storage, tmp_path: Path) -> Iterator[ChangelogJob]:
+def changelog_job(
+    storage: Storage, tmp_path: Path, signing_key: SigningKey | None = None
+) -> Iterator[ChangelogJob]:
     """A job on ``storage``: batches 1-3 at P=2 with no base, a materialization of batch
     2 (chk-1) completed during batch 3, batch 4 at P=2 and batch 5 rescaled to P=3.
     Manifest 3 builds on nothing (records 1-3), manifests 4 and 5 on chk-1 (records 3-4,
-    3-5)."""
-    checkpoints = open_storage(storage, "lz4")
+    3-5); everything signed with ``signing_key`` if given."""
+    checkpoints = open_storage(storage, "lz4", signing_key)
     changelog = ChangelogStorage(checkpoints)
     coordinator = CheckpointCoordinator(checkpoints, max_parallelism=MAX_PARALLELISM)
     rng = random.Random(11)

@@ -19,6 +19,7 @@ import pytest
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.restore import restore_keyed_state
+from statebackend.checkpoint.signing import load_signing_key
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.serializers import JsonSerializer, PickleSerializer
@@ -457,3 +458,37 @@ def test_a_rebuild_that_would_unpickle_needs_allow_pickle(
     status, _, err = read(3)
     assert status == 1 and "--allow-pickle" in err
     assert_one_error_line(err)
+
+
+def test_a_signed_manifest_is_read_with_its_key_and_a_changed_record_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("0123456789abcdef0123")
+    key = load_signing_key(key_file=str(key_file))
+    with changelog_job(Storage((tmp_path / "signed").as_uri()), tmp_path, key) as job:
+        signed = ("--signing-key-file", str(key_file))
+        assert cli(capsys, job.storage, "inspect", job.manifest(5), *signed)[0] == 0
+        assert cli(capsys, job.storage, "verify", job.manifest(5), *signed)[0] == 0
+        read = read_records(capsys, job, job.manifest(5), "events", *signed)
+        assert read == expected_values(job, 5, "events")
+
+        record = next(h for h in job.changelog.load_manifest(5).handles() if h.path)
+        path = job.changelog.record_path(record)
+        assert path is not None
+        data = bytearray(job.checkpoints.fs.read_file(path))
+        data[-1] ^= 0xFF
+        job.checkpoints.fs.write_atomic(path, bytes(data))
+        status, _, err = cli(
+            capsys,
+            job.storage,
+            "read",
+            job.manifest(5),
+            "--operator",
+            OPERATOR,
+            "--state",
+            "events",
+            *signed,
+        )
+        assert status == 1 and path in err
+        assert_one_error_line(err)
