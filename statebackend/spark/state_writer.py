@@ -45,6 +45,7 @@ from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import PickleSerializer, Serializer, StrSerializer
+from statebackend.spark.job_groups import job_group
 from statebackend.spark.runner import task_error
 from statebackend.spark.state_reader import column_type
 from statebackend.state.descriptors import StateDescriptor, StateKind
@@ -282,18 +283,19 @@ class StateWriter:
         )
         writer.check_target()
         acks: list[SubtaskAck] = []
-        for rewrite in rewrites:
-            acks += self._write_operator(writer, rewrite)
         metadata = self.metadata
+        job_id = job_id or (metadata.job_id if metadata else "bootstrap")
+        for rewrite in rewrites:
+            acks += self._write_operator(writer, rewrite, job_id)
         return writer.complete(
             acks,
-            job_id=job_id or (metadata.job_id if metadata else "bootstrap"),
+            job_id=job_id,
             checkpoint_id=metadata.checkpoint_id if metadata else 0,
             properties=metadata.properties if metadata else None,
         )
 
     def _write_operator(
-        self, writer: SavepointWriter, rewrite: OperatorRewrite
+        self, writer: SavepointWriter, rewrite: OperatorRewrite, job_id: str
     ) -> list[SubtaskAck]:
         """One Spark task per subtask, fed the rows of its key groups."""
         context = self.spark.sparkContext
@@ -317,7 +319,8 @@ class StateWriter:
 
         routed = context.union(parts).partitionBy(rewrite.parallelism, lambda subtask: subtask)
         try:
-            written = routed.mapPartitionsWithIndex(write).collect()
+            with job_group(context, job_id, rewrite.operator_id, "write savepoint"):
+                written = routed.mapPartitionsWithIndex(write).collect()
         except Exception as exc:
             error = task_error(exc)
             if error is None:

@@ -44,6 +44,7 @@ from statebackend.spark.example import (
     read_events,
     user_totals_job,
 )
+from statebackend.spark.job_groups import job_group_id
 from statebackend.spark.state_reader import read_state
 from statebackend.spark.state_writer import StateWriter
 from statebackend.state.descriptors import ValueStateDescriptor
@@ -113,6 +114,9 @@ def test_bootstrap_then_run_on_the_rest(
     ).run()
     assert summary.restored_from == savepoint
     assert summary.records == 400
+    # The savepoint's Spark job was labelled for the Spark UI.
+    group = job_group_id("bootstrap", OPERATOR_ID)
+    assert spark_local.sparkContext.statusTracker().getJobIdsForGroup(group)
     expected = expected_totals(first + list(read_events(tmp_path / "second")))
     last = summary.last_checkpoint
     assert last is not None
