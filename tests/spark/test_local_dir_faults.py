@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from statebackend.checkpoint.layout import METRICS_DIR
 from statebackend.errors import LocalStateError
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import (
@@ -44,9 +45,14 @@ def _run(spark: SparkSession, tmp_path: Path, local_dir: Path, parallelism: int)
 
 
 def _checkpoints(tmp_path: Path) -> dict[str, bytes]:
-    """Every checkpoint file and its content."""
+    """Every checkpoint file and its content (not the metrics history: a failed run
+    records its failure there)."""
     root = tmp_path / "ckpt" / JOB
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and p.relative_to(root).parts[0] != METRICS_DIR
+    }
 
 
 def _fails_clearly_then_recovers(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from statebackend.checkpoint.layout import METRICS_DIR
 from statebackend.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -55,7 +56,12 @@ def _run(
 
 
 def _files(tmp_path: Path) -> set[Path]:
-    return {p for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+    """The checkpoint files (not the metrics history: a failed run records its failure)."""
+    return {
+        p
+        for p in (tmp_path / "checkpoints").rglob("*")
+        if p.is_file() and METRICS_DIR not in p.relative_to(tmp_path / "checkpoints").parts
+    }
 
 
 @pytest.fixture

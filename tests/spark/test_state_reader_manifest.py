@@ -12,7 +12,7 @@ from pyspark.sql import SparkSession
 
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.signing import SigningKey
-from statebackend.errors import ConfigurationError, StateAccessError
+from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.spark.state_reader import read_state
 from tests.conftest import Storage
 from tests.s3.changelog_jobs import changelog_job, expected_values
@@ -31,5 +31,5 @@ def test_read_state_of_a_manifest_equals_the_model(
         assert {k: json.loads(v) for k, v in latest.collect()} == expected_values(job, 5, "attrs")
         with pytest.raises(StateAccessError, match="no keyed state 'nope'"):
             read_state(spark_local, manifest, OPERATOR, "nope")
-        with pytest.raises(ConfigurationError, match="not signed"):
+        with pytest.raises(CheckpointCorruptedError, match="is not signed"):
             read_state(spark_local, manifest, OPERATOR, "count", signing_key=SigningKey(b"k" * 16))
