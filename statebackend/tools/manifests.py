@@ -10,10 +10,13 @@ the full format, so the savepoint restores at any parallelism without the change
 ``read`` reads such a fold written to a temporary local directory, with the checkpoint
 reader.
 
-The changelog carries keyed state (timers included) only: a base checkpoint with
-operator or raw keyed state cannot be folded, since that state is the base's, not the
-batch's. Replaying never unpickles, except to migrate pickled values to a serializer
-that changed between records, which needs ``allow_pickle``.
+The changelog carries keyed state (timers included) only. The operator state of an
+operator without keyed state is held by the driver (the source offsets), which commits
+it in the manifest's properties: the fold leaves the base's (older) copy out and the
+savepoint carries the properties. A base with raw keyed state, or with operator state of
+a keyed operator, cannot be folded, since that state is the base's, not the batch's.
+Replaying never unpickles, except to migrate pickled values to a serializer that changed
+between records, which needs ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import plan_restore
 from statebackend.checkpoint.savepoints import Progress
@@ -45,9 +49,6 @@ from statebackend.tools.listing import describe_roles, describe_serializer
 from statebackend.tools.location import ManifestRef, checkpoint_directory
 from statebackend.tools.plan import keyed_sources_json
 from statebackend.tools.verify import Problem, referenced_bytes, verify_checkpoint
-
-FOLDED_FROM_PROPERTY = "folded_from_manifest"
-"""Savepoint property: the batch of the manifest the savepoint was folded from."""
 
 
 def operator_ids(ref: ManifestRef) -> list[str]:
@@ -123,16 +124,21 @@ def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle
 
 
 def check_foldable(ref: ManifestRef) -> None:
-    """ConfigurationError if the base holds operator or raw keyed state: the changelog
-    does not carry it, so its state at the manifest's batch is unknown."""
+    """ConfigurationError if the base holds raw keyed state, or operator state of an
+    operator with keyed state: the changelog does not carry it, so its state at the
+    manifest's batch is unknown. (Operator state of operators without keyed state is the
+    driver's, committed in the manifest's properties.)"""
     if ref.base is None:
         return
+    keyed = set(operator_ids(ref))
     for operator_id, snapshot in sorted(ref.base.metadata.operators.items()):
-        if any(h is not None for h in snapshot.operator_handles()) or snapshot.raw_keyed_handles():
+        has_operator_state = any(h is not None for h in snapshot.operator_handles())
+        if snapshot.raw_keyed_handles() or (has_operator_state and operator_id in keyed):
             raise ConfigurationError(
-                f"the base {ref.base.directory} of {ref.path} holds operator or raw keyed "
-                f"state of operator {operator_id!r}, which the changelog does not carry: take "
-                f"the savepoint from a checkpoint (chk-<N>) or from the running job instead"
+                f"the base {ref.base.directory} of {ref.path} holds raw keyed or operator "
+                f"state of keyed operator {operator_id!r}, which the changelog does not "
+                f"carry: take the savepoint from a checkpoint (chk-<N>) or from the running "
+                f"job instead"
             )
 
 
