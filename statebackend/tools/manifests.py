@@ -48,6 +48,7 @@ from statebackend.state.timers import is_timer_state
 from statebackend.tools.listing import describe_roles, describe_serializer
 from statebackend.tools.location import ManifestRef, checkpoint_directory
 from statebackend.tools.plan import keyed_sources_json
+from statebackend.tools.report import KeyGroupBytes, key_group_bytes, split_key_groups
 from statebackend.tools.verify import Problem, referenced_bytes, verify_checkpoint
 
 
@@ -318,6 +319,31 @@ def plan_manifest_operator(
             }
         )
     return plans
+
+
+def manifest_key_group_bytes(ref: ManifestRef, operator_id: str) -> KeyGroupBytes | None:
+    """The bytes per key group a rebuild of ``operator_id`` reads at the manifest's
+    batch: the base's (as ``statebackend report`` counts them) plus every record's; None
+    if there are neither."""
+    base = None
+    if ref.base is not None and operator_id in ref.base.metadata.operators:
+        snapshot = ref.base.metadata.operators[operator_id]
+        base = key_group_bytes(snapshot, ref.manifest.max_parallelism)
+    found = list(base.bytes) if base is not None else [0] * ref.manifest.max_parallelism
+    handles = records(ref, operator_id)
+    for handle in handles:
+        for group, _, length in handle.key_groups:
+            found[group] += length
+    if base is None and not handles:
+        return None
+    return KeyGroupBytes(tuple(found), base is not None and base.estimated)
+
+
+def plan_manifest_imbalance(ref: ManifestRef, operator_id: str, parallelism: int) -> float | None:
+    """max/mean of the bytes (base + changelog) the new subtasks of ``operator_id`` would
+    read at ``parallelism``; None without keyed state."""
+    groups = manifest_key_group_bytes(ref, operator_id)
+    return None if groups is None else split_key_groups(groups.bytes, parallelism).imbalance
 
 
 def plan_manifest(
