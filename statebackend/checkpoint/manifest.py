@@ -22,6 +22,7 @@ from statebackend.checkpoint.signing import (
     ALGORITHM,
     FILE_CHECKSUM,
     SigningKey,
+    check_signable,
     check_signature,
 )
 from statebackend.checksums import algorithm_of
@@ -167,12 +168,11 @@ class BatchManifest:
         document = self.to_json()
         if signing_key is None:
             return _compact(document)
-        weak = [f.path for f in self.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
-        if weak:
-            raise CheckpointError(
-                f"cannot sign manifest {self.batch_id}: {', '.join(weak)} have no "
-                f"{FILE_CHECKSUM} checksum; write the changelog with the signing key set"
-            )
+        check_signable(
+            self.files(),
+            f"manifest {self.batch_id}",
+            "write the changelog with the signing key set",
+        )
         signature = {"algorithm": ALGORITHM, "value": signing_key.sign(_compact(document))}
         return _compact({**document, SIGNATURE: signature})
 
