@@ -11,7 +11,8 @@ Takes a savepoint of the example job whose checkpoints are in JOB_DIR
 restarts the job from it at parallelism P (keyed state and source offsets rescaled).
 
   --running            the job is running: ask it for a savepoint (savepoint trigger --wait);
-                       default: copy its latest completed checkpoint (savepoint create)
+                       default: save its newest state, JOB_DIR/latest (savepoint create:
+                       the newest batch manifest folded, or the newest checkpoint)
   --wait SECONDS       with --running: how long to wait for the job (default 300)
   --to DIR             where the savepoint goes (default: JOB_DIR/savepoints/...)
   --input DIR          the job's input (default: the source directory the job recorded)
@@ -52,13 +53,10 @@ json_field() { "$PYTHON" -c "import json, sys; d = json.load(sys.stdin); print($
 if ((running)); then
     savepoint="$(sb savepoint trigger "$job_dir" ${target:+--to "$target"} --wait "$wait")"
 else
-    latest="$(sb list "$job_dir" --json | json_field \
-        "[c['path'] for c in d[0]['checkpoints'] if c['status'] == 'completed'][-1]")"
     if [[ -z "$target" ]]; then
-        checkpoint_id="${latest##*chk-}"
-        target="$job_dir/savepoints/savepoint-$checkpoint_id-rescale-$(date +%Y%m%dT%H%M%S)"
+        target="$job_dir/savepoints/savepoint-rescale-$(date +%Y%m%dT%H%M%S)"
     fi
-    savepoint="$(sb savepoint create --from "$latest" --to "$target")"
+    savepoint="$(sb savepoint create --from "$job_dir/latest" --to "$target")"
 fi
 if [[ -z "$input" ]]; then
     input="$(sb inspect "$savepoint" --json | json_field "d['properties'].get('source', '')")"

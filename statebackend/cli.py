@@ -50,6 +50,7 @@ from statebackend.tools.manifests import (
     manifest_bytes,
     parallelism_of,
     plan_manifest,
+    plan_manifest_imbalance,
     verified_files,
     verify_manifest,
 )
@@ -371,7 +372,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     for operator_id, subtasks in plans.items():
         imbalance = (
-            None
+            plan_manifest_imbalance(ref, operator_id, args.parallelism)
             if isinstance(ref, ManifestRef)
             else plan_imbalance(ref, operator_id, args.parallelism)
         )

@@ -1,13 +1,14 @@
 """Batch manifests: the small JSON document that commits a micro-batch's state.
 
 Manifest B (``<job>/manifests/<B>``, written once by the driver) says how to rebuild the
-keyed state as it was at the end of batch B, on its own: the base materialized checkpoint
-(None before the first one completed) and, per operator, the changelog records of every
-batch after the base up to B, one accepted record per subtask and batch (the attempt the
-driver accepted, which absorbs task retries and speculative copies). Free-form
-``properties`` carry what else the job commits with the batch (watermarks, source
-offsets). Paths are relative to the manifests directory (``../chk-<N>``,
-``../changelog/<B>/...``), like every handle's.
+keyed state as it was at the end of batch B, on its own: the base materialized
+checkpoint (None before the first one completed) and, per operator, the changelog
+records of every batch after the base up to B, one accepted record per subtask and batch
+(the attempt the driver accepted, which absorbs task retries and speculative copies).
+Free-form ``properties`` carry what else the job commits with the batch (watermarks,
+source offsets): the changelog carries keyed state only, so the operator state a driver
+holds (the source offsets) is committed there. Paths are relative to the manifests
+directory (``../chk-<N>``, ``../changelog/<B>/...``), like every handle's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from statebackend.checkpoint.signing import (
     ALGORITHM,
     FILE_CHECKSUM,
     SigningKey,
+    check_signable,
     check_signature,
 )
 from statebackend.checksums import algorithm_of
@@ -32,6 +34,10 @@ from statebackend.snapshot.handles import StoredFile
 MANIFEST_FORMAT_VERSION = 1
 _KIND = "batch-manifest"
 SIGNATURE = "signature"
+FOLDED_FROM_PROPERTY = "folded_from_manifest"
+"""Savepoint property: the batch of the manifest the savepoint was folded from. Such a
+savepoint holds no driver-held operator state: a job restoring it takes that state from
+the manifest's properties, which the savepoint carries."""
 """The field of a signed manifest holding its signature (``{"algorithm", "value"}``)."""
 
 
@@ -162,12 +168,11 @@ class BatchManifest:
         document = self.to_json()
         if signing_key is None:
             return _compact(document)
-        weak = [f.path for f in self.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
-        if weak:
-            raise CheckpointError(
-                f"cannot sign manifest {self.batch_id}: {', '.join(weak)} have no "
-                f"{FILE_CHECKSUM} checksum; write the changelog with the signing key set"
-            )
+        check_signable(
+            self.files(),
+            f"manifest {self.batch_id}",
+            "write the changelog with the signing key set",
+        )
         signature = {"algorithm": ALGORITHM, "value": signing_key.sign(_compact(document))}
         return _compact({**document, SIGNATURE: signature})
 

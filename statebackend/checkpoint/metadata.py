@@ -25,9 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from statebackend.checkpoint.signing import ALGORITHM, FILE_CHECKSUM, SigningKey, check_signature
+from statebackend.checkpoint.signing import (
+    ALGORITHM,
+    FILE_CHECKSUM,
+    SigningKey,
+    check_signable,
+    check_signature,
+)
 from statebackend.checksums import algorithm_of
-from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
+from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.handles import StoredFile
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
@@ -206,12 +212,11 @@ class CheckpointMetadata:
         }
         if signing_key is None:
             return _canonical(document)
-        weak = [f.path for f in self.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
-        if weak:
-            raise CheckpointError(
-                f"cannot sign checkpoint {self.checkpoint_id}: {', '.join(weak)} have no "
-                f"{FILE_CHECKSUM} checksum; write checkpoints with the signing key set"
-            )
+        check_signable(
+            self.files(),
+            f"checkpoint {self.checkpoint_id}",
+            "write checkpoints with the signing key set",
+        )
         document["format_version"] = FORMAT_VERSION
         signature = signing_key.sign(_canonical(document))
         return _canonical({**document, SIGNATURE: {"algorithm": ALGORITHM, "value": signature}})

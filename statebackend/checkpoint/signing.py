@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
-from statebackend.checksums import SHA256, RunningChecksum
-from statebackend.errors import CheckpointCorruptedError, ConfigurationError
+from statebackend.checksums import SHA256, RunningChecksum, algorithm_of
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
 from statebackend.snapshot.handles import StoredFile, normalize_path, resolve_path
 
 ALGORITHM = "hmac-sha256"
@@ -86,6 +86,17 @@ def check_signature(payload: bytes, signature: Any, key: SigningKey, where: str)
         raise CheckpointCorruptedError(
             f"{where}: the signature does not match: the checkpoint was changed after it "
             "was written, or signed with another key; do not restore it"
+        )
+
+
+def check_signable(files: Iterable[StoredFile], what: str, remedy: str) -> None:
+    """CheckpointError naming ``what`` (e.g. "checkpoint 7") unless every one of
+    ``files`` has a ``FILE_CHECKSUM`` checksum, which a signature must cover; ``remedy``
+    says how to write them so."""
+    weak = [f.path for f in files if algorithm_of(f.checksum) != FILE_CHECKSUM]
+    if weak:
+        raise CheckpointError(
+            f"cannot sign {what}: {', '.join(weak)} have no {FILE_CHECKSUM} checksum; {remedy}"
         )
 
 

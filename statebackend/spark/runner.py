@@ -51,6 +51,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import validate_id
-from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY, BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.metrics import (
     FailureMetrics,
@@ -77,6 +78,7 @@ from statebackend.checkpoint.restore import (
 from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
+    CheckpointCorruptedError,
     CheckpointError,
     CheckpointUnreadableError,
     ConfigurationError,
@@ -300,11 +302,7 @@ class StatefulJob:
         self._check_state(where, manifest.properties, set(manifest.operators), manifest.job_id)
         self._restore_point = where
         self._reset(None)
-        shares = [list(map(tuple, share)) for share in manifest.properties["offsets"]]
-        if len(shares) != self.parallelism:
-            shares = split_offsets([pair for share in shares for pair in share], self.parallelism)
-        for backend, share in zip(self._source_states, shares, strict=True):
-            offsets_state(backend).update(share)
+        self._source_states = self._committed_offsets(manifest.properties)
         self._next_batch = manifest.batch_id + 1
         self._manifest_batch = manifest.batch_id
 
@@ -480,6 +478,9 @@ class StatefulJob:
             for backend, share in zip(self._source_states, shares, strict=True):
                 offsets_state(backend).update(share)
             self._next_batch = 0
+        elif FOLDED_FROM_PROPERTY in metadata.properties:
+            self._source_states = self._committed_offsets(metadata.properties)
+            self._next_batch = int(metadata.properties.get("next_batch", 0))
         else:
             key, where = self._storage.signing_key, self._restore_point
             with verified_reads(self._storage.fs, where, metadata.files(), key) as reads:
@@ -490,6 +491,22 @@ class StatefulJob:
             self._next_batch = int(metadata.properties.get("next_batch", 0))
         self._manifest_batch = None
         self._covered_batch: int | None = None if metadata is None else self._next_batch - 1
+
+    def _committed_offsets(self, properties: Mapping[str, Any]) -> list[OperatorStateBackend]:
+        """The source subtasks' states from the offsets a batch manifest committed (or a
+        savepoint folded from one carries), split anew if the parallelism changed."""
+        if "offsets" not in properties:
+            raise CheckpointCorruptedError(
+                f"{self._restore_point} names no source offsets: it was not written by a "
+                f"StatefulJob; restore from one of this job's checkpoints or manifests"
+            )
+        shares = [list(map(tuple, share)) for share in properties["offsets"]]
+        if len(shares) != self.parallelism:
+            shares = split_offsets([pair for share in shares for pair in share], self.parallelism)
+        states = [OperatorStateBackend() for _ in shares]
+        for backend, share in zip(states, shares, strict=True):
+            offsets_state(backend).update(share)
+        return states
 
     def _offsets(self) -> list[Offsets]:
         return [list(offsets_state(backend).get()) for backend in self._source_states]

@@ -10,10 +10,13 @@ the full format, so the savepoint restores at any parallelism without the change
 ``read`` reads such a fold written to a temporary local directory, with the checkpoint
 reader.
 
-The changelog carries keyed state (timers included) only: a base checkpoint with
-operator or raw keyed state cannot be folded, since that state is the base's, not the
-batch's. Replaying never unpickles, except to migrate pickled values to a serializer
-that changed between records, which needs ``allow_pickle``.
+The changelog carries keyed state (timers included) only. The operator state of an
+operator without keyed state is held by the driver (the source offsets), which commits
+it in the manifest's properties: the fold leaves the base's (older) copy out and the
+savepoint carries the properties. A base with raw keyed state, or with operator state of
+a keyed operator, cannot be folded, since that state is the base's, not the batch's.
+Replaying never unpickles, except to migrate pickled values to a serializer that changed
+between records, which needs ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import plan_restore
 from statebackend.checkpoint.savepoints import Progress
@@ -44,10 +48,8 @@ from statebackend.state.timers import is_timer_state
 from statebackend.tools.listing import describe_roles, describe_serializer
 from statebackend.tools.location import ManifestRef, checkpoint_directory
 from statebackend.tools.plan import keyed_sources_json
+from statebackend.tools.report import KeyGroupBytes, key_group_bytes, split_key_groups
 from statebackend.tools.verify import Problem, referenced_bytes, verify_checkpoint
-
-FOLDED_FROM_PROPERTY = "folded_from_manifest"
-"""Savepoint property: the batch of the manifest the savepoint was folded from."""
 
 
 def operator_ids(ref: ManifestRef) -> list[str]:
@@ -123,16 +125,21 @@ def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle
 
 
 def check_foldable(ref: ManifestRef) -> None:
-    """ConfigurationError if the base holds operator or raw keyed state: the changelog
-    does not carry it, so its state at the manifest's batch is unknown."""
+    """ConfigurationError if the base holds raw keyed state, or operator state of an
+    operator with keyed state: the changelog does not carry it, so its state at the
+    manifest's batch is unknown. (Operator state of operators without keyed state is the
+    driver's, committed in the manifest's properties.)"""
     if ref.base is None:
         return
+    keyed = set(operator_ids(ref))
     for operator_id, snapshot in sorted(ref.base.metadata.operators.items()):
-        if any(h is not None for h in snapshot.operator_handles()) or snapshot.raw_keyed_handles():
+        has_operator_state = any(h is not None for h in snapshot.operator_handles())
+        if snapshot.raw_keyed_handles() or (has_operator_state and operator_id in keyed):
             raise ConfigurationError(
-                f"the base {ref.base.directory} of {ref.path} holds operator or raw keyed "
-                f"state of operator {operator_id!r}, which the changelog does not carry: take "
-                f"the savepoint from a checkpoint (chk-<N>) or from the running job instead"
+                f"the base {ref.base.directory} of {ref.path} holds raw keyed or operator "
+                f"state of keyed operator {operator_id!r}, which the changelog does not "
+                f"carry: take the savepoint from a checkpoint (chk-<N>) or from the running "
+                f"job instead"
             )
 
 
@@ -312,6 +319,31 @@ def plan_manifest_operator(
             }
         )
     return plans
+
+
+def manifest_key_group_bytes(ref: ManifestRef, operator_id: str) -> KeyGroupBytes | None:
+    """The bytes per key group a rebuild of ``operator_id`` reads at the manifest's
+    batch: the base's (as ``statebackend report`` counts them) plus every record's; None
+    if there are neither."""
+    base = None
+    if ref.base is not None and operator_id in ref.base.metadata.operators:
+        snapshot = ref.base.metadata.operators[operator_id]
+        base = key_group_bytes(snapshot, ref.manifest.max_parallelism)
+    found = list(base.bytes) if base is not None else [0] * ref.manifest.max_parallelism
+    handles = records(ref, operator_id)
+    for handle in handles:
+        for group, _, length in handle.key_groups:
+            found[group] += length
+    if base is None and not handles:
+        return None
+    return KeyGroupBytes(tuple(found), base is not None and base.estimated)
+
+
+def plan_manifest_imbalance(ref: ManifestRef, operator_id: str, parallelism: int) -> float | None:
+    """max/mean of the bytes (base + changelog) the new subtasks of ``operator_id`` would
+    read at ``parallelism``; None without keyed state."""
+    groups = manifest_key_group_bytes(ref, operator_id)
+    return None if groups is None else split_key_groups(groups.bytes, parallelism).imbalance
 
 
 def plan_manifest(

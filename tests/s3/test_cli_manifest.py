@@ -247,8 +247,12 @@ def test_inspect_and_plan_a_manifest(
             assert all(subtask_of(k, parallelism) == i for k in keys) and not keys & seen
             seen |= keys
         assert seen == set(job.states[5])
+    status, out, _ = cli(capsys, job.storage, "plan", job.manifest(5), "-p", "2", "--json")
+    reads = [p["keyed_bytes"] + p["changelog_bytes"] for p in json.loads(out)[OPERATOR]]
+    imbalance = max(reads) / (sum(reads) / len(reads))
     status, out, _ = cli(capsys, job.storage, "plan", job.manifest(5), "-p", "2")
     assert status == 0 and "changelog:" in out and "batches 3, 4, 5" in out
+    assert f"keyed imbalance {imbalance:.2f} (max/mean)" in out
 
 
 def test_savepoint_folds_a_manifest_and_restores_at_any_parallelism(

@@ -421,11 +421,13 @@ def test_savepoint_create_restores_at_p3_after_the_checkpoints_are_deleted(
     example: ExampleRun,
     tmp_path: Path,
 ) -> None:
-    """``savepoint create`` from the latest checkpoint; the job directory deleted; the job
-    restored from the savepoint at P=3 with more input ends with the right totals."""
+    """``savepoint create`` from the job's newest state (``<job dir>/latest``: its newest
+    batch manifest, folded with its base checkpoint); the job directory deleted; the job
+    restored from the savepoint at P=3 with more input ends with the right totals, its
+    source resuming at the offsets of the manifest's batch (nothing read twice)."""
     storage = clone_job(example, tmp_path)
     job_dir = join(storage.url, JOB_ID)
-    latest = join(job_dir, example.checkpoint.rsplit("/", 1)[-1])
+    latest = join(job_dir, "latest")
     target = join(example.new_storage(tmp_path).url, "savepoints", "sp-1")
     status, out, err = cli(capsys, storage, "savepoint", "create", "--from", latest, "--to", target)
     assert status == 0, err
@@ -470,7 +472,7 @@ def test_savepoint_and_rescale_script_from_the_latest_checkpoint(
     user_totals: Any,
 ) -> None:
     """``scripts/savepoint-and-rescale.sh JOBDIR -p 4`` (the job is stopped): a savepoint
-    of the latest checkpoint and a restart command that, run with more input, ends with
+    of its newest state (the newest manifest, folded) and a restart command that, run with more input, ends with
     the right totals at P=4."""
     storage = clone_job(example, tmp_path)
     job_dir = join(storage.url, JOB_ID)
