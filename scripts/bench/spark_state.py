@@ -71,31 +71,46 @@ def _write_input(workload: spark_baseline.Workload, directory: Path) -> None:
         f.close()
 
 
-def run_ours(spark: Any, workload: spark_baseline.Workload, batch_size: int) -> RunSummary:
-    """Run the workload through StatefulJob; check the final state; return the summary."""
+def run_ours(
+    spark: Any,
+    workload: spark_baseline.Workload,
+    batch_size: int,
+    *,
+    checkpoint_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    incremental: bool = False,
+    checkpoint_every: int = 1,
+    job_id: str = "bench",
+) -> RunSummary:
+    """Run the workload through StatefulJob (checkpoints in ``checkpoint_dir``, by default
+    a fresh local directory); check the final state; return the summary."""
     workdir = Path(tempfile.mkdtemp(prefix="statebackend-bench-"))
     _write_input(workload, workdir / "input")
+    options = storage_options or {}
     summary = StatefulJob(
         spark,
-        job_id="bench",
+        job_id=job_id,
         source=LogSource(str(workdir / "input")),
         operator_id=OPERATOR_ID,
         key_by="user",
         function=CountSum(),
         parallelism=2,
         batch_size=max(1, batch_size // SOURCE_PARTITIONS),
-        checkpoint_every=1,
+        checkpoint_every=checkpoint_every,
         restore=None,
         conf=StateBackendConf(
-            checkpoint_dir=(workdir / "checkpoints").as_uri(), local_dir=str(workdir / "local")
+            checkpoint_dir=checkpoint_dir or (workdir / "checkpoints").as_uri(),
+            storage_options=options,
+            incremental=incremental,
+            local_dir=str(workdir / "local"),
         ),
     ).run()
     assert summary.last_checkpoint is not None
     counts: dict[str, int] = dict(
-        read_state(spark, summary.last_checkpoint, OPERATOR_ID, "count").collect()
+        read_state(spark, summary.last_checkpoint, OPERATOR_ID, "count", options).collect()
     )
     sums: dict[str, int] = dict(
-        read_state(spark, summary.last_checkpoint, OPERATOR_ID, "sum").collect()
+        read_state(spark, summary.last_checkpoint, OPERATOR_ID, "sum", options).collect()
     )
     got = {int(user): (counts[user], sums[user]) for user in counts}
     if got != workload.expected:

@@ -66,7 +66,11 @@ class SubtaskState:
 class BatchMetrics:
     """One micro-batch: records read and written, distinct keys touched, where its time
     went (seconds reading the source, shuffling, in the keyed function, in the
-    synchronous cut, waiting for a previous checkpoint) and the changelog bytes written."""
+    synchronous cut, waiting for a previous checkpoint) and the changelog bytes written.
+
+    The batch's durable part is ``changelog_seconds`` (the slowest subtask's drain,
+    encoding and write of its changelog record) plus ``manifest_seconds`` (the driver's
+    commit of the batch manifest)."""
 
     batch_id: int
     records_in: int
@@ -78,6 +82,8 @@ class BatchMetrics:
     sync_cut_seconds: float = 0.0
     waiting_seconds: float = 0.0
     changelog_bytes: int = 0
+    changelog_seconds: float = 0.0
+    manifest_seconds: float = 0.0
     at: float = field(default_factory=time.time)
 
     def describe(self) -> str:
@@ -87,7 +93,8 @@ class BatchMetrics:
             f"{self.keys_touched} keys; source {self.source_seconds:.3f} s, shuffle "
             f"{self.shuffle_seconds:.3f} s, keyed {self.keyed_seconds:.3f} s, sync cut "
             f"{self.sync_cut_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s; "
-            f"changelog {self.changelog_bytes} B"
+            f"changelog {self.changelog_bytes} B in {self.changelog_seconds:.3f} s, "
+            f"manifest {self.manifest_seconds:.3f} s"
         )
 
 
@@ -218,11 +225,15 @@ def subtask_states(
 
 
 def combine_batches(
-    batch_id: int, parts: Sequence[BatchMetrics], waiting_seconds: float = 0.0
+    batch_id: int,
+    parts: Sequence[BatchMetrics],
+    waiting_seconds: float = 0.0,
+    manifest_seconds: float = 0.0,
 ) -> BatchMetrics:
     """Batch ``batch_id``'s metrics from its subtasks' (``parts``, each a subtask's own
     counts and seconds): counts and bytes summed, each phase the slowest subtask's seconds,
-    ``waiting_seconds`` the driver's wait for a previous checkpoint."""
+    ``waiting_seconds`` the driver's wait for a previous checkpoint, ``manifest_seconds``
+    the driver's commit of the batch manifest."""
     return BatchMetrics(
         batch_id=batch_id,
         records_in=sum(p.records_in for p in parts),
@@ -234,6 +245,8 @@ def combine_batches(
         sync_cut_seconds=max((p.sync_cut_seconds for p in parts), default=0.0),
         waiting_seconds=waiting_seconds,
         changelog_bytes=sum(p.changelog_bytes for p in parts),
+        changelog_seconds=max((p.changelog_seconds for p in parts), default=0.0),
+        manifest_seconds=manifest_seconds,
     )
 
 

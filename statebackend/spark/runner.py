@@ -668,12 +668,15 @@ class StatefulJob:
             results: list[KeyedResult] = shuffled.mapPartitionsWithIndex(
                 lambda index, items: keyed_task(plan, index, items)
             ).collect()
-        self._record_batch(batch_id, results, time.perf_counter() - started, waited, checkpoint_id)
+        seconds = time.perf_counter() - started
         offsets = self._offsets()
         for result in results:
             for subtask, share in result.source_offsets.items():
                 offsets[subtask] = share
+        committing = time.perf_counter()
         self._commit(results, batch_id, offsets)
+        committed = time.perf_counter() - committing
+        self._record_batch(batch_id, results, seconds, waited, committed, checkpoint_id)
         self._apply(results, batch_id, offsets)
         if checkpoint_id is not None:
             self._tracker.uploads_started()
@@ -685,14 +688,21 @@ class StatefulJob:
         results: list[KeyedResult],
         seconds: float,
         waited: float,
+        committed: float,
         checkpoint_id: int | None,
     ) -> None:
         """Record the batch's metrics (and a restore, if subtasks restored): the Spark
         job's time beyond its slowest keyed subtask counts as source and shuffle, the
-        wait for the previous checkpoint before the batch as waiting."""
-        metrics = combine_batches(batch_id, [r.metrics(batch_id) for r in results], waited)
+        wait for the previous checkpoint before the batch as waiting, ``committed`` the
+        manifest's commit."""
+        parts = [r.metrics(batch_id) for r in results]
+        metrics = combine_batches(batch_id, parts, waited, committed)
         slowest = max(
-            (r.restore_seconds + r.keyed_seconds + r.sync_seconds for r in results), default=0.0
+            (
+                r.restore_seconds + r.keyed_seconds + r.changelog_seconds + r.sync_seconds
+                for r in results
+            ),
+            default=0.0,
         )
         self.metrics.record(
             dataclasses.replace(metrics, shuffle_seconds=max(0.0, seconds - slowest))

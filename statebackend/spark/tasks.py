@@ -148,6 +148,8 @@ class KeyedResult:
     """Seconds in the user's function (and writing its output)."""
     restore_seconds: float = 0.0
     """Seconds opening the local copy: restoring or rebuilding it when not reused."""
+    changelog_seconds: float = 0.0
+    """Seconds draining, encoding and writing the batch's changelog record."""
 
     def metrics(self, batch_id: int) -> BatchMetrics:
         """This subtask's part of batch ``batch_id``'s metrics."""
@@ -159,6 +161,7 @@ class KeyedResult:
             keyed_seconds=self.keyed_seconds,
             sync_cut_seconds=self.sync_seconds,
             changelog_bytes=int(self.changelog.get("size", 0)),
+            changelog_seconds=self.changelog_seconds,
         )
 
 
@@ -311,9 +314,11 @@ def keyed_task(
         result.outputs = _write_output(plan, subtask, rows())
         result.keyed_seconds = time.perf_counter() - started
         attempt = f"{plan.run_id}-{_task_attempt()}"
+        started = time.perf_counter()
         handle = ChangelogStorage(plan.storage.open()).write_record(
             plan.batch_id, plan.operator_id, subtask, attempt, backend.drain_changelog()
         )
+        result.changelog_seconds = time.perf_counter() - started
         result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
             result.sync_seconds = _snapshot(plan, subtask, local)

@@ -141,12 +141,13 @@ def test_a_history_that_cannot_be_written_does_not_fail(
 
 
 def test_a_batch_combines_its_subtasks() -> None:
-    parts = [_batch(1), BatchMetrics(1, 7, 3, 2, 0.5, 0.0, 0.01, 0.2, 0.0, 40)]
-    combined = combine_batches(1, parts, waiting_seconds=0.3)
+    parts = [_batch(1), BatchMetrics(1, 7, 3, 2, 0.5, 0.0, 0.01, 0.2, 0.0, 40, 0.07)]
+    combined = combine_batches(1, parts, waiting_seconds=0.3, manifest_seconds=0.02)
     assert (combined.records_in, combined.records_out, combined.keys_touched) == (108, 94, 13)
     assert (combined.source_seconds, combined.keyed_seconds) == (0.5, 0.03)
     assert (combined.sync_cut_seconds, combined.waiting_seconds) == (0.2, 0.3)
     assert combined.changelog_bytes == 512 + 40
+    assert (combined.changelog_seconds, combined.manifest_seconds) == (0.07, 0.02)
 
 
 def test_checkpoint_metrics_count_what_each_checkpoint_uploaded(

@@ -54,6 +54,7 @@ def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
     assert sum(b.records_in for b in batches) == EVENTS  # what generate_events wrote
     assert sum(b.records_out for b in batches) == summary.outputs
     assert all(b.changelog_bytes > 0 for b in batches if b.records_in)
+    assert all(b.changelog_seconds > 0 and b.manifest_seconds > 0 for b in batches)
     checkpoints = records_of(history, CheckpointMetrics)
     assert [f"chk-{c.checkpoint_id}" for c in checkpoints] == [
         Path(path).name for path in summary.checkpoints
