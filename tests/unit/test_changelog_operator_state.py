@@ -17,7 +17,9 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_restore import rebuild_operator_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
-from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.restore import restore_operator_state
+from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.keygroups import (
     assign_to_key_group,
@@ -32,6 +34,8 @@ from statebackend.snapshot.changelog_format import (
 from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
+from statebackend.tools.location import ManifestRef, open_state
+from statebackend.tools.manifests import fold_manifest, inspect_manifest, plan_manifest
 
 OPERATOR = "op"
 MAX_PARALLELISM = 16
@@ -181,3 +185,37 @@ def test_a_damaged_operator_state_is_reported_with_its_path(changelog: Changelog
     changelog.fs.write_atomic(path, bytes(data))
     with pytest.raises(CheckpointCorruptedError, match=f"{path} \\(operator state\\)"):
         rebuild_operator_state(changelog, manifest, OPERATOR, 0, 1)
+
+
+def test_inspect_plan_and_fold_of_a_manifest_keep_the_operator_state(
+    changelog: ChangelogStorage, tmp_path: Path
+) -> None:
+    changelog.commit(1, {OPERATOR: write_batch(changelog, 1, 2)}, max_parallelism=16)
+    manifest = changelog.commit(2, {OPERATOR: write_batch(changelog, 2, 2)}, max_parallelism=16)
+    ref = open_state(changelog.layout.manifest_path(2))
+    assert isinstance(ref, ManifestRef)
+    expected = [operator_state(i, 2) for i in range(2)]
+    every_late = [x for e in expected for x in e.get_list_state("late", IntSerializer()).get()]
+    shown = inspect_manifest(ref)["operators"][OPERATOR]["operator_states"]
+    assert {n: (s["mode"], s["elements"]) for n, s in shown.items()} == {
+        "late": ("split", len(every_late)),
+        "seen": ("union", 2),
+        "rules": ("broadcast", 4),  # a copy of two rules per subtask
+    }
+    plans = plan_manifest(ref, 3)[OPERATOR]
+    assert sum(plan["operator_state"]["late"]["elements"] for plan in plans) == len(every_late)
+
+    folded = fold_manifest(ref, str(tmp_path / "folded"), parallelism=3)
+    fs = open_filesystem(folded)
+    metadata = load_metadata(fs, folded)
+    shares = [restore_operator_state(fs, folded, metadata, OPERATOR, i, 3) for i in range(3)]
+    late = [x for s in shares for x in s.get_list_state("late", IntSerializer()).get()]
+    assert Counter(late) == Counter(every_late)
+    for share in shares:
+        rules = share.get_broadcast_state("rules", StrSerializer(), IntSerializer())
+        assert dict(rules.items()) == {"red": 2, "blue": 4}
+    # Same parallelism: each folded subtask gets back its own split list, as rebuilt.
+    rebuilt = [rebuild_operator_state(changelog, manifest, OPERATOR, i, 3) for i in range(3)]
+    assert [s.sync_cut().states["late"] for s in shares] == [
+        s.sync_cut().states["late"] for s in rebuilt
+    ]
