@@ -6,12 +6,13 @@ appended twice."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
-from statebackend.serializers import IntSerializer
+from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.function_state import FunctionRun, keep_function, start_function
 from statebackend.spark.local_state import LocalVersion
@@ -141,3 +142,21 @@ def test_list_checkpointed_and_plain_functions(tmp_path: Path) -> None:
     plain = start_function(Plain(), tmp_path, 1, version(None), False, restores)
     assert plain.checkpointed is None and plain.snapshot(0) is None
     assert restores.calls == 2
+
+
+def test_the_readme_example_buffers_late_events(tmp_path: Path) -> None:
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(encoding="utf-8"), re.DOTALL)
+    (block,) = (b for b in blocks if "class LateEvents(KeyedFunction)" in b)
+    namespace: dict[str, Any] = {}
+    exec(block, namespace)  # noqa: S102 - our own README
+    restores = Restores()
+    run = start_function(namespace["LateEvents"](), tmp_path, 0, version(None), False, restores)
+    events = [{"id": "e1", "ts": 1, "watermark": 5}, {"id": "e2", "ts": 9, "watermark": 5}]
+    assert list(run.function.process("alice", events, cast(KeyedContext, None))) == [
+        {"user": "alice", "events": 2}
+    ]
+    restored = OperatorStateBackend(run.snapshot(0))
+    assert restored.get_list_state("late", StrSerializer()).get() == ["e1"]
+    rules = restored.get_broadcast_state("rules", StrSerializer(), IntSerializer())
+    assert dict(rules.items()) == {"default": 1}
