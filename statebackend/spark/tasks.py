@@ -5,7 +5,8 @@ the user's function) to the tasks. A source subtask reads its partitions and emi
 ``(keyed subtask, (RECORD, key, record))`` plus one ``(subtask, (MARKER, ...))`` with its
 new offsets. A keyed subtask groups its records by key, runs the user's function over its
 local RocksDB (reused, or rebuilt from the newest batch manifest), writes its output rows
-and its batch's state changes (a changelog record, named by run and task attempt), takes
+and its batch's state changes (a changelog record, named by run and task attempt, with
+the function's operator state if it keeps any: ``function_state``), takes
 the checkpoint's synchronous cut if the batch is a checkpoint, and returns a small
 ``KeyedResult`` with the record's handle. The checkpoint's upload runs
 on the worker's transfer threads and writes the subtask's ack when done; the task does
@@ -153,7 +154,8 @@ class KeyedResult:
     keyed_seconds: float = 0.0
     """Seconds in the user's function (and writing its output)."""
     restore_seconds: float = 0.0
-    """Seconds opening the local copy: restoring or rebuilding it when not reused."""
+    """Seconds opening the local copy (restoring or rebuilding it when not reused) and
+    restoring the function's operator state."""
 
     def metrics(self, batch_id: int) -> BatchMetrics:
         """This subtask's part of batch ``batch_id``'s metrics."""
@@ -312,7 +314,6 @@ def keyed_task(
     ) as local:
         backend = local.backend
         assert backend is not None
-        result.restore_seconds = time.perf_counter() - opening
         result.restored_bytes, result.reused = local.restored_bytes, local.reused
         result.rebuilt = local.rebuilt
         backend.enable_changelog()
@@ -325,6 +326,7 @@ def keyed_task(
             local.reused,
             lambda: restore_function_state(storage, plan.version, plan.operator_id, subtask),
         )
+        result.restore_seconds = time.perf_counter() - opening
         function = run.function
         ctx = KeyedContext(backend, subtask, plan.batch_id)
         function.open(ctx)
