@@ -243,6 +243,7 @@ def _inspect_manifest(ref: ManifestRef, as_json: bool) -> int:
             f"{_size(op['base_bytes'])}, changelog {_size(op['record_bytes'])}"
         )
         _keyed_states_table(op["keyed_states"])
+        _operator_states_table(op["operator_states"])
         rows = [
             [
                 batch["batch_id"],
@@ -269,6 +270,17 @@ def _keyed_states_table(states: dict[str, dict[str, Any]]) -> None:
         _table(
             ["NAME", "KIND", "KEY", "SERIALIZERS"],
             ([name, s["kind"], s["key_serializer"], s["serializer"]] for name, s in states.items()),
+            "    ",
+        )
+
+
+def _operator_states_table(states: dict[str, dict[str, Any]]) -> None:
+    """Print an operator's operator states (name, mode, elements, serializers), if any."""
+    if states:
+        _out("  operator state:")
+        _table(
+            ["NAME", "MODE", "ELEMENTS", "SERIALIZERS"],
+            ([name, s["mode"], s["elements"], s["serializer"]] for name, s in states.items()),
             "    ",
         )
 
@@ -301,16 +313,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     [domain, timers[domain]["count"], "-" if earliest is None else earliest, clock]
                 )
             _table(["DOMAIN", "TIMERS", "EARLIEST", "CLOCK (EARLIEST SUBTASK)"], rows, "    ")
-        if op["operator_states"]:
-            _out("  operator state:")
-            _table(
-                ["NAME", "MODE", "ELEMENTS", "SERIALIZERS"],
-                (
-                    [name, s["mode"], s["elements"], s["serializer"]]
-                    for name, s in op["operator_states"].items()
-                ),
-                "    ",
-            )
+        _operator_states_table(op["operator_states"])
         if op["raw_keyed_bytes"]:
             groups = sum(sub.get("raw_keyed_key_groups", 0) for sub in op["subtasks"])
             _out(f"  raw keyed state: {_size(op['raw_keyed_bytes'])} in {groups} key groups")

@@ -9,6 +9,11 @@ loaded, and the base checkpoint and every record are read through ``verified_rea
 only bytes matching their signed SHA-256 are replayed. The old and the new parallelism
 may differ, and may have changed between batches: each record carries its own key-group
 range.
+
+The operator state of a keyed subtask (its user function's ``CheckpointedFunction``
+state) is not replayed: each record holds a full copy, so ``rebuild_operator_state``
+redistributes the copies in the records of the manifest's newest batch (or, when they
+hold none, the base checkpoint's) to the new subtask.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.manifest import BatchManifest
-from statebackend.checkpoint.restore import restore_keyed_state
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.restore import restore_keyed_state, restore_operator_state
 from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import (
@@ -26,7 +33,8 @@ from statebackend.errors import (
     CheckpointNotFoundError,
     IncompatibleStateError,
 )
-from statebackend.snapshot.changelog_format import read_changes
+from statebackend.snapshot.changelog_format import read_changes, read_operator_state
+from statebackend.snapshot.operator_format import OperatorStateReader
 
 
 @dataclass(frozen=True)
@@ -60,14 +68,9 @@ def rebuild_keyed_state(
         )
     base_entries = 0
     key = changelog.storage.signing_key
-    directory = changelog.base_directory(manifest)
-    if directory is not None:
-        try:
-            metadata = load_metadata(changelog.fs, directory, key)
-        except CheckpointNotFoundError as exc:
-            raise CheckpointCorruptedError(
-                f"the base checkpoint {directory} of manifest {manifest.batch_id} is gone: {exc}"
-            ) from exc
+    base = _base_metadata(changelog, manifest)
+    if base is not None:
+        directory, metadata = base
         with verified_reads(changelog.fs, directory, metadata.files(), key) as reads:
             base_entries = restore_keyed_state(backend, reads, directory, metadata, operator_id)
     changes = records = 0
@@ -89,3 +92,58 @@ def rebuild_keyed_state(
                 changes += len(read)
                 records += path is not None
     return RebuildResult(base_entries, changes, records)
+
+
+def _base_metadata(
+    changelog: ChangelogStorage, manifest: BatchManifest
+) -> tuple[str, CheckpointMetadata] | None:
+    """The directory and ``_metadata`` of ``manifest``'s base checkpoint (None: it has
+    none); CheckpointCorruptedError naming it if it is gone."""
+    directory = changelog.base_directory(manifest)
+    if directory is None:
+        return None
+    try:
+        return directory, load_metadata(changelog.fs, directory, changelog.storage.signing_key)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointCorruptedError(
+            f"the base checkpoint {directory} of manifest {manifest.batch_id} is gone: {exc}"
+        ) from exc
+
+
+def rebuild_operator_state(
+    changelog: ChangelogStorage,
+    manifest: BatchManifest,
+    operator_id: str,
+    subtask: int,
+    parallelism: int,
+) -> OperatorStateBackend:
+    """The operator state of new subtask ``subtask`` of ``parallelism`` of ``operator_id``
+    at the end of ``manifest``'s batch: the old subtasks' copies in the records of the
+    manifest's newest batch (else in its base checkpoint) redistributed by mode.
+
+    The backend is restored (``is_restored``), empty when no record or base holds
+    operator state of the operator. Raises CheckpointCorruptedError naming the path of a
+    missing or damaged record or base checkpoint.
+    """
+    batches = manifest.operators.get(operator_id, ())
+    newest = batches[-1].subtasks if batches else ()
+    key = changelog.storage.signing_key
+    directory = changelog.layout.manifests_dir
+    if any(handle.operator_state is not None for handle in newest):
+        with verified_reads(changelog.fs, directory, manifest.files(), key) as reads:
+            handles = [
+                None if path is None else read_operator_state(reads.read_range, path, handle)
+                for handle in newest
+                for path in [changelog.record_path(handle)]
+            ]
+            reader = OperatorStateReader(handles, directory, reads.read_range)
+            return OperatorStateBackend(reader.restore_cut(subtask, parallelism))
+    base = _base_metadata(changelog, manifest)
+    if base is None:
+        return OperatorStateBackend(OperatorStateCut())
+    base_dir, metadata = base
+    with verified_reads(changelog.fs, base_dir, metadata.files(), key) as reads:
+        restored = restore_operator_state(
+            reads, base_dir, metadata, operator_id, subtask, parallelism
+        )
+    return restored if restored.is_restored else OperatorStateBackend(OperatorStateCut())

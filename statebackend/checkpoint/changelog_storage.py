@@ -29,12 +29,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from statebackend.backends.changelog import ChangeSet
+from statebackend.backends.operator import OperatorStateCut
 from statebackend.checkpoint.layout import batch_ids, join, metadata_path
 from statebackend.checkpoint.manifest import BatchManifest, ManifestBase, next_manifest
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import checksum
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
-from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes
+from statebackend.snapshot.changelog_format import (
+    ChangelogHandle,
+    encode_changes,
+    encode_operator_state,
+)
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.handles import normalize_path, resolve_path
 from statebackend.state.ttl import Clock
@@ -71,15 +76,26 @@ class ChangelogStorage:
     # -- subtasks -------------------------------------------------------------------------
 
     def write_record(
-        self, batch_id: int, operator_id: str, subtask: int, attempt: str, changes: ChangeSet
+        self,
+        batch_id: int,
+        operator_id: str,
+        subtask: int,
+        attempt: str,
+        changes: ChangeSet,
+        operator_state: OperatorStateCut | None = None,
     ) -> ChangelogHandle:
-        """Write one subtask attempt's changes of batch B durably; its handle.
+        """Write one subtask attempt's changes of batch B, and its ``operator_state`` at
+        the end of B if given, durably; its handle.
 
-        A batch without changes writes no file. Each attempt writes its own file, so a
-        retried or speculative attempt never overwrites another's.
+        A batch without changes or operator state writes no file. Each attempt writes its
+        own file, so a retried or speculative attempt never overwrites another's.
         """
         path = self.layout.changelog_path(batch_id, operator_id, subtask, attempt)
         data, key_groups = encode_changes(changes, self._codec)
+        operator_info = None
+        if operator_state is not None:
+            frame, operator_info = encode_operator_state(operator_state, len(data), self._codec)
+            data += frame
         if data:
             self.fs.write_atomic(path, data)
         return ChangelogHandle(
@@ -97,6 +113,7 @@ class ChangelogStorage:
             key_serializer=changes.key_serializer,
             compression=CODECS[self._codec],
             timers=changes.timers,
+            operator_state=operator_info,
         )
 
     # -- the driver -----------------------------------------------------------------------

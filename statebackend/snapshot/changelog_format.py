@@ -16,25 +16,38 @@ at most once per record.
 The handle also carries the meta info of every state the backend held at the end of the
 batch (its serializers), so that a replay migrates values exactly when the live backend
 did. A batch without changes writes no file (``path`` None) but still has a handle.
+
+A record may also hold the subtask's operator state at the end of the batch (a user
+function's ``CheckpointedFunction`` state): a full copy, one frame after the key groups'
+frames, holding ``[header length: 4][header][blob]`` where the blob and header (a JSON
+``OperatorStateHandle`` with its element spans) are the operator-state format's
+(``operator_format.py``). The handle says where it is and, per state, its mode and
+element count. The newest record of a subtask wins; records written before operator
+state existed have none (``operator_state`` absent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from struct import Struct
 from typing import Any
 
 from statebackend.backends.changelog import Change, ChangeOp, ChangeSet
 from statebackend.backends.keyed import StateMetaInfo
+from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.stores import KEY_GROUP_PREFIX
 from statebackend.backends.timers import TimerSnapshotInfo
+from statebackend.checksums import checksum
 from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
+from statebackend.redistribution import DistributionMode, StateLayout
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.frames import decode_frames, encode_frame
 from statebackend.snapshot.handles import StoredFile, keyed_state_from_json, keyed_state_json
 from statebackend.snapshot.keyed_format import FRAME_BYTES, LENGTH
+from statebackend.snapshot.operator_format import OperatorStateHandle, encode_operator_cut
 
 CHANGE_HEAD = Struct(">BHI")
 """``[op][state index][key length]`` of a change."""
@@ -46,6 +59,43 @@ _EMPTY = LENGTH.pack(0)
 _NO_VALUE = _LENGTHS.pack(0, 0)
 
 HANDLE_TYPE = "changelog"
+
+
+@dataclass(frozen=True)
+class RecordOperatorState:
+    """Where a changelog record holds its subtask's operator state (``offset`` and
+    ``length`` in the record's file) and what: per named state its mode and element
+    count (``states``), and the number of raw partitions (``raw``)."""
+
+    offset: int
+    length: int
+    states: Mapping[str, StateLayout] = field(default_factory=dict)
+    raw: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict for the record's handle."""
+        return {
+            "offset": self.offset,
+            "length": self.length,
+            "states": {
+                name: {"mode": layout.mode.value, "elements": layout.length}
+                for name, layout in sorted(self.states.items())
+            },
+            "raw": self.raw,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RecordOperatorState:
+        """The inverse of ``to_json``."""
+        return cls(
+            int(data["offset"]),
+            int(data["length"]),
+            {
+                name: StateLayout(DistributionMode(info["mode"]), int(info["elements"]))
+                for name, info in data["states"].items()
+            },
+            int(data.get("raw", 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -71,6 +121,8 @@ class ChangelogHandle:
     compression: str
     timers: TimerSnapshotInfo | None = None
     """The subtask's timer clocks at the end of the batch (None in records without)."""
+    operator_state: RecordOperatorState | None = None
+    """Where the record holds the subtask's operator state (None: it holds none)."""
 
     def files(self) -> list[StoredFile]:
         """The record's file (none for a batch without changes)."""
@@ -91,14 +143,16 @@ class ChangelogHandle:
             "key_groups": [list(item) for item in self.key_groups],
             "compression": self.compression,
             **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
-        }
+        } | (
+            {} if self.operator_state is None else {"operator_state": self.operator_state.to_json()}
+        )
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ChangelogHandle:
         """The inverse of ``to_json``; CheckpointCorruptedError if it is not one."""
         if data.get("type") != HANDLE_TYPE:
             raise CheckpointCorruptedError(f"not a changelog handle: type {data.get('type')!r}")
-        path = data["path"]
+        path, operator_state = data["path"], data.get("operator_state")
         return cls(
             batch_id=int(data["batch_id"]),
             operator_id=str(data["operator"]),
@@ -110,6 +164,9 @@ class ChangelogHandle:
             changes=int(data["changes"]),
             key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
             compression=str(data.get("compression", "none")),
+            operator_state=(
+                None if operator_state is None else RecordOperatorState.from_json(operator_state)
+            ),
             **keyed_state_from_json(data),
         )
 
@@ -229,3 +286,44 @@ def read_changes(
                 if state >= len(names):
                     raise CheckpointCorruptedError(f"{where}: unknown state index {state}")
                 yield names[state], key_group, change
+
+
+_HEADER_LENGTH = Struct(">I")
+
+
+def encode_operator_state(
+    cut: OperatorStateCut, offset: int, codec: int
+) -> tuple[bytes, RecordOperatorState]:
+    """The frame holding ``cut`` in a record, placed at ``offset`` of the record's file,
+    and where-and-what for the record's handle."""
+    blob, states, raw = encode_operator_cut(cut)
+    handle = OperatorStateHandle(None, len(blob), checksum(blob), states, raw)
+    header = json.dumps(handle.to_json(), separators=(",", ":")).encode("utf-8")
+    frame = encode_frame(_HEADER_LENGTH.pack(len(header)) + header + blob, codec)
+    return frame, RecordOperatorState(offset, len(frame), cut.state_layouts(), len(cut.raw))
+
+
+def read_operator_state(
+    read_range: Callable[[str, int, int], bytes], path: str, handle: ChangelogHandle
+) -> OperatorStateHandle | None:
+    """The operator state of record ``handle`` (file ``path``), read with one ranged read
+    and verified, as an operator-state handle holding its blob inline (an
+    ``operator_format.OperatorStateReader`` reads it); None if the record holds none."""
+    info = handle.operator_state
+    if info is None:
+        return None
+    where = f"{path} (operator state)"
+    data = read_range(path, info.offset, info.length)
+    if len(data) != info.length:
+        raise CheckpointCorruptedError(f"{where}: file is truncated")
+    payload = b"".join(decode_frames(data, where))
+    try:
+        (length,) = _HEADER_LENGTH.unpack_from(payload)
+        start = _HEADER_LENGTH.size
+        stored = OperatorStateHandle.from_json(json.loads(payload[start : start + length]))
+    except Exception as exc:
+        raise CheckpointCorruptedError(f"{where}: malformed header") from exc
+    blob = payload[start + length :]
+    if len(blob) != stored.size:
+        raise CheckpointCorruptedError(f"{where}: {len(blob)} bytes, expected {stored.size}")
+    return OperatorStateHandle(None, stored.size, stored.checksum, stored.states, stored.raw, blob)

@@ -5,6 +5,14 @@ registers state descriptors with ``ctx.get_state``. ``process(key, values, ctx)`
 all records of one key in the batch (in arrival order) and yields output rows (JSON-able
 values, written to the job's output). State returned by ``ctx.get_state`` always acts on
 the key being processed.
+
+A keyed function may also keep operator (non-keyed) state per subtask by implementing
+``state.functions.CheckpointedFunction`` (or ``ListCheckpointed``): ``initialize_state``
+runs once when a subtask (re)starts, before ``open``, with its split, union and broadcast
+states restored for its subtask index at the current parallelism; ``snapshot_state`` runs
+at the end of every batch (its ``checkpoint_id`` is the batch id), and the state is
+stored with the batch's changelog record and in every checkpoint
+(``spark/function_state.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +47,9 @@ class KeyedContext:
 class KeyedFunction(ABC):
     """Processes the records of a micro-batch key by key, keeping keyed state.
 
-    Instances are pickled to the executors: keep state in ``ctx.get_state``, not in
-    attributes (attributes set in ``open`` are fine for state handles).
+    Instances are pickled to the executors: keep state in ``ctx.get_state`` (or, per
+    subtask, in operator state: see the module docstring), not in attributes (attributes
+    set in ``open`` or ``initialize_state`` are fine for state handles).
     """
 
     def open(self, ctx: KeyedContext) -> None:  # noqa: B027 - optional hook

@@ -5,7 +5,8 @@ the user's function) to the tasks. A source subtask reads its partitions and emi
 ``(keyed subtask, (RECORD, key, record))`` plus one ``(subtask, (MARKER, ...))`` with its
 new offsets. A keyed subtask groups its records by key, runs the user's function over its
 local RocksDB (reused, or rebuilt from the newest batch manifest), writes its output rows
-and its batch's state changes (a changelog record, named by run and task attempt), takes
+and its batch's state changes (a changelog record, named by run and task attempt, with
+the function's operator state if it keeps any: ``function_state``), takes
 the checkpoint's synchronous cut if the batch is a checkpoint, and returns a small
 ``KeyedResult`` with the record's handle. The checkpoint's upload runs
 on the worker's transfer threads and writes the subtask's ack when done; the task does
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.rocksdb import set_memory_limit
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metadata import SubtaskAck
@@ -33,6 +35,11 @@ from statebackend.errors import CheckpointCancelledError
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import Serializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.function_state import (
+    keep_function,
+    restore_function_state,
+    start_function,
+)
 from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion
 from statebackend.spark.source import KeyOf, LogSource, Offsets
@@ -147,7 +154,8 @@ class KeyedResult:
     keyed_seconds: float = 0.0
     """Seconds in the user's function (and writing its output)."""
     restore_seconds: float = 0.0
-    """Seconds opening the local copy: restoring or rebuilding it when not reused."""
+    """Seconds opening the local copy (restoring or rebuilding it when not reused) and
+    restoring the function's operator state."""
     changelog_seconds: float = 0.0
     """Seconds draining, encoding and writing the batch's changelog record."""
 
@@ -225,32 +233,43 @@ def _task_attempt() -> str | None:
     return None if context is None else str(context.taskAttemptId())
 
 
-def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
-    """Take the checkpoint's synchronous cut and start its upload; return the cut's time."""
+def _snapshot(
+    plan: KeyedPlan,
+    subtask: int,
+    local: LocalKeyedState,
+    operator_state: OperatorStateCut | None,
+) -> float:
+    """Take the checkpoint's synchronous cut and start its upload (with the function's
+    ``operator_state`` cut, if any); return the cut's time."""
     assert plan.checkpoint_id is not None and local.backend is not None
     checkpoint_id = plan.checkpoint_id
     storage = plan.storage.open()
     attempt = _task_attempt()
     started = time.perf_counter()
-    future = local.backend.snapshot(
-        checkpoint_id,
-        storage.snapshot_target(checkpoint_id, plan.operator_id, subtask, plan.run_id, attempt),
+    target = storage.snapshot_target(checkpoint_id, plan.operator_id, subtask, plan.run_id, attempt)
+    operator_future = (
+        None
+        if operator_state is None
+        else target.write_operator_snapshot(checkpoint_id, operator_state)
     )
+    future = local.backend.snapshot(checkpoint_id, target)
     sync_seconds = time.perf_counter() - started
     parallelism = plan.version.parallelism
 
     def ack(handle: Any) -> SubtaskAck:
+        # Submitted before the keyed upload, so it has started: waiting cannot starve it.
+        operator_handle = None if operator_future is None else operator_future.result()
         return SubtaskAck(
-            plan.operator_id, subtask, parallelism, handle, None, plan.run_id, attempt
+            plan.operator_id, subtask, parallelism, handle, operator_handle, plan.run_id, attempt
         )
 
     if plan.wait_for_upload:
         try:
-            uploaded_handle = future.result()
+            subtask_ack = ack(future.result())
         except CheckpointCancelledError:  # aborted meanwhile: the driver knows
             _log.info("the upload of checkpoint %s was cancelled", checkpoint_id)
             return sync_seconds
-        if not storage.write_ack(checkpoint_id, ack(uploaded_handle)):
+        if not storage.write_ack(checkpoint_id, subtask_ack):
             _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
         return sync_seconds
     path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
@@ -258,13 +277,13 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
 
     def uploaded(done: Any) -> None:
         try:
-            handle = done.result()
+            subtask_ack = ack(done.result())
         except Exception:
             _log.exception("the upload of checkpoint %s failed", checkpoint_id)
             heartbeat.stop()
             return
         with heartbeat.stopping():
-            _acknowledge(storage, checkpoint_id, ack(handle))
+            _acknowledge(storage, checkpoint_id, subtask_ack)
 
     future.add_done_callback(uploaded)
     heartbeat.start()
@@ -298,29 +317,46 @@ def keyed_task(
     ) as local:
         backend = local.backend
         assert backend is not None
-        result.restore_seconds = time.perf_counter() - opening
         result.restored_bytes, result.reused = local.restored_bytes, local.reused
         result.rebuilt = local.rebuilt
         backend.enable_changelog()
+        storage = plan.storage.open()
+        run = start_function(
+            plan.function,
+            root,
+            subtask,
+            plan.version,
+            local.reused,
+            lambda: restore_function_state(storage, plan.version, plan.operator_id, subtask),
+        )
+        result.restore_seconds = time.perf_counter() - opening
+        function = run.function
         ctx = KeyedContext(backend, subtask, plan.batch_id)
-        plan.function.open(ctx)
+        function.open(ctx)
 
         def rows() -> Iterator[Any]:
             for key, values in groups.items():
                 backend.set_current_key(key)
-                yield from plan.function.process(key, values, ctx)
+                yield from function.process(key, values, ctx)
 
         started = time.perf_counter()
         result.outputs = _write_output(plan, subtask, rows())
         result.keyed_seconds = time.perf_counter() - started
+        operator_state = run.snapshot(plan.batch_id)
         attempt = f"{plan.run_id}-{_task_attempt()}"
         started = time.perf_counter()
-        handle = ChangelogStorage(plan.storage.open()).write_record(
-            plan.batch_id, plan.operator_id, subtask, attempt, backend.drain_changelog()
+        handle = ChangelogStorage(storage).write_record(
+            plan.batch_id,
+            plan.operator_id,
+            subtask,
+            attempt,
+            backend.drain_changelog(),
+            operator_state,
         )
         result.changelog_seconds = time.perf_counter() - started
         result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
-            result.sync_seconds = _snapshot(plan, subtask, local)
+            result.sync_seconds = _snapshot(plan, subtask, local, operator_state)
         local.commit(plan.batch_id)
+        keep_function(run, root, subtask, plan.version, plan.batch_id)
     yield result

@@ -10,13 +10,14 @@ the full format, so the savepoint restores at any parallelism without the change
 ``read`` reads such a fold written to a temporary local directory, with the checkpoint
 reader.
 
-The changelog carries keyed state (timers included) only. The operator state of an
-operator without keyed state is held by the driver (the source offsets), which commits
-it in the manifest's properties: the fold leaves the base's (older) copy out and the
-savepoint carries the properties. A base with raw keyed state, or with operator state of
-a keyed operator, cannot be folded, since that state is the base's, not the batch's.
-Replaying never unpickles, except to migrate pickled values to a serializer that changed
-between records, which needs ``allow_pickle``.
+The changelog carries keyed state (timers included) and, in the records of a keyed
+function that keeps operator state, that operator state (else the base's is current).
+The operator state of an operator without keyed state is held by the driver (the source
+offsets), which commits it in the manifest's properties: the fold leaves the base's
+(older) copy out and the savepoint carries the properties. A base with raw keyed state
+cannot be folded, since that state is the base's, not the batch's. Replaying never
+unpickles, except to migrate pickled values to a serializer that changed between records,
+which needs ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
-from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state, rebuild_operator_state
 from statebackend.checkpoint.filesystem import open_filesystem
 from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
 from statebackend.checkpoint.metadata import SubtaskAck
@@ -41,6 +42,7 @@ from statebackend.keygroups import (
     check_parallelism,
     compute_key_group_range_for_operator_index,
 )
+from statebackend.redistribution import StatePlan, plan_operator_state
 from statebackend.serializers import SerializerConfig, serializer_from_config
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.snapshot.target import SnapshotDirectory
@@ -124,22 +126,27 @@ def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle
         previous[meta.name] = dict(meta.serializers)
 
 
+def records_operator_state(ref: ManifestRef, operator_id: str) -> bool:
+    """Whether the operator's records of the manifest's batch carry its operator state
+    (then they, not the base, hold it at the batch)."""
+    batches = ref.manifest.operators.get(operator_id, ())
+    return bool(batches) and any(h.operator_state is not None for h in batches[-1].subtasks)
+
+
 def check_foldable(ref: ManifestRef) -> None:
-    """ConfigurationError if the base holds raw keyed state, or operator state of an
-    operator with keyed state: the changelog does not carry it, so its state at the
-    manifest's batch is unknown. (Operator state of operators without keyed state is the
-    driver's, committed in the manifest's properties.)"""
+    """ConfigurationError if the base holds raw keyed state: the changelog does not carry
+    it, so its state at the manifest's batch is unknown. (A keyed function's operator
+    state is in its records, or else the base's is current; the operator state of an
+    operator without keyed state is the driver's, committed in the manifest's
+    properties.)"""
     if ref.base is None:
         return
-    keyed = set(operator_ids(ref))
     for operator_id, snapshot in sorted(ref.base.metadata.operators.items()):
-        has_operator_state = any(h is not None for h in snapshot.operator_handles())
-        if snapshot.raw_keyed_handles() or (has_operator_state and operator_id in keyed):
+        if snapshot.raw_keyed_handles():
             raise ConfigurationError(
-                f"the base {ref.base.directory} of {ref.path} holds raw keyed or operator "
-                f"state of keyed operator {operator_id!r}, which the changelog does not "
-                f"carry: take the savepoint from a checkpoint (chk-<N>) or from the running "
-                f"job instead"
+                f"the base {ref.base.directory} of {ref.path} holds raw keyed state of "
+                f"operator {operator_id!r}, which the changelog does not carry: take the "
+                f"savepoint from a checkpoint (chk-<N>) or from the running job instead"
             )
 
 
@@ -177,11 +184,45 @@ def _record_json(handle: ChangelogHandle, ref: ManifestRef) -> dict[str, Any]:
     }
 
 
+def _operator_states(ref: ManifestRef, operator_id: str) -> dict[str, dict[str, Any]]:
+    """The operator's operator states at the manifest's batch (a keyed function's
+    ``CheckpointedFunction`` state), as ``inspect`` of a checkpoint shows them: per name
+    its mode and elements over all subtasks, from the newest batch's records (their
+    serializers ``-``: records do not list them), else from the base checkpoint."""
+    batches = ref.manifest.operators.get(operator_id, ())
+    newest = [h.operator_state for h in batches[-1].subtasks] if batches else []
+    states: dict[str, dict[str, Any]] = {}
+    if any(info is not None for info in newest):
+        for info in newest:
+            for name, layout in ({} if info is None else info.states).items():
+                entry = states.setdefault(
+                    name, {"mode": layout.mode.value, "serializer": "-", "elements": 0}
+                )
+                entry["elements"] += layout.length
+        return dict(sorted(states.items()))
+    if ref.base is None or operator_id not in ref.base.metadata.operators:
+        return {}
+    for handle in ref.base.metadata.operators[operator_id].operator_handles():
+        for name, stored in ({} if handle is None else handle.states).items():
+            entry = states.setdefault(
+                name,
+                {
+                    "mode": stored.mode.value,
+                    "serializers": stored.serializers,
+                    "serializer": describe_roles(stored.serializers),
+                    "elements": 0,
+                },
+            )
+            entry["elements"] += len(stored.elements)
+    return dict(sorted(states.items()))
+
+
 def inspect_manifest(ref: ManifestRef) -> dict[str, Any]:
     """Everything ``inspect`` shows of a manifest, as a JSON-able dict: the manifest
     (batch, commit time, properties), its base checkpoint (None before the first
-    materialization), and per operator its parallelism, its keyed states (as at the
-    batch), the base's keyed bytes and, batch by batch, every accepted record (subtask,
+    materialization), and per operator its parallelism, its keyed states and operator
+    states (as at the batch), the base's keyed bytes and, batch by batch, every accepted
+    record (subtask,
     attempt, key-group range, key groups with changes, changes, bytes, path)."""
     manifest = ref.manifest
     operators: dict[str, Any] = {}
@@ -210,6 +251,7 @@ def inspect_manifest(ref: ManifestRef) -> dict[str, Any]:
                 for meta in sorted(metas, key=lambda m: m.name)
                 if not is_timer_state(meta.name)
             },
+            "operator_states": _operator_states(ref, operator_id),
             "base_bytes": 0 if base_snapshot is None else base_snapshot.state_bytes(),
             "record_bytes": sum(b["bytes"] for b in batches),
             "batches": batches,
@@ -282,13 +324,19 @@ def plan_manifest_operator(
 ) -> list[dict[str, Any]]:
     """Per new subtask of ``operator_id`` at ``parallelism``: what a rebuild reads, as
     ``tools.plan.plan_operator`` shows for a checkpoint (``keyed_sources`` from the base,
-    ``operator_state`` empty: the changelog carries none), plus ``changelog_sources``:
+    ``operator_state`` elements and slices of the newest records' operator state, without
+    values; empty when they carry none), plus ``changelog_sources``:
     per batch, the old subtasks whose records it replays, their key groups and bytes."""
     _check_operator(ref, operator_id)
     check_parallelism(parallelism, ref.manifest.max_parallelism)
     base_plans = None
     if ref.base is not None and operator_id in ref.base.metadata.operators:
         base_plans = plan_restore(ref.base.metadata, operator_id, parallelism)
+    operator_shares: list[dict[str, StatePlan]] = [{} for _ in range(parallelism)]
+    if records_operator_state(ref, operator_id):
+        newest = ref.manifest.operators[operator_id][-1].subtasks
+        layouts = [{} if h.operator_state is None else h.operator_state.states for h in newest]
+        operator_shares = plan_operator_state(layouts, parallelism)
     plans = []
     for subtask in range(parallelism):
         key_groups = compute_key_group_range_for_operator_index(
@@ -315,7 +363,13 @@ def plan_manifest_operator(
                 "keyed_sources": [] if base_plan is None else keyed_sources_json(base_plan),
                 "changelog_bytes": sum(s["bytes"] for s in changelog_sources),
                 "changelog_sources": changelog_sources,
-                "operator_state": {},
+                "operator_state": {
+                    name: {
+                        "elements": sum(end - begin for _, begin, end in share.slices),
+                        "slices": [list(piece) for piece in share.slices],
+                    }
+                    for name, share in sorted(operator_shares[subtask].items())
+                },
             }
         )
     return plans
@@ -401,15 +455,21 @@ def fold_manifest(
                 key_groups = compute_key_group_range_for_operator_index(
                     manifest.max_parallelism, p, subtask
                 )
+                directory = SnapshotDirectory(
+                    fs, writer.target, f"{operator_id}-{subtask}", pool, compression
+                )
                 backend = rebuild_subtask(ref, operator_id, key_groups)
                 try:
-                    snapshot = SnapshotDirectory(
-                        fs, writer.target, f"{operator_id}-{subtask}", pool, compression
-                    ).write_keyed_snapshot(0, backend.sync_cut())
-                    handle = snapshot.result()
+                    handle = directory.write_keyed_snapshot(0, backend.sync_cut()).result()
                 finally:
                     backend.dispose()
-                acks.append(SubtaskAck(operator_id, subtask, p, handle, None))
+                operator_handle = None
+                cut = rebuild_operator_state(
+                    ref.changelog, manifest, operator_id, subtask, p
+                ).sync_cut()
+                if cut.states or cut.raw:
+                    operator_handle = directory.write_operator_snapshot(0, cut).result()
+                acks.append(SubtaskAck(operator_id, subtask, p, handle, operator_handle))
                 if written is not None:
                     written(operator_id, subtask)
     properties = {"batch_id": manifest.batch_id, **manifest.properties}

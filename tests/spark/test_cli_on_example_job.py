@@ -472,8 +472,8 @@ def test_savepoint_and_rescale_script_from_the_latest_checkpoint(
     user_totals: Any,
 ) -> None:
     """``scripts/savepoint-and-rescale.sh JOBDIR -p 4`` (the job is stopped): a savepoint
-    of its newest state (the newest manifest, folded) and a restart command that, run with more input, ends with
-    the right totals at P=4."""
+    of its newest state (the newest manifest, folded) and a restart command that, run
+    with more input, ends with the right totals at P=4."""
     storage = clone_job(example, tmp_path)
     job_dir = join(storage.url, JOB_ID)
     options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]

@@ -1,0 +1,142 @@
+"""The operator state of a keyed subtask's user function, on the executor (FLIP-8).
+
+A ``KeyedFunction`` that also implements ``CheckpointedFunction`` (or
+``ListCheckpointed``) keeps non-keyed state per subtask: a buffer, offsets, a broadcast
+rule set. It has the same lifecycle as the subtask's local keyed state
+(``local_state``): the Spark task gets a freshly unpickled function every batch, so this
+process keeps the function instance and its ``OperatorStateBackend`` of each subtask it
+ran, with the version marker they are at. A batch that reuses the local keyed copy and
+finds the live function at the same marker goes on with it (``initialize_state`` is not
+called again); any other batch (first batch, another worker or host, a retried attempt,
+a rescale) takes the plan's function, restores its operator state at the batch before
+(the newest manifest's records, or the checkpoint restored from; redistributed by mode
+to the subtask at the current parallelism) and calls ``initialize_state`` with it.
+
+The live entry is taken out of the table when a batch starts and put back only when the
+batch committed its local state, so a failed attempt never leaves function state that a
+retry could continue from: the retry restores the state of the last committed batch,
+exactly as its keyed state is rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
+from statebackend.checkpoint.changelog_restore import rebuild_operator_state
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.restore import restore_operator_state
+from statebackend.checkpoint.signing import verified_reads
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import CheckpointError, CheckpointUnreadableError
+from statebackend.spark.api import KeyedFunction
+from statebackend.spark.local_state import LocalVersion
+from statebackend.state.functions import (
+    CheckpointedFunction,
+    FunctionInitializationContext,
+    FunctionSnapshotContext,
+    as_checkpointed_function,
+)
+
+
+@dataclass(frozen=True)
+class FunctionRun:
+    """A keyed subtask's user function for a batch and, if it is checkpointed, its
+    operator state."""
+
+    function: KeyedFunction
+    checkpointed: CheckpointedFunction | None = None
+    operator_state: OperatorStateBackend | None = None
+
+    def snapshot(self, batch_id: int) -> OperatorStateCut | None:
+        """Call ``snapshot_state`` (its context's ``checkpoint_id`` is the batch id: every
+        batch is a durable cut) and return the operator state's cut; None if the
+        function keeps no operator state."""
+        if self.checkpointed is None or self.operator_state is None:
+            return None
+        self.checkpointed.snapshot_state(FunctionSnapshotContext(batch_id, self.operator_state))
+        return self.operator_state.sync_cut()
+
+
+_Marker = tuple[str, int | None, int, int]
+_LIVE: dict[tuple[str, int], tuple[_Marker, FunctionRun]] = {}
+"""This process's live functions: (local root, subtask) -> (version marker, run)."""
+
+
+def _marker(version: LocalVersion, batch_id: int | None) -> _Marker:
+    return (version.generation, batch_id, version.parallelism, version.max_parallelism)
+
+
+def restore_function_state(
+    storage: CheckpointStorage, version: LocalVersion, operator_id: str, subtask: int
+) -> OperatorStateBackend:
+    """The operator state of ``operator_id``'s subtask ``subtask`` at
+    ``version.previous_batch``: from manifest ``restore_manifest``, else checkpoint
+    ``restore_dir``, else fresh (not restored).
+
+    Raises CheckpointUnreadableError naming the source if it cannot be read, so that the
+    driver falls back to an older checkpoint.
+    """
+    manifest_batch, restore_dir = version.restore_manifest, version.restore_dir
+    source = restore_dir
+    try:
+        if manifest_batch is not None:
+            changelog = ChangelogStorage(storage)
+            source = storage.layout.manifest_path(manifest_batch)
+            manifest = changelog.load_manifest(manifest_batch)
+            return rebuild_operator_state(
+                changelog, manifest, operator_id, subtask, version.parallelism
+            )
+        if restore_dir is not None:
+            metadata = storage.load(restore_dir)
+            with verified_reads(
+                storage.fs, restore_dir, metadata.files(), storage.signing_key
+            ) as reads:
+                restored = restore_operator_state(
+                    reads, restore_dir, metadata, operator_id, subtask, version.parallelism
+                )
+            return restored if restored.is_restored else OperatorStateBackend(OperatorStateCut())
+    except CheckpointError as exc:
+        raise CheckpointUnreadableError(
+            f"subtask {subtask} of {operator_id} cannot restore its function's operator "
+            f"state from {source}: {exc}"
+        ) from exc
+    return OperatorStateBackend()
+
+
+def start_function(
+    function: KeyedFunction,
+    root: Path,
+    subtask: int,
+    version: LocalVersion,
+    keyed_state_reused: bool,
+    restore: Callable[[], OperatorStateBackend],
+) -> FunctionRun:
+    """The function to run subtask ``subtask``'s batch with: the live one if the local
+    keyed state was reused and this process holds the function at the same batch, else
+    ``function`` initialized (``initialize_state``) with the operator state ``restore()``
+    returns. Functions without operator state are run as given."""
+    key = (str(root), subtask)
+    current = _marker(version, version.previous_batch)
+    live = _LIVE.pop(key, None)
+    for other in [k for k, (marker, _) in _LIVE.items() if k[0] == key[0] and marker != current]:
+        del _LIVE[other]  # left behind by a batch this process did not run
+    checkpointed = as_checkpointed_function(function)
+    if checkpointed is None:
+        return FunctionRun(function)
+    if live is not None and keyed_state_reused and live[0] == current:
+        return live[1]
+    operator_state: OperatorStateBackend = restore()
+    checkpointed.initialize_state(FunctionInitializationContext(operator_state))
+    return FunctionRun(function, checkpointed, operator_state)
+
+
+def keep_function(
+    run: FunctionRun, root: Path, subtask: int, version: LocalVersion, batch_id: int
+) -> None:
+    """Keep ``run`` live in this process as subtask ``subtask`` at ``batch_id`` (once the
+    batch committed its local state)."""
+    if run.checkpointed is not None:
+        _LIVE[(str(root), subtask)] = (_marker(version, batch_id), run)
