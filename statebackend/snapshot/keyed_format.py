@@ -42,7 +42,7 @@ FRAME_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
-class KeyedStateHandle:
+class FullKeyedStateHandle:
     """Where one subtask's keyed snapshot lives and what is in it.
 
     ``path`` is relative to the checkpoint directory, so a copied directory restores.
@@ -66,7 +66,7 @@ class KeyedStateHandle:
         """The one file of the snapshot."""
         return [StoredFile(self.path, self.size, self.checksum)]
 
-    def with_paths(self, relocate: Callable[[str], str]) -> KeyedStateHandle:
+    def with_paths(self, relocate: Callable[[str], str]) -> FullKeyedStateHandle:
         """The same handle with its file's path mapped by ``relocate``."""
         return replace(self, path=relocate(self.path))
 
@@ -83,7 +83,7 @@ class KeyedStateHandle:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> KeyedStateHandle:
+    def from_json(cls, data: dict[str, Any]) -> FullKeyedStateHandle:
         """The inverse of ``to_json``."""
         return cls(
             path=data["path"],
@@ -248,7 +248,7 @@ def _split_blocks(
 
 
 def read_composite_runs(
-    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+    read_range: Any, path: str, handle: FullKeyedStateHandle, key_groups: KeyGroupRange
 ) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
     """(state name, key group, its (composite key, value) pairs) for the key groups of
     ``handle`` in ``key_groups``, read as ``read_key_group_blocks`` does: the entries
@@ -301,7 +301,7 @@ def _decode_composites(
 
 
 def read_keyed_entries(
-    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+    read_range: Any, path: str, handle: FullKeyedStateHandle, key_groups: KeyGroupRange
 ) -> Iterator[tuple[str, int, Entry]]:
     """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``,
     read as ``read_key_group_blocks`` does."""

@@ -17,16 +17,16 @@ from statebackend.snapshot.incremental import (
     read_incremental_runs,
 )
 from statebackend.snapshot.keyed_format import (
-    KeyedStateHandle,
+    FullKeyedStateHandle,
     read_composite_runs,
     read_keyed_entries,
 )
 
-KeyedHandle = KeyedStateHandle | IncrementalKeyedStateHandle
+KeyedHandle = FullKeyedStateHandle | IncrementalKeyedStateHandle
 """A keyed state handle: full (one file, key-group index) or incremental (RocksDB files)."""
 
 _TYPES: dict[str, Callable[[dict[str, Any]], KeyedHandle]] = {
-    "keyed-full": KeyedStateHandle.from_json,
+    "keyed-full": FullKeyedStateHandle.from_json,
     "keyed-incremental": IncrementalKeyedStateHandle.from_json,
 }
 
