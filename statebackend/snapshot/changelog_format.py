@@ -33,7 +33,12 @@ from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.frames import decode_frames, encode_frame
-from statebackend.snapshot.handles import StoredFile, keyed_state_from_json, keyed_state_json
+from statebackend.snapshot.handles import (
+    KeyGroupIndexedFile,
+    indexed_file_from_json,
+    keyed_state_from_json,
+    keyed_state_json,
+)
 from statebackend.snapshot.keyed_format import FRAME_BYTES, LENGTH
 
 CHANGE_HEAD = Struct(">BHI")
@@ -49,7 +54,7 @@ HANDLE_TYPE = "changelog"
 
 
 @dataclass(frozen=True)
-class ChangelogHandle:
+class ChangelogHandle(KeyGroupIndexedFile):
     """Where one subtask attempt's changelog record of one batch lives and what it holds.
 
     ``path`` is relative to the job's manifests directory (``../changelog/<batch>/...``),
@@ -60,21 +65,11 @@ class ChangelogHandle:
     operator_id: str
     subtask: int
     attempt: str
-    path: str | None
-    size: int
-    checksum: str
     changes: int
-    key_group_range: KeyGroupRange
-    key_groups: tuple[tuple[int, int, int], ...]
     states: tuple[StateMetaInfo, ...]
     key_serializer: SerializerConfig
-    compression: str
     timers: TimerSnapshotInfo | None = None
     """The subtask's timer clocks at the end of the batch (None in records without)."""
-
-    def files(self) -> list[StoredFile]:
-        """The record's file (none for a batch without changes)."""
-        return [] if self.path is None else [StoredFile(self.path, self.size, self.checksum)]
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict for batch manifests."""
@@ -84,12 +79,8 @@ class ChangelogHandle:
             "operator": self.operator_id,
             "subtask": self.subtask,
             "attempt": self.attempt,
-            "path": self.path,
-            "size": self.size,
-            "checksum": self.checksum,
             "changes": self.changes,
-            "key_groups": [list(item) for item in self.key_groups],
-            "compression": self.compression,
+            **self.indexed_file_json(),
             **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
         }
 
@@ -98,18 +89,13 @@ class ChangelogHandle:
         """The inverse of ``to_json``; CheckpointCorruptedError if it is not one."""
         if data.get("type") != HANDLE_TYPE:
             raise CheckpointCorruptedError(f"not a changelog handle: type {data.get('type')!r}")
-        path = data["path"]
         return cls(
             batch_id=int(data["batch_id"]),
             operator_id=str(data["operator"]),
             subtask=int(data["subtask"]),
             attempt=str(data["attempt"]),
-            path=None if path is None else str(path),
-            size=int(data["size"]),
-            checksum=str(data["checksum"]),
             changes=int(data["changes"]),
-            key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
-            compression=str(data.get("compression", "none")),
+            **indexed_file_from_json(data),
             **keyed_state_from_json(data),
         )
 
