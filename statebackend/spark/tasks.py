@@ -34,7 +34,7 @@ from statebackend.keygroups import assign_to_key_group, compute_operator_index_f
 from statebackend.serializers import Serializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.spark.source import KeyOf, LogSource, Offsets
 
 RECORD = 0
@@ -284,7 +284,7 @@ def keyed_task(
     result.keys = len(groups)
     root = Path(plan.local_dir) / plan.storage.job_id / plan.operator_id
     opening = time.perf_counter()
-    with LocalKeyedState(
+    with local_keyed_state(
         root,
         subtask,
         plan.version,

@@ -18,7 +18,7 @@ from statebackend.spark.example import (
     read_events,
     user_totals_job,
 )
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 
@@ -67,7 +67,7 @@ def test_heap_local_state_reuse_and_stale(tmp_path: Path) -> None:
 
     def local(previous: int | None) -> LocalKeyedState:
         version = LocalVersion("g1", previous, None, 1, 128)
-        return LocalKeyedState(root, 0, version, storage, "op", StrSerializer(), "heap")
+        return local_keyed_state(root, 0, version, storage, "op", StrSerializer(), "heap")
 
     with local(None) as state:
         assert state.backend is not None and not state.reused
