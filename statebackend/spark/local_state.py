@@ -237,20 +237,20 @@ class LocalRocksDBState(LocalKeyedState):
     """The subtask's RocksDB on local disk: ``<root>/subtask-<i>``, locked with ``flock``
     while in use, its version in a marker file beside it."""
 
-    def __init__(
-        self,
-        root: Path,
-        subtask: int,
-        version: LocalVersion,
-        storage: CheckpointStorage,
-        operator_id: str,
-        key_serializer: Serializer[Any],
-    ) -> None:
-        super().__init__(root, subtask, version, storage, operator_id, key_serializer)
-        self.directory = root / f"subtask-{subtask}"
-        self._marker = root / f"subtask-{subtask}.version"
-        self._lock_path = root / f"subtask-{subtask}.lock"
-        self._lock_fd: int | None = None
+    _lock_fd: int | None = None
+
+    @property
+    def directory(self) -> Path:
+        """The subtask's RocksDB directory."""
+        return self._root / f"subtask-{self._subtask}"
+
+    @property
+    def _marker(self) -> Path:
+        return self._root / f"subtask-{self._subtask}.version"
+
+    @property
+    def _lock_path(self) -> Path:
+        return self._root / f"subtask-{self._subtask}.lock"
 
     def _read_marker(self) -> dict[str, Any] | None:
         try:
