@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from statebackend.backends.changelog import Change, ChangeSet, LoggingStateStore, apply_change
 from statebackend.backends.keyed_states import (
@@ -25,7 +25,13 @@ from statebackend.backends.keyed_states import (
     encode_list,
     stored_value_serializer,
 )
-from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
+from statebackend.backends.stores import (
+    CurrentKey,
+    Entry,
+    StateStore,
+    StateStoreView,
+    split_composite_key,
+)
 from statebackend.backends.timers import (
     KeyedTimerService,
     TimerClocks,
@@ -87,12 +93,19 @@ class NativeCheckpoint:
     records: Path
 
 
+Release = Callable[[], None]
+"""Frees what a snapshot's synchronous cut holds (copies, RocksDB hard links)."""
+
+HandleT = TypeVar("HandleT")
+HandleT_co = TypeVar("HandleT_co", covariant=True)
+
+
 class FrozenState(NamedTuple):
     """What a backend's ``_freeze`` returns: frozen views of its stores, a release
     callable (or None) and, for RocksDB, the native checkpoint they read from."""
 
     views: dict[str, StateStoreView]
-    release: Any
+    release: Release | None
     native: NativeCheckpoint | None = None
 
 
@@ -110,7 +123,7 @@ class KeyedStateCut:
     key_group_range: KeyGroupRange
     states: list[StateMetaInfo]
     views: dict[str, StateStoreView]
-    _release: Any = field(default=None, repr=False)
+    _release: Release | None = field(default=None, repr=False)
     native: NativeCheckpoint | None = None
     timers: TimerSnapshotInfo | None = None
 
@@ -127,11 +140,33 @@ class KeyedStateCut:
             release()
 
 
-class SnapshotTarget(Protocol):
+class SnapshotResult(Protocol[HandleT_co]):
+    """The asynchronous part of a snapshot while it runs (``snapshot.future``'s
+    ``SnapshotFuture``): it yields the state handle, can be cancelled, and tells when it
+    ends."""
+
+    def result(self, timeout: float | None = None) -> HandleT_co:
+        """The state handle, once written; raises CheckpointError if the part failed or
+        was cancelled, TimeoutError after ``timeout``."""
+
+    def cancel(self) -> bool:
+        """Stop it; True means no handle is ever returned and nothing is left behind."""
+
+    def done(self) -> bool:
+        """Whether it finished, failed or was cancelled."""
+
+    def add_done_callback(self, callback: Callable[[SnapshotResult[HandleT_co]], None]) -> None:
+        """Call ``callback(self)`` when it ends (at once if it has)."""
+
+
+class SnapshotTarget(Protocol[HandleT_co]):
     """Where a snapshot goes: the checkpoint layer supplies one per (operator, subtask)."""
 
-    def write_keyed_snapshot(self, checkpoint_id: int, cut: KeyedStateCut) -> Any:
-        """Start writing ``cut`` in the background; return its future."""
+    def write_keyed_snapshot(
+        self, checkpoint_id: int, cut: KeyedStateCut
+    ) -> SnapshotResult[HandleT_co]:
+        """Start writing ``cut`` in the background; return its running result, which
+        releases ``cut`` when it ends."""
 
 
 class KeyedStateBackend(ABC):
@@ -336,10 +371,13 @@ class KeyedStateBackend(ABC):
             timers,
         )
 
-    def snapshot(self, checkpoint_id: int, target: SnapshotTarget) -> Any:
+    def snapshot(
+        self, checkpoint_id: int, target: SnapshotTarget[HandleT]
+    ) -> SnapshotResult[HandleT]:
         """Take the synchronous cut now and hand it to ``target`` to write in the background.
 
-        Returns the target's future (a ``SnapshotFuture`` for the checkpoint storage).
+        Returns the target's running result (a ``SnapshotFuture`` for the checkpoint
+        storage).
         """
         cut = self.sync_cut()
         try:
@@ -371,6 +409,59 @@ class KeyedStateBackend(ABC):
         for name, run in groupby(in_range, key=itemgetter(0)):
             self._restored_store(name).write_entries(item for _, item in run)
         self._end_restore(timers)
+
+    def restore_sorted(
+        self,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        runs: Iterable[tuple[str, int, list[tuple[bytes, bytes]]]],
+        timers: TimerSnapshotInfo | None = None,
+    ) -> int:
+        """``restore`` from runs of (state name, key group, its (composite key, value)
+        pairs) in a snapshot's order, as the snapshot readers give them; returns the number
+        of entries loaded. This one splits the composite keys into entries; a backend that
+        loads sorted runs faster overrides it (RocksDB: SST files, ingested)."""
+        loaded = 0
+
+        def entries() -> Iterator[tuple[str, int, Entry]]:
+            nonlocal loaded
+            for name, key_group, pairs in runs:
+                if key_group not in self.key_group_range:
+                    continue
+                loaded += len(pairs)
+                for composite, value in pairs:
+                    _, key, user_key = split_composite_key(composite)
+                    yield name, key_group, (key, user_key, value)
+
+        self.restore(key_serializer, states, entries(), timers)
+        return loaded
+
+    @property
+    def scratch_dir(self) -> Path | None:
+        """Where a restore downloads and stages files for this backend (None: the system's
+        temp directory); RocksDB's is beside its database, so files can be moved in."""
+        return None
+
+    def accepts_native_checkpoint(self) -> bool:
+        """Whether ``restore_native_checkpoint`` can make a native checkpoint (an
+        incremental snapshot's RocksDB files) this backend's data now: never, but for a
+        fresh RocksDB backend."""
+        return False
+
+    def restore_native_checkpoint(
+        self,
+        directory: Path,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        timers: TimerSnapshotInfo | None = None,
+    ) -> None:
+        """``restore`` without reading an entry: the native checkpoint in ``directory``
+        becomes this backend's data. StateAccessError unless
+        ``accepts_native_checkpoint()``."""
+        raise StateAccessError(
+            f"{type(self).__name__} cannot adopt a native checkpoint: restore its entries "
+            f"with restore_sorted"
+        )
 
     def _begin_restore(
         self,

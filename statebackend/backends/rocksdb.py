@@ -436,6 +436,11 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         self._end_restore(timers)
         return loaded
 
+    @property
+    def scratch_dir(self) -> Path:
+        """The backend's directory: restores stage files beside the database."""
+        return self.local_dir
+
     def accepts_native_checkpoint(self) -> bool:
         """True while no state was registered, restored or reopened here: only then can
         ``restore_native_checkpoint`` make a native checkpoint this backend's database."""

@@ -37,7 +37,7 @@ from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.handles import StoredFile
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
-from statebackend.snapshot.keyed_format import KeyedStateHandle
+from statebackend.snapshot.keyed_format import FullKeyedStateHandle
 from statebackend.snapshot.keyed_handles import KeyedHandle, keyed_handle_from_json
 from statebackend.snapshot.operator_format import OperatorStateHandle, Span
 from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
@@ -363,7 +363,7 @@ def _spans_problem(spans: tuple[Span, ...], size: int, what: str) -> str | None:
     return None
 
 
-def _index_problem(handle: KeyedStateHandle | RawKeyedStateHandle) -> str | None:
+def _index_problem(handle: FullKeyedStateHandle | RawKeyedStateHandle) -> str | None:
     """What is wrong with a key-group index: a group outside the handle's range, entries
     out of order, overlapping or beyond the end of the file."""
     previous_end = -1
@@ -384,7 +384,7 @@ def _handle_problem(ack: SubtaskAck) -> str | None:
             return problem
     keyed = ack.keyed
     for indexed in (keyed, ack.raw_keyed):
-        if isinstance(indexed, (KeyedStateHandle, RawKeyedStateHandle)):
+        if isinstance(indexed, (FullKeyedStateHandle, RawKeyedStateHandle)):
             problem = _index_problem(indexed)
             if problem is not None:
                 return problem

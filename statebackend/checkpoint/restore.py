@@ -12,15 +12,12 @@ operator state by the old handles' element spans, per distribution mode.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.backends.raw_keyed import RawKeyedState, RawKeyedStateCut
-from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
-from statebackend.backends.stores import Entry
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot
@@ -32,12 +29,11 @@ from statebackend.redistribution import (
     assign_key_group_ranges,
     plan_operator_state,
 )
-from statebackend.snapshot.handles import resolve_path
+from statebackend.snapshot.handles import HandleFiles, resolve_path
 from statebackend.snapshot.incremental import (
     IncrementalKeyedStateHandle,
     download_native_checkpoint,
 )
-from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle, read_keyed_runs
 from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.snapshot.raw_keyed_format import read_raw_keyed_streams
 
@@ -146,11 +142,14 @@ def restore_keyed_state(
 
     Full snapshots: reads only the intersecting key groups, by ranged reads run ahead of
     the decoding, verifying every frame. Incremental snapshots: downloads the
-    intersecting handles' files (next to a RocksDB backend's database, else into the
-    system's temp directory) and checks their checksums. A RocksDB backend loads without
-    a put (``restore_rocksdb``); the heap backend stores entry by entry. Returns the
-    number of entries copied (a native checkpoint that becomes the database is not
-    copied: its entries do not count).
+    intersecting handles' files (into the backend's ``scratch_dir``, else the system's
+    temp directory) and checks their checksums. Into a backend that accepts one (a fresh
+    RocksDB backend), the incremental handle that covers most of its key groups is
+    downloaded and becomes its data, clipped to its range by ``delete_range`` (as Flink
+    does); every other source is read as sorted runs and loaded by
+    ``backend.restore_sorted`` (RocksDB: written into SST files and ingested, without a
+    put). Returns the number of entries copied (a native checkpoint that becomes the
+    database is not copied: its entries do not count).
     """
     check_max_parallelism(metadata, backend.max_parallelism)
     snapshot = operator_snapshot(metadata, operator_id)
@@ -161,38 +160,6 @@ def restore_keyed_state(
         for handle in snapshot.keyed_handles()
         if (key_groups := handle.key_group_range.intersection(backend.key_group_range))
     ]
-    if isinstance(backend, RocksDBKeyedStateBackend):
-        return restore_rocksdb(backend, fs, checkpoint_dir, sources)
-    restored = 0
-
-    def counted(handle: KeyedHandle, key_groups: KeyGroupRange) -> Iterator[tuple[str, int, Entry]]:
-        nonlocal restored
-        for item in read_keyed_handle(
-            fs, checkpoint_dir, handle, key_groups, read_range=fs.read_range
-        ):
-            restored += 1
-            yield item
-
-    for handle, key_groups in sources:
-        backend.restore(
-            handle.key_serializer, handle.states, counted(handle, key_groups), handle.timers
-        )
-    return restored
-
-
-def restore_rocksdb(
-    backend: RocksDBKeyedStateBackend,
-    fs: CheckpointFileSystem,
-    checkpoint_dir: str,
-    sources: list[tuple[KeyedHandle, KeyGroupRange]],
-) -> int:
-    """Load (handle, key groups) ``sources`` into a RocksDB backend without a put.
-
-    Into a fresh backend, the incremental handle that covers most of its key groups is
-    downloaded and becomes its database, clipped to its range by ``delete_range`` (as
-    Flink does); every other source is read as sorted runs, written into SST files and
-    ingested (``RocksDBKeyedStateBackend.restore_sorted``). Returns the entries copied.
-    """
     restored = 0
     incremental = [s for s in sources if isinstance(s[0], IncrementalKeyedStateHandle)]
     if incremental and backend.accepts_native_checkpoint():
@@ -200,24 +167,17 @@ def restore_rocksdb(
         sources = [source for source in sources if source is not base]
         handle = base[0]
         assert isinstance(handle, IncrementalKeyedStateHandle)
-        with tempfile.TemporaryDirectory(prefix="restore-", dir=backend.local_dir) as temporary:
+        with tempfile.TemporaryDirectory(prefix="restore-", dir=backend.scratch_dir) as temporary:
             download = Path(temporary) / "db"
             download.mkdir()
             download_native_checkpoint(fs, checkpoint_dir, handle, download)
             backend.restore_native_checkpoint(
                 download, handle.key_serializer, handle.states, handle.timers
             )
+    files = HandleFiles(fs, checkpoint_dir, fs.read_range, backend.scratch_dir)
     for handle, key_groups in sources:
-        runs = read_keyed_runs(
-            fs,
-            checkpoint_dir,
-            handle,
-            key_groups,
-            read_range=fs.read_range,
-            local_dir=backend.local_dir,
-        )
         restored += backend.restore_sorted(
-            handle.key_serializer, handle.states, runs, handle.timers
+            handle.key_serializer, handle.states, handle.read_runs(files, key_groups), handle.timers
         )
     return restored
 

@@ -45,7 +45,12 @@ from statebackend.keygroups import KeyGroupRange
 from statebackend.redistribution import DistributionMode, StateLayout
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.frames import decode_frames, encode_frame
-from statebackend.snapshot.handles import StoredFile, keyed_state_from_json, keyed_state_json
+from statebackend.snapshot.handles import (
+    KeyGroupIndexedFile,
+    indexed_file_from_json,
+    keyed_state_from_json,
+    keyed_state_json,
+)
 from statebackend.snapshot.keyed_format import FRAME_BYTES, LENGTH
 from statebackend.snapshot.operator_format import OperatorStateHandle, encode_operator_cut
 
@@ -99,7 +104,7 @@ class RecordOperatorState:
 
 
 @dataclass(frozen=True)
-class ChangelogHandle:
+class ChangelogHandle(KeyGroupIndexedFile):
     """Where one subtask attempt's changelog record of one batch lives and what it holds.
 
     ``path`` is relative to the job's manifests directory (``../changelog/<batch>/...``),
@@ -110,23 +115,13 @@ class ChangelogHandle:
     operator_id: str
     subtask: int
     attempt: str
-    path: str | None
-    size: int
-    checksum: str
     changes: int
-    key_group_range: KeyGroupRange
-    key_groups: tuple[tuple[int, int, int], ...]
     states: tuple[StateMetaInfo, ...]
     key_serializer: SerializerConfig
-    compression: str
     timers: TimerSnapshotInfo | None = None
     """The subtask's timer clocks at the end of the batch (None in records without)."""
     operator_state: RecordOperatorState | None = None
     """Where the record holds the subtask's operator state (None: it holds none)."""
-
-    def files(self) -> list[StoredFile]:
-        """The record's file (none for a batch without changes)."""
-        return [] if self.path is None else [StoredFile(self.path, self.size, self.checksum)]
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict for batch manifests."""
@@ -136,12 +131,8 @@ class ChangelogHandle:
             "operator": self.operator_id,
             "subtask": self.subtask,
             "attempt": self.attempt,
-            "path": self.path,
-            "size": self.size,
-            "checksum": self.checksum,
             "changes": self.changes,
-            "key_groups": [list(item) for item in self.key_groups],
-            "compression": self.compression,
+            **self.indexed_file_json(),
             **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
         } | (
             {} if self.operator_state is None else {"operator_state": self.operator_state.to_json()}
@@ -152,18 +143,14 @@ class ChangelogHandle:
         """The inverse of ``to_json``; CheckpointCorruptedError if it is not one."""
         if data.get("type") != HANDLE_TYPE:
             raise CheckpointCorruptedError(f"not a changelog handle: type {data.get('type')!r}")
-        path, operator_state = data["path"], data.get("operator_state")
+        operator_state = data.get("operator_state")
         return cls(
             batch_id=int(data["batch_id"]),
             operator_id=str(data["operator"]),
             subtask=int(data["subtask"]),
             attempt=str(data["attempt"]),
-            path=None if path is None else str(path),
-            size=int(data["size"]),
-            checksum=str(data["checksum"]),
             changes=int(data["changes"]),
-            key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
-            compression=str(data.get("compression", "none")),
+            **indexed_file_from_json(data),
             operator_state=(
                 None if operator_state is None else RecordOperatorState.from_json(operator_state)
             ),

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Executor, Future
 from typing import Generic, TypeVar
 
+from statebackend.backends.keyed import Release
 from statebackend.errors import CheckpointCancelledError, CheckpointError
 
 T = TypeVar("T")
@@ -16,7 +17,8 @@ ShouldStop = Callable[[], bool]
 
 
 class SnapshotFuture(Generic[T]):
-    """The background part of one snapshot, yielding its state handle.
+    """The background part of one snapshot, yielding its state handle: the
+    ``SnapshotResult`` of the checkpoint storage (``backends.keyed``).
 
     ``work(should_stop)`` runs on the transfer executor; it must check ``should_stop``
     between chunks and leave nothing behind when it stops or fails. ``release`` frees the
@@ -30,14 +32,14 @@ class SnapshotFuture(Generic[T]):
         self,
         executor: Executor,
         work: Callable[[ShouldStop], T],
-        release: Callable[[], None],
+        release: Release,
         description: str,
         discard: Callable[[T], None] | None = None,
     ) -> None:
         self.description = description
         self._cancelled = threading.Event()
         self._release_lock = threading.Lock()
-        self._release: Callable[[], None] | None = release
+        self._release: Release | None = release
         self._discard = discard
         # Decides between a cancel and the completion: whichever takes it first wins.
         self._outcome_lock = threading.Lock()

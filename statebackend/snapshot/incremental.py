@@ -28,12 +28,12 @@ import json
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMetaInfo
 from statebackend.backends.rocksdb import CheckpointReader, RocksDBCheckpointView
@@ -44,6 +44,9 @@ from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedErr
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.handles import (
+    HandleFiles,
+    Relocate,
+    SnapshotFileSystem,
     StoredFile,
     keyed_state_from_json,
     keyed_state_json,
@@ -54,25 +57,6 @@ CHUNK_BYTES = 4 << 20
 """Bytes read from a local file per chunk of an upload or download."""
 
 _SST_SUFFIX = ".sst"
-
-
-class IncrementalFileSystem(Protocol):
-    """What incremental snapshots need of a file system (``checkpoint.filesystem``)."""
-
-    checksum_algorithm: str
-    """The algorithm of the checksums of the files it writes (``checksums.py``)."""
-
-    def write_file(
-        self, path: str, chunks: Iterable[bytes], *, should_stop: Callable[[], bool] | None = None
-    ) -> Any:
-        """Stream chunks to a new file; return an object with ``size`` and ``checksum``;
-        leave nothing behind if stopped or failed."""
-
-    def open_read(self, path: str) -> Any:
-        """A binary stream of ``path``."""
-
-    def delete(self, path: str, recursive: bool = False) -> None:
-        """Delete ``path``; not an error if it does not exist."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +117,7 @@ class IncrementalKeyedStateHandle:
         """Every file the snapshot references, shared ones first."""
         return [StoredFile(f.path, f.size, f.checksum) for f in (*self.shared, *self.private)]
 
-    def with_paths(self, relocate: Callable[[str], str]) -> IncrementalKeyedStateHandle:
+    def with_paths(self, relocate: Relocate) -> IncrementalKeyedStateHandle:
         """The same handle with every file's path mapped by ``relocate``."""
         return replace(
             self,
@@ -158,6 +142,22 @@ class IncrementalKeyedStateHandle:
             private=tuple(NativeFile.from_json(f) for f in data["private"]),
             **keyed_state_from_json(data),
         )
+
+    def read_entries(
+        self, files: HandleFiles, key_groups: KeyGroupRange
+    ) -> Iterator[tuple[str, int, Entry]]:
+        """(state name, key group, entry) of its key groups in ``key_groups``, from its
+        files downloaded into ``files.local_dir`` (``read_incremental_entries``)."""
+        return read_incremental_entries(
+            files.fs, files.directory, self, key_groups, files.local_dir
+        )
+
+    def read_runs(
+        self, files: HandleFiles, key_groups: KeyGroupRange
+    ) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
+        """Runs of composite keys of its key groups in ``key_groups``, from its files
+        downloaded into ``files.local_dir`` (``read_incremental_runs``)."""
+        return read_incremental_runs(files.fs, files.directory, self, key_groups, files.local_dir)
 
 
 # -- upload records ---------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def _local_chunks(path: Path) -> Iterator[bytes]:
 
 
 def upload_native_checkpoint(
-    fs: IncrementalFileSystem,
+    fs: SnapshotFileSystem,
     directory: str,
     name: str,
     shared: SharedLocation,
@@ -312,7 +312,7 @@ def upload_native_checkpoint(
 # -- restore ------------------------------------------------------------------------------------
 
 
-def _download(fs: IncrementalFileSystem, remote: str, file: NativeFile, target: Path) -> None:
+def _download(fs: SnapshotFileSystem, remote: str, file: NativeFile, target: Path) -> None:
     size, running = 0, RunningChecksum(algorithm_of(file.checksum) or CRC32)
     stream = fs.open_read(remote)
     try:
@@ -331,7 +331,7 @@ def _download(fs: IncrementalFileSystem, remote: str, file: NativeFile, target: 
 
 
 def download_native_checkpoint(
-    fs: IncrementalFileSystem,
+    fs: SnapshotFileSystem,
     directory: str,
     handle: IncrementalKeyedStateHandle,
     target: Path,
@@ -351,7 +351,7 @@ def download_native_checkpoint(
 
 
 def read_incremental_runs(
-    fs: IncrementalFileSystem,
+    fs: SnapshotFileSystem,
     directory: str,
     handle: IncrementalKeyedStateHandle,
     key_groups: KeyGroupRange,
@@ -377,7 +377,7 @@ def read_incremental_runs(
 
 
 def read_incremental_entries(
-    fs: IncrementalFileSystem,
+    fs: SnapshotFileSystem,
     directory: str,
     handle: IncrementalKeyedStateHandle,
     key_groups: KeyGroupRange,

@@ -12,9 +12,9 @@ the backend that wrote it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from struct import Struct
 from typing import Any
 
@@ -25,7 +25,13 @@ from statebackend.errors import CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.frames import decode_frames, encode_frame
-from statebackend.snapshot.handles import StoredFile, keyed_state_from_json, keyed_state_json
+from statebackend.snapshot.handles import (
+    HandleFiles,
+    KeyGroupIndexedFile,
+    indexed_file_from_json,
+    keyed_state_from_json,
+    keyed_state_json,
+)
 from statebackend.state.descriptors import StateKind
 
 ENTRY_HEAD = Struct(">HI")
@@ -42,57 +48,43 @@ FRAME_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
-class KeyedStateHandle:
-    """Where one subtask's keyed snapshot lives and what is in it.
+class FullKeyedStateHandle(KeyGroupIndexedFile):
+    """Where one subtask's full keyed snapshot lives and what is in it.
 
     ``path`` is relative to the checkpoint directory, so a copied directory restores.
     """
 
     path: str
-    size: int
-    checksum: str
-    key_group_range: KeyGroupRange
-    key_groups: tuple[tuple[int, int, int], ...]
     states: tuple[StateMetaInfo, ...]
     key_serializer: SerializerConfig
-    compression: str
     timers: TimerSnapshotInfo | None = None
-
-    def bytes_for(self, key_groups: KeyGroupRange) -> int:
-        """How many bytes of the file hold the given key groups."""
-        return sum(length for group, _, length in self.key_groups if group in key_groups)
-
-    def files(self) -> list[StoredFile]:
-        """The one file of the snapshot."""
-        return [StoredFile(self.path, self.size, self.checksum)]
-
-    def with_paths(self, relocate: Callable[[str], str]) -> KeyedStateHandle:
-        """The same handle with its file's path mapped by ``relocate``."""
-        return replace(self, path=relocate(self.path))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict for ``_metadata``."""
         return {
             "type": "keyed-full",
-            "path": self.path,
-            "size": self.size,
-            "checksum": self.checksum,
-            "key_groups": [list(item) for item in self.key_groups],
-            "compression": self.compression,
+            **self.indexed_file_json(),
             **keyed_state_json(self.key_group_range, self.states, self.key_serializer, self.timers),
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> KeyedStateHandle:
+    def from_json(cls, data: dict[str, Any]) -> FullKeyedStateHandle:
         """The inverse of ``to_json``."""
-        return cls(
-            path=data["path"],
-            size=int(data["size"]),
-            checksum=data["checksum"],
-            key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
-            compression=data.get("compression", "none"),
-            **keyed_state_from_json(data),
-        )
+        return cls(**indexed_file_from_json(data), **keyed_state_from_json(data))
+
+    def read_entries(
+        self, files: HandleFiles, key_groups: KeyGroupRange
+    ) -> Iterator[tuple[str, int, Entry]]:
+        """(state name, key group, entry) of its key groups in ``key_groups``, by ranged
+        reads of only those (``read_keyed_entries``)."""
+        return read_keyed_entries(files.read_range, files.path_of(self.path), self, key_groups)
+
+    def read_runs(
+        self, files: HandleFiles, key_groups: KeyGroupRange
+    ) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
+        """Runs of composite keys of its key groups in ``key_groups``, by ranged reads of
+        only those (``read_composite_runs``)."""
+        return read_composite_runs(files.read_range, files.path_of(self.path), self, key_groups)
 
 
 def encode_keyed_cut(
@@ -248,7 +240,7 @@ def _split_blocks(
 
 
 def read_composite_runs(
-    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+    read_range: Any, path: str, handle: FullKeyedStateHandle, key_groups: KeyGroupRange
 ) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
     """(state name, key group, its (composite key, value) pairs) for the key groups of
     ``handle`` in ``key_groups``, read as ``read_key_group_blocks`` does: the entries
@@ -301,7 +293,7 @@ def _decode_composites(
 
 
 def read_keyed_entries(
-    read_range: Any, path: str, handle: KeyedStateHandle, key_groups: KeyGroupRange
+    read_range: Any, path: str, handle: FullKeyedStateHandle, key_groups: KeyGroupRange
 ) -> Iterator[tuple[str, int, Entry]]:
     """(state name, key group, entry) for the key groups of ``handle`` in ``key_groups``,
     read as ``read_key_group_blocks`` does."""

@@ -10,64 +10,39 @@ key groups and verifies every frame it read. The bytes themselves are opaque.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from statebackend.backends.raw_keyed import RawKeyedStateCut
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot.frames import encode_frame
-from statebackend.snapshot.handles import StoredFile
+from statebackend.snapshot.handles import KeyGroupIndexedFile, indexed_file_from_json
 from statebackend.snapshot.keyed_format import FRAME_BYTES, read_key_group_blocks
 
 RAW_KEYED_TYPE = "raw-keyed"
 
 
 @dataclass(frozen=True)
-class RawKeyedStateHandle:
+class RawKeyedStateHandle(KeyGroupIndexedFile):
     """Where one subtask's raw keyed state lives: a file (``path``, relative to the
     checkpoint directory), its key-group range and the index of its key groups."""
 
     path: str
-    size: int
-    checksum: str
-    key_group_range: KeyGroupRange
-    key_groups: tuple[tuple[int, int, int], ...]
-    compression: str
-
-    def bytes_for(self, key_groups: KeyGroupRange) -> int:
-        """How many bytes of the file hold the given key groups."""
-        return sum(length for group, _, length in self.key_groups if group in key_groups)
-
-    def files(self) -> list[StoredFile]:
-        """The one file of the snapshot."""
-        return [StoredFile(self.path, self.size, self.checksum)]
-
-    def with_paths(self, relocate: Callable[[str], str]) -> RawKeyedStateHandle:
-        """The same handle with its file's path mapped by ``relocate``."""
-        return replace(self, path=relocate(self.path))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict for ``_metadata``."""
         return {
             "type": RAW_KEYED_TYPE,
-            "path": self.path,
-            "size": self.size,
-            "checksum": self.checksum,
             "key_group_range": self.key_group_range.to_json(),
-            "key_groups": [list(item) for item in self.key_groups],
-            "compression": self.compression,
+            **self.indexed_file_json(),
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RawKeyedStateHandle:
         """The inverse of ``to_json``."""
         return cls(
-            path=data["path"],
-            size=int(data["size"]),
-            checksum=data["checksum"],
             key_group_range=KeyGroupRange.from_json(data["key_group_range"]),
-            key_groups=tuple((int(g), int(o), int(n)) for g, o, n in data["key_groups"]),
-            compression=data.get("compression", "none"),
+            **indexed_file_from_json(data),
         )
 
 

@@ -17,7 +17,7 @@ from statebackend.errors import CheckpointCancelledError
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.future import ShouldStop, SnapshotFuture
 from statebackend.snapshot.incremental import SharedLocation, upload_native_checkpoint
-from statebackend.snapshot.keyed_format import KeyedStateHandle, encode_keyed_cut
+from statebackend.snapshot.keyed_format import FullKeyedStateHandle, encode_keyed_cut
 from statebackend.snapshot.keyed_handles import KeyedHandle
 from statebackend.snapshot.operator_format import (
     INLINE_LIMIT,
@@ -173,13 +173,13 @@ class SnapshotDirectory:
             return self._write_incremental(checkpoint_id, cut, self.shared)
         relative = self._new_file("keyed")
 
-        def work(should_stop: ShouldStop) -> KeyedStateHandle:
+        def work(should_stop: ShouldStop) -> FullKeyedStateHandle:
             index: list[tuple[int, int, int]] = []
             # Frames are encoded on a producer thread while earlier ones are written; it
             # has ended when the block is left, before ``cut.release`` may run.
             with prefetched(encode_keyed_cut(cut, self.codec, index), PREFETCH_FRAMES) as frames:
                 written = self._write_file(checkpoint_id, relative, frames, should_stop)
-            return KeyedStateHandle(
+            return FullKeyedStateHandle(
                 path=relative,
                 size=written.size,
                 checksum=written.checksum,

@@ -47,7 +47,7 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.arrow_keys import key_groups
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.spark.processor_handle import BatchClock, BatchTimes
 from statebackend.spark.processor_runner import (
     CONTROL,
@@ -119,7 +119,7 @@ def _current_state(
         restore_dir=None,
         restore_manifest=plan.restore_batch,
     )
-    with LocalKeyedState(root, subtask, version, storage, OPERATOR_ID, key_serializer) as local:
+    with local_keyed_state(root, subtask, version, storage, OPERATOR_ID, key_serializer) as local:
         yield local
 
 

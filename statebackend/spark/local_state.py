@@ -29,6 +29,10 @@ process-wide table maps (root, subtask) to (marker, backend). A worker that hold
 subtask at (generation, previous_batch) reuses it; any other worker rebuilds it as above.
 Copies left behind in a worker that did not run the subtask's latest batch are disposed
 of at its next batch.
+
+``LocalKeyedState`` holds what both share (the marker, the rebuild, the context);
+``LocalRocksDBState`` and ``LocalHeapState`` where each keeps its copy;
+``local_keyed_state`` picks one by the backend's name (``LOCAL_STATES``).
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ import json
 import os
 import shutil
 import threading
+from abc import ABC, abstractmethod
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
@@ -55,6 +60,7 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointError,
     CheckpointUnreadableError,
+    ConfigurationError,
     LocalStateError,
     StateBackendError,
 )
@@ -81,18 +87,16 @@ class LocalVersion:
 _PROBE_BYTES = 1 << 20
 """Bytes written to tell whether the local directory still takes writes."""
 _Backend = TypeVar("_Backend", bound=KeyedStateBackend)
-_HEAP_COPIES: dict[tuple[str, int], tuple[dict[str, Any], HeapKeyedStateBackend]] = {}
-"""This process's heap state: (root, subtask) -> (version marker, backend)."""
 
 
-class LocalKeyedState:
-    """Context manager: the subtask's backend (``rocksdb``: locked, on local disk;
-    ``heap``: in this process), current, ready for a batch.
+class LocalKeyedState(ABC):
+    """Context manager: the subtask's backend, current, ready for a batch.
 
     ``reused`` tells whether the local copy was current, ``rebuilt`` whether state was
     read from checkpoint storage instead, ``restored_bytes`` how many bytes.
-    ``commit(batch_id)`` closes the DB and records its version; leaving the context
-    without it disposes of the DB (the next batch rebuilds).
+    ``commit(batch_id)`` keeps the state and records its version; leaving the context
+    without it disposes of the backend (the next batch rebuilds). Each backend's class
+    says where the copy is kept between batches (``_open``, ``_keep``).
     """
 
     def __init__(
@@ -103,23 +107,35 @@ class LocalKeyedState:
         storage: CheckpointStorage,
         operator_id: str,
         key_serializer: Serializer[Any],
-        kind: str = "rocksdb",
     ) -> None:
-        self._kind = kind
-        self._heap_key = (str(root), subtask)
-        self.directory = root / f"subtask-{subtask}"
-        self._marker = root / f"subtask-{subtask}.version"
-        self._lock_path = root / f"subtask-{subtask}.lock"
+        self._root = root
         self._subtask = subtask
         self._version = version
         self._storage = storage
         self._operator_id = operator_id
         self._key_serializer = key_serializer
-        self._lock_fd: int | None = None
         self.backend: KeyedStateBackend | None = None
         self.restored_bytes = 0
         self.reused = False
         self.rebuilt = False
+
+    @abstractmethod
+    def _open(self) -> KeyedStateBackend:
+        """The backend for the batch: the local copy if it is current (``reused``), else
+        a fresh one ``_rebuild`` loaded."""
+
+    @abstractmethod
+    def _keep(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
+        """Keep ``backend``'s state for the next batch, marked with ``marker``."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free what ``_open`` holds besides the backend; safe to call more than once."""
+
+    def _unusable_directory(self, exc: BaseException) -> LocalStateError | None:
+        """A LocalStateError if ``exc`` came from the local directory being unusable
+        (None: this kind keeps nothing on disk)."""
+        return None
 
     def _expected_marker(self, batch_id: int | None) -> dict[str, Any]:
         return {
@@ -129,57 +145,21 @@ class LocalKeyedState:
             "max_parallelism": self._version.max_parallelism,
         }
 
-    def _read_marker(self) -> dict[str, Any] | None:
-        try:
-            return dict(json.loads(self._marker.read_text()))
-        except (OSError, ValueError):
-            return None
+    def _is_current(self, marker: dict[str, Any] | None) -> bool:
+        """Whether a copy marked ``marker`` is the state at ``previous_batch``."""
+        previous = self._version.previous_batch
+        return previous is not None and marker == self._expected_marker(previous)
 
     def __enter__(self) -> LocalKeyedState:
-        if self._kind == "heap":
-            self.backend = self._open_heap()
-            return self
         try:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             self.backend = self._open()
-            self._marker.unlink(missing_ok=True)
         except BaseException as exc:
-            self._unlock()
+            self._release()
             unusable = self._unusable_directory(exc)
             if unusable is not None:
                 raise unusable from exc
             raise
         return self
-
-    def _unusable_directory(self, exc: BaseException) -> LocalStateError | None:
-        """A LocalStateError naming the local directory if ``exc`` (an OS or RocksDB
-        error) came from it being unusable: it cannot be created, or a probe file cannot
-        be written into it (read-only, full). None for any other failure."""
-        if self._kind == "heap" or not isinstance(exc, Exception):
-            return None
-        if isinstance(exc, StateBackendError):
-            return None
-        root = self.directory.parent
-        probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            with probe.open("wb") as f:
-                f.write(bytes(_PROBE_BYTES))
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as error:
-            return LocalStateError(
-                f"the local state directory {root} on this executor is unusable "
-                f"({error.strerror or error}): free space there, or set "
-                f"spark.statebackend.local.dir to a writable directory with room; the "
-                f"job's checkpoints are intact"
-            )
-        finally:
-            with suppress(OSError):
-                probe.unlink(missing_ok=True)
-        return None
 
     def _options(self) -> dict[str, Any]:
         version = self._version
@@ -190,22 +170,6 @@ class LocalKeyedState:
             ),
             "key_serializer": self._key_serializer,
         }
-
-    def _open_heap(self) -> HeapKeyedStateBackend:
-        version = self._version
-        current = self._expected_marker(version.previous_batch)
-        reusable: HeapKeyedStateBackend | None = None
-        for key in [key for key in _HEAP_COPIES if key[0] == self._heap_key[0]]:
-            marker, copy = _HEAP_COPIES[key]
-            if key == self._heap_key and version.previous_batch is not None and marker == current:
-                reusable = _HEAP_COPIES.pop(key)[1]
-            elif key == self._heap_key or marker != current:
-                del _HEAP_COPIES[key]
-                copy.dispose()
-        if reusable is not None:
-            self.reused = True
-            return reusable
-        return self._rebuild(HeapKeyedStateBackend(**self._options()))
 
     def _rebuild(self, backend: _Backend) -> _Backend:
         """Load the state at ``previous_batch`` into the fresh ``backend`` from manifest
@@ -243,17 +207,6 @@ class LocalKeyedState:
         self.restored_bytes = fs.bytes_read - before + extra
         return backend
 
-    def _open(self) -> RocksDBKeyedStateBackend:
-        version = self._version
-        options = self._options()
-        current = self._expected_marker(version.previous_batch)
-        if version.previous_batch is not None and self._read_marker() == current:
-            self.reused = True
-            return RocksDBKeyedStateBackend(self.directory, open_existing=True, **options)
-        self._marker.unlink(missing_ok=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
-        return self._rebuild(RocksDBKeyedStateBackend(self.directory, **options))
-
     def commit(self, batch_id: int) -> None:
         """Keep the state and mark it as being at ``batch_id`` (RocksDB: close the DB,
         keeping it on disk; heap: keep it in this process)."""
@@ -261,20 +214,7 @@ class LocalKeyedState:
         if backend is None:
             raise StateBackendError("commit outside the local state's context")
         self.backend = None
-        if isinstance(backend, HeapKeyedStateBackend):
-            _HEAP_COPIES[self._heap_key] = (self._expected_marker(batch_id), backend)
-            return
-        assert isinstance(backend, RocksDBKeyedStateBackend)
-        backend.close()
-        temporary = self._marker.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self._expected_marker(batch_id)))
-        temporary.replace(self._marker)
-
-    def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._keep(backend, self._expected_marker(batch_id))
 
     def __exit__(
         self,
@@ -287,7 +227,145 @@ class LocalKeyedState:
                 self.backend.dispose()
                 self.backend = None
         finally:
-            self._unlock()
+            self._release()
         unusable = None if exc is None else self._unusable_directory(exc)
         if unusable is not None:
             raise unusable from exc
+
+
+class LocalRocksDBState(LocalKeyedState):
+    """The subtask's RocksDB on local disk: ``<root>/subtask-<i>``, locked with ``flock``
+    while in use, its version in a marker file beside it."""
+
+    _lock_fd: int | None = None
+
+    @property
+    def directory(self) -> Path:
+        """The subtask's RocksDB directory."""
+        return self._root / f"subtask-{self._subtask}"
+
+    @property
+    def _marker(self) -> Path:
+        return self._root / f"subtask-{self._subtask}.version"
+
+    @property
+    def _lock_path(self) -> Path:
+        return self._root / f"subtask-{self._subtask}.lock"
+
+    def _read_marker(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self._marker.read_text()))
+        except (OSError, ValueError):
+            return None
+
+    def _open(self) -> RocksDBKeyedStateBackend:
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        options = self._options()
+        if self._is_current(self._read_marker()):
+            self.reused = True
+            backend = RocksDBKeyedStateBackend(self.directory, open_existing=True, **options)
+        else:
+            self._marker.unlink(missing_ok=True)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            backend = self._rebuild(RocksDBKeyedStateBackend(self.directory, **options))
+        self._marker.unlink(missing_ok=True)
+        return backend
+
+    def _keep(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
+        assert isinstance(backend, RocksDBKeyedStateBackend)
+        backend.close()
+        temporary = self._marker.with_suffix(".tmp")
+        temporary.write_text(json.dumps(marker))
+        temporary.replace(self._marker)
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _unusable_directory(self, exc: BaseException) -> LocalStateError | None:
+        """A LocalStateError naming the local directory if ``exc`` (an OS or RocksDB
+        error) came from it being unusable: it cannot be created, or a probe file cannot
+        be written into it (read-only, full). None for any other failure."""
+        if not isinstance(exc, Exception) or isinstance(exc, StateBackendError):
+            return None
+        root = self.directory.parent
+        probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with probe.open("wb") as f:
+                f.write(bytes(_PROBE_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:
+            return LocalStateError(
+                f"the local state directory {root} on this executor is unusable "
+                f"({error.strerror or error}): free space there, or set "
+                f"spark.statebackend.local.dir to a writable directory with room; the "
+                f"job's checkpoints are intact"
+            )
+        finally:
+            with suppress(OSError):
+                probe.unlink(missing_ok=True)
+        return None
+
+
+class LocalHeapState(LocalKeyedState):
+    """The subtask's heap backend in this Python worker, kept between batches in the
+    process table ``_copies``; a worker's copies of other subtasks of the same root that
+    are not current are disposed of when it opens one."""
+
+    _copies: ClassVar[dict[tuple[str, int], tuple[dict[str, Any], HeapKeyedStateBackend]]] = {}
+    """This process's heap state: (root, subtask) -> (version marker, backend)."""
+
+    def _open(self) -> HeapKeyedStateBackend:
+        own = (str(self._root), self._subtask)
+        current = self._expected_marker(self._version.previous_batch)
+        reusable: HeapKeyedStateBackend | None = None
+        for key in [key for key in self._copies if key[0] == own[0]]:
+            marker, copy = self._copies[key]
+            if key == own and self._is_current(marker):
+                reusable = self._copies.pop(key)[1]
+            elif key == own or marker != current:
+                del self._copies[key]
+                copy.dispose()
+        if reusable is not None:
+            self.reused = True
+            return reusable
+        return self._rebuild(HeapKeyedStateBackend(**self._options()))
+
+    def _keep(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
+        assert isinstance(backend, HeapKeyedStateBackend)
+        self._copies[(str(self._root), self._subtask)] = (marker, backend)
+
+    def _release(self) -> None:
+        """Nothing: a heap copy holds no lock or file."""
+
+
+LOCAL_STATES: dict[str, type[LocalKeyedState]] = {
+    "rocksdb": LocalRocksDBState,
+    "heap": LocalHeapState,
+}
+"""The local-state owner of each backend name (``spark.statebackend.backend``)."""
+
+
+def local_keyed_state(
+    root: Path,
+    subtask: int,
+    version: LocalVersion,
+    storage: CheckpointStorage,
+    operator_id: str,
+    key_serializer: Serializer[Any],
+    kind: str = "rocksdb",
+) -> LocalKeyedState:
+    """The subtask's local state under ``root`` for backend ``kind`` (``LOCAL_STATES``),
+    to be entered as a context manager."""
+    owner = LOCAL_STATES.get(kind)
+    if owner is None:
+        raise ConfigurationError(
+            f"unknown state backend {kind!r}: use one of {sorted(LOCAL_STATES)}"
+        )
+    return owner(root, subtask, version, storage, operator_id, key_serializer)

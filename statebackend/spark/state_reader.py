@@ -39,7 +39,7 @@ from statebackend.checkpoint.signing import SigningKey, verified_reads
 from statebackend.errors import CheckpointNotFoundError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.serializers import OpaqueValue, Serializer, reading_serializer
-from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
+from statebackend.snapshot.handles import HandleFiles, KeyedHandle
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlValue
 from statebackend.tools.location import ManifestRef, open_state
@@ -141,7 +141,7 @@ def _read_range(
         wanted = handle.key_group_range.intersection(key_groups)
         if not wanted:
             continue
-        entries = read_keyed_handle(fs, directory, handle, wanted, read_range=fs.read_range)
+        entries = handle.read_entries(HandleFiles(fs, directory, fs.read_range), wanted)
         yield from decoder.rows(entry for name, _, entry in entries if name == state_name)
 
 

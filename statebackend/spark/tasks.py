@@ -41,7 +41,7 @@ from statebackend.spark.function_state import (
     start_function,
 )
 from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.spark.source import KeyOf, LogSource, Offsets
 
 RECORD = 0
@@ -306,7 +306,7 @@ def keyed_task(
     result.keys = len(groups)
     root = Path(plan.local_dir) / plan.storage.job_id / plan.operator_id
     opening = time.perf_counter()
-    with LocalKeyedState(
+    with local_keyed_state(
         root,
         subtask,
         plan.version,

@@ -24,7 +24,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointError, CheckpointNotFoundError, IncompatibleStateError
 from statebackend.serializers import SerializerConfig
-from statebackend.snapshot.keyed_format import KeyedStateHandle
+from statebackend.snapshot.keyed_format import FullKeyedStateHandle
 from statebackend.state.timers import is_timer_state
 from statebackend.tools.location import CheckpointRef, job_changelog
 
@@ -259,7 +259,7 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
                     )
                 row["key_group_range"] = ack.keyed.key_group_range.to_json()
                 row["keyed_bytes"] = ack.keyed.size
-                if isinstance(ack.keyed, KeyedStateHandle):
+                if isinstance(ack.keyed, FullKeyedStateHandle):
                     row["key_groups_with_state"] = len(ack.keyed.key_groups)
                     row["keyed_file"] = ack.keyed.path
                 else:

@@ -39,7 +39,7 @@ from statebackend.serializers import (
     reading_serializer,
     serializer_from_config,
 )
-from statebackend.snapshot.keyed_handles import KeyedHandle, read_keyed_handle
+from statebackend.snapshot.handles import HandleFiles, KeyedHandle
 from statebackend.snapshot.operator_format import OperatorStateInfo, OperatorStateReader
 from statebackend.state.descriptors import StateKind
 from statebackend.state.timers import is_timer_state
@@ -254,8 +254,8 @@ def read_keyed_state(
         keys = reading_serializer(handle.key_serializer, allow_pickle)
         entries = (
             entry
-            for name, _, entry in read_keyed_handle(
-                ref.fs, ref.directory, handle, groups, read_range=read_range
+            for name, _, entry in handle.read_entries(
+                HandleFiles(ref.fs, ref.directory, read_range), groups
             )
             if name == meta.name and (key_bytes is None or entry[0] == key_bytes)
         )
@@ -281,8 +281,8 @@ def read_timers(
     plan, key_bytes = keyed_read_plan(ref, selection, key)
     for handle, groups in plan:
         keys = reading_serializer(handle.key_serializer, allow_pickle)
-        for name, _, (ts8, timer_key, _) in read_keyed_handle(
-            ref.fs, ref.directory, handle, groups, read_range=read_range
+        for name, _, (ts8, timer_key, _) in handle.read_entries(
+            HandleFiles(ref.fs, ref.directory, read_range), groups
         ):
             domain = names.get(name)
             if domain is not None and (key_bytes is None or timer_key == key_bytes):

@@ -43,7 +43,7 @@ from statebackend.checkpoint.metrics import (
 from statebackend.errors import CheckpointNotFoundError
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
-from statebackend.snapshot.keyed_format import KeyedStateHandle
+from statebackend.snapshot.keyed_format import FullKeyedStateHandle
 from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 from statebackend.tools import svg
 from statebackend.tools.listing import CheckpointSummary, list_job
@@ -73,7 +73,7 @@ def key_group_bytes(snapshot: OperatorSnapshot, max_parallelism: int) -> KeyGrou
     estimated = has_keyed = False
     for ack in snapshot.subtasks:
         for handle in (ack.keyed, ack.raw_keyed):
-            if isinstance(handle, (KeyedStateHandle, RawKeyedStateHandle)):
+            if isinstance(handle, (FullKeyedStateHandle, RawKeyedStateHandle)):
                 for group, _, length in handle.key_groups:
                     found[group] += length
             elif isinstance(handle, IncrementalKeyedStateHandle):

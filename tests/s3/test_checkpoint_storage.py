@@ -46,7 +46,7 @@ from statebackend.keygroups import (
     compute_operator_index_for_key_group,
 )
 from statebackend.serializers import IntSerializer, StrSerializer
-from statebackend.snapshot.keyed_format import KeyedStateHandle, read_keyed_entries
+from statebackend.snapshot.keyed_format import FullKeyedStateHandle, read_keyed_entries
 from statebackend.state.descriptors import ListStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import ListState, ValueState
 from tests.conftest import S3Endpoint, Storage
@@ -224,7 +224,7 @@ def copy_tree(location: Storage, source: str, target: str) -> None:
         fs.pipe_file(join(target, relative), data)
 
 
-def keyed_handle(job: Job, checkpoint_id: int, subtask: int = 0) -> KeyedStateHandle:
+def keyed_handle(job: Job, checkpoint_id: int, subtask: int = 0) -> FullKeyedStateHandle:
     """Subtask ``subtask``'s keyed handle in checkpoint ``checkpoint_id``."""
     handle = job.storage.load(checkpoint_id).operators[OPERATOR].subtasks[subtask].keyed
     assert handle is not None

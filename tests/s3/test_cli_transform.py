@@ -165,6 +165,19 @@ def target_of(storage: Storage, name: str) -> str:
     return f"{storage.url}/savepoints/{name}"
 
 
+def transform(
+    storage: Storage,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    target: str,
+    *options: str,
+) -> tuple[int, str, str]:
+    """``statebackend savepoint transform --from source --to target *options``."""
+    return cli(
+        storage, capsys, "savepoint", "transform", "--from", source, "--to", target, *options
+    )
+
+
 @pytest.mark.parametrize(("parallelism", "new_parallelism"), [(2, 2), (3, 1), (1, 4)])
 def test_transform_round_trip(
     checkpoint_url: Storage,
@@ -176,14 +189,10 @@ def test_transform_round_trip(
     checkpoints = CheckpointStorage(source, "x", storage_options=checkpoint_url.storage_options)
     before = checkpoints.fs.read_file(f"{source}/_metadata")
     target = target_of(checkpoint_url, "v2")
-    status, out, err = cli(
+    status, out, err = transform(
         checkpoint_url,
         capsys,
-        "savepoint",
-        "transform",
-        "--from",
         source,
-        "--to",
         target,
         "--drop-state",
         "enrich/events",
@@ -233,22 +242,10 @@ def test_transform_errors(checkpoint_url: Storage, capsys: pytest.CaptureFixture
         (["-p", str(M + 1)], "parallelism"),
     ]
     for more, message in cases:
-        status, _, err = cli(
-            checkpoint_url,
-            capsys,
-            "savepoint",
-            "transform",
-            "--from",
-            source,
-            "--to",
-            target,
-            *more,
-        )
+        status, _, err = transform(checkpoint_url, capsys, source, target, *more)
         assert status == 1
         assert message in err
-    status, _, err = cli(
-        checkpoint_url, capsys, "savepoint", "transform", "--from", source, "--to", source
-    )
+    status, _, err = transform(checkpoint_url, capsys, source, source)
     assert status == 1
     assert "already holds a checkpoint or savepoint" in err
 
@@ -348,14 +345,10 @@ def test_transform_operator_state(tmp_path: Path, capsys: pytest.CaptureFixture[
     storage = Storage(tmp_path.as_uri())
     source, model = build(storage, 2)
     target = target_of(storage, "ops")
-    status, _, err = cli(
+    status, _, err = transform(
         storage,
         capsys,
-        "savepoint",
-        "transform",
-        "--from",
         source,
-        "--to",
         target,
         "--rename-state",
         f"enrich/{OFFSETS}=positions",

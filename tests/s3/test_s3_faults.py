@@ -24,7 +24,7 @@ from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import CheckpointError, CheckpointUnreadableError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import IntSerializer, StrSerializer
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 from statebackend.tools.gc import find_garbage
@@ -202,7 +202,7 @@ def test_a_failed_restore_leaves_no_local_state(
 
     def local(generation: str, previous: int | None, restore: str | None) -> LocalKeyedState:
         version = LocalVersion(generation, previous, restore, 1, MAX_PARALLELISM)
-        return LocalKeyedState(tmp_path / "local", 0, version, storage, OPERATOR, StrSerializer())
+        return local_keyed_state(tmp_path / "local", 0, version, storage, OPERATOR, StrSerializer())
 
     with local("g1", None, None) as state:  # a local copy, current at batch 0
         state.commit(0)

@@ -18,15 +18,9 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import (
-    checkpointed_totals,
-    compare_totals,
-    expected_totals,
-    generate_events,
-    read_events,
-    user_totals_job,
-)
+from statebackend.spark.example import generate_events, read_events
 from statebackend.spark.runner import RunSummary
+from tests.spark.jobs import assert_matches_python, run_user_totals
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "user_totals.py"
 PHASES = ((2, 0), (4, 1), (3, 2))
@@ -45,16 +39,17 @@ def _phase_runs(
             conf = StateBackendConf(
                 checkpoint_dir=(tmp_path / f"checkpoints-{name}").as_uri(), local_dir=local_dir
             )
-            job = user_totals_job(
-                spark,
-                job_id="hosts",
-                input_dir=tmp_path / "input",
-                parallelism=parallelism,
-                conf=conf,
-                batch_size=30,
-                checkpoint_every=3,
+            summaries[name].append(
+                run_user_totals(
+                    spark,
+                    tmp_path,
+                    conf,
+                    job_id="hosts",
+                    parallelism=parallelism,
+                    batch_size=30,
+                    checkpoint_every=3,
+                )
             )
-            summaries[name].append(job.run())
     return summaries
 
 
@@ -67,13 +62,10 @@ def test_each_executor_with_its_own_local_dir(spark_cluster: SparkSession, tmp_p
         spark_cluster, tmp_path, {"shared": str(tmp_path / "shared"), "own": own}
     )
 
-    expected = expected_totals(read_events(tmp_path / "input"))
     for runs in summaries.values():
         assert [s.records for s in runs] == [480] * len(PHASES)
         assert all(s.rollbacks == 0 and s.failures == 0 for s in runs)
-        last = runs[-1].last_checkpoint
-        assert last is not None
-        assert compare_totals(expected, checkpointed_totals(spark_cluster, last)) == []
+        assert_matches_python(spark_cluster, tmp_path, runs[-1].last_checkpoint)
     # The two executors really kept their own copies, in their own working directories.
     work = Path(os.environ["SPARK_HOME"]) / "work"
     markers = list(work.glob(f"*/*/{own}/hosts/user-totals/subtask-*.version"))
@@ -170,6 +162,5 @@ def test_driver_killed_at_random_moments(spark_local: SparkSession, tmp_path: Pa
     events = list(read_events(tmp_path / "input"))
     job_dir = tmp_path / "checkpoints" / "crash"
     newest = max(job_dir.glob("chk-*/_metadata"), key=lambda p: int(p.parent.name[4:]))
-    actual = checkpointed_totals(spark_local, str(newest.parent))
-    assert compare_totals(expected_totals(events), actual) == []
+    assert_matches_python(spark_local, tmp_path, str(newest.parent))
     _check_outputs(tmp_path / "output", events)

@@ -9,18 +9,10 @@ from pyspark.sql import SparkSession
 
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.serializers import IntSerializer, StrSerializer
-from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import (
-    checkpointed_totals,
-    compare_totals,
-    expected_totals,
-    generate_events,
-    read_events,
-    user_totals_job,
-)
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
+from tests.spark.jobs import assert_matches_python, rescale_runs, settings
 
 COUNT = ValueStateDescriptor("count", IntSerializer(), default=0)
 
@@ -28,35 +20,23 @@ COUNT = ValueStateDescriptor("count", IntSerializer(), default=0)
 def test_heap_rescale_matches_python(spark_local: SparkSession, tmp_path: Path) -> None:
     """P = 2 -> 3 with backend=heap, input appended between runs: the final checkpoint
     holds what a plain-Python computation gives; checkpoints only every 5 batches."""
-    conf = StateBackendConf.from_pairs(
-        [
-            ("spark.statebackend.backend", "heap"),
-            ("spark.statebackend.checkpoint.dir", (tmp_path / "checkpoints").as_uri()),
-        ]
+    conf = settings(tmp_path, ("spark.statebackend.backend", "heap"))
+    summaries = rescale_runs(
+        spark_local,
+        tmp_path,
+        conf,
+        (2, 3),
+        800,
+        job_id="heap",
+        batch_size=100,
+        checkpoint_every=5,
     )
-    summaries = []
-    for seed, parallelism in enumerate((2, 3)):
-        generate_events(tmp_path / "input", 800, 40, 4, seed)
-        summaries.append(
-            user_totals_job(
-                spark_local,
-                job_id="heap",
-                input_dir=tmp_path / "input",
-                parallelism=parallelism,
-                conf=conf,
-                batch_size=100,
-                checkpoint_every=5,
-            ).run()
-        )
     assert [s.records for s in summaries] == [800, 800]
     for summary in summaries:
         assert summary.failures == 0 and summary.rollbacks == 0
         assert len(summary.checkpoints) < summary.batches
     assert summaries[1].restored_bytes[0] > 0
-    last = summaries[-1].last_checkpoint
-    assert last is not None
-    expected = expected_totals(read_events(tmp_path / "input"))
-    assert compare_totals(expected, checkpointed_totals(spark_local, last, {})) == []
+    assert_matches_python(spark_local, tmp_path, summaries[-1].last_checkpoint, {})
 
 
 def test_heap_local_state_reuse_and_stale(tmp_path: Path) -> None:
@@ -67,7 +47,7 @@ def test_heap_local_state_reuse_and_stale(tmp_path: Path) -> None:
 
     def local(previous: int | None) -> LocalKeyedState:
         version = LocalVersion("g1", previous, None, 1, 128)
-        return LocalKeyedState(root, 0, version, storage, "op", StrSerializer(), "heap")
+        return local_keyed_state(root, 0, version, storage, "op", StrSerializer(), "heap")
 
     with local(None) as state:
         assert state.backend is not None and not state.reused

@@ -8,44 +8,32 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import (
-    checkpointed_totals,
-    compare_totals,
-    expected_totals,
-    generate_events,
-    read_events,
-    user_totals_job,
-)
+from tests.spark.jobs import assert_matches_python, rescale_runs, settings
 
 
 def test_incremental_rescale_matches_python(spark_local: SparkSession, tmp_path: Path) -> None:
     checkpoints = tmp_path / "checkpoints"
-    conf = StateBackendConf.from_pairs(
-        [
-            ("spark.statebackend.checkpoint.dir", checkpoints.as_uri()),
-            ("spark.statebackend.checkpoint.incremental", "true"),
-            ("spark.statebackend.local.dir", str(tmp_path / "local")),
-        ]
+    conf = settings(
+        tmp_path,
+        ("spark.statebackend.checkpoint.incremental", "true"),
+        ("spark.statebackend.local.dir", str(tmp_path / "local")),
     )
     assert conf.incremental
-    for seed, parallelism in enumerate((2, 3)):
-        generate_events(tmp_path / "input", 600, 40, 4, seed)
-        summary = user_totals_job(
-            spark_local,
-            job_id="incremental",
-            input_dir=tmp_path / "input",
-            parallelism=parallelism,
-            conf=conf,
-            batch_size=100,
-            checkpoint_every=2,
-        ).run()
-        assert summary.failures == 0
+    summaries = rescale_runs(
+        spark_local,
+        tmp_path,
+        conf,
+        (2, 3),
+        600,
+        job_id="incremental",
+        batch_size=100,
+        checkpoint_every=2,
+    )
+    assert all(summary.failures == 0 for summary in summaries)
     shared = list((checkpoints / "incremental" / "shared").iterdir())
     assert shared and all(p.name.endswith(".sst") for p in shared)
-    last = summary.last_checkpoint
+    last = summaries[-1].last_checkpoint
     assert last is not None
     metadata = (Path(last.removeprefix("file://")) / "_metadata").read_text()
     assert '"keyed-incremental"' in metadata and "../shared/" in metadata
-    expected = expected_totals(read_events(tmp_path / "input"))
-    assert compare_totals(expected, checkpointed_totals(spark_local, last, {})) == []
+    assert_matches_python(spark_local, tmp_path, last, {})

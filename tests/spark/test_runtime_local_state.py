@@ -17,7 +17,7 @@ from statebackend.keygroups import (
     compute_key_group_range_for_operator_index,
 )
 from statebackend.serializers import IntSerializer, StrSerializer
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion
+from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
 
@@ -60,7 +60,7 @@ def test_marker_reuse_and_stale(tmp_path: Path) -> None:
 
     def local(previous: int | None, generation: str = "g1") -> LocalKeyedState:
         version = LocalVersion(generation, previous, None, 1, 128)
-        return LocalKeyedState(tmp_path / "local", 0, version, storage, "op", StrSerializer())
+        return local_keyed_state(tmp_path / "local", 0, version, storage, "op", StrSerializer())
 
     def count_of_k(state: LocalKeyedState) -> int:
         assert state.backend is not None
@@ -115,7 +115,7 @@ def test_a_stale_copy_is_rebuilt_from_the_batch_manifest(tmp_path: Path, kind: s
     version = LocalVersion("g1", 1, None, 2, 128, restore_manifest=1)
     subtask = 1
     owned = compute_key_group_range_for_operator_index(128, 2, subtask)
-    with LocalKeyedState(
+    with local_keyed_state(
         tmp_path / "local", subtask, version, storage, "op", StrSerializer(), kind
     ) as state:
         assert state.rebuilt and not state.reused and state.restored_bytes > 0

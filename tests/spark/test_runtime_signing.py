@@ -15,36 +15,27 @@ from statebackend.checkpoint.signing import load_signing_key
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.snapshot.handles import resolve_path
-from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import (
-    checkpointed_totals,
-    compare_totals,
-    expected_totals,
-    generate_events,
-    read_events,
-    user_totals_job,
-)
+from statebackend.spark.example import generate_events
 from statebackend.spark.runner import RunSummary
+from tests.spark.jobs import assert_matches_python, run_user_totals, settings
 
 
 def _run(spark: SparkSession, tmp_path: Path, parallelism: int) -> RunSummary:
-    conf = StateBackendConf.from_pairs(
-        [
-            ("spark.statebackend.checkpoint.dir", (tmp_path / "ckpt").as_uri()),
-            ("spark.statebackend.checkpoint.signing-key-file", str(tmp_path / "key")),
-            ("spark.statebackend.local.dir", str(tmp_path / "local")),
-            ("spark.statebackend.checkpoint.max-retries", "1"),
-        ]
+    conf = settings(
+        tmp_path,
+        ("spark.statebackend.checkpoint.signing-key-file", str(tmp_path / "key")),
+        ("spark.statebackend.local.dir", str(tmp_path / "local")),
+        ("spark.statebackend.checkpoint.max-retries", "1"),
     )
-    return user_totals_job(
+    return run_user_totals(
         spark,
+        tmp_path,
+        conf,
         job_id="signed",
-        input_dir=tmp_path / "input",
         parallelism=parallelism,
-        conf=conf,
         batch_size=1000,
         checkpoint_every=2,
-    ).run()
+    )
 
 
 def test_a_signed_job_restores_and_refuses_tampering(
@@ -57,15 +48,14 @@ def test_a_signed_job_restores_and_refuses_tampering(
     summary = _run(spark_local, tmp_path, 3)
     last = summary.last_checkpoint
     assert last is not None and summary.restored_bytes[0] > 0
-    expected = expected_totals(read_events(tmp_path / "input"))
-    assert compare_totals(expected, checkpointed_totals(spark_local, last)) == []
+    assert_matches_python(spark_local, tmp_path, last)
     document = json.loads(Path(last.removeprefix("file://"), "_metadata").read_bytes())
     assert document["signature"]["algorithm"] == "hmac-sha256"
 
     # A changed data file: the restoring subtask refuses it, naming it, before decoding
     # anything; the run falls back to the previous (signed, unchanged) checkpoint.
     key = load_signing_key(key_file=str(tmp_path / "key"))
-    storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "signed", signing_key=key)
+    storage = CheckpointStorage((tmp_path / "checkpoints").as_uri(), "signed", signing_key=key)
     keyed = storage.load(last).operators["user-totals"].subtasks[0].keyed
     assert keyed is not None
     data_file = Path(resolve_path(last, keyed.files()[0].path).removeprefix("file://"))
@@ -77,8 +67,7 @@ def test_a_signed_job_restores_and_refuses_tampering(
     assert fallback.startswith(f"{last} -> ") and "does not match the signed checkpoint" in fallback
     newest = summary.last_checkpoint
     assert newest is not None
-    expected = expected_totals(read_events(tmp_path / "input"))
-    assert compare_totals(expected, checkpointed_totals(spark_local, newest)) == []
+    assert_matches_python(spark_local, tmp_path, newest)
     data_file.write_bytes(original)
 
     # A changed _metadata: refused before anything is restored; the run falls back again.

@@ -263,19 +263,10 @@ def test_timers_fire_after_input_in_expiry_order(backend: KeyedStateBackend) -> 
     assert third == [("c", 1500)]
 
 
-class TimerLister(StatefulProcessor):
-    """Timers at batch time + amount; a fired timer re-registers itself (a no-op, as in
-    Spark), emits how many timers its key lists, then deletes the timer at + 1000."""
-
-    def init(self, handle: StatefulProcessorHandle) -> None:
-        self.handle = handle
-
-    def handleInputRows(
-        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
-    ) -> Iterator[Row]:
-        for row in rows:
-            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + row.amount)
-        return iter(())
+class TimerLister(TimerEcho):
+    """Timers at batch time + amount (as ``TimerEcho``); a fired timer re-registers itself
+    (a no-op, as in Spark), emits how many timers its key lists, then deletes the timer at
+    + 1000."""
 
     def handleExpiredTimer(
         self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo

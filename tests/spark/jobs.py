@@ -1,0 +1,80 @@
+"""Set-up shared by the Spark runtime tests: the example job (``spark.example``) run over
+input appended before each run, and the check of a checkpoint's state against the
+plain-Python totals of all the input."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from statebackend.spark import example
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.runner import RunSummary
+
+
+def settings(tmp_path: Path, *pairs: tuple[str, str]) -> StateBackendConf:
+    """A conf of ``spark.statebackend.*`` pairs, with the checkpoints in
+    ``tmp_path/checkpoints`` unless the pairs name another directory."""
+    default = ("spark.statebackend.checkpoint.dir", (tmp_path / "checkpoints").as_uri())
+    return StateBackendConf.from_pairs([default, *pairs])
+
+
+def run_user_totals(
+    spark: SparkSession,
+    tmp_path: Path,
+    conf: StateBackendConf,
+    *,
+    job_id: str,
+    parallelism: int,
+    **options: Any,
+) -> RunSummary:
+    """One run of the example job over ``tmp_path/input`` (``options``: batch_size,
+    checkpoint_every, output_dir, ...)."""
+    return example.user_totals_job(
+        spark,
+        job_id=job_id,
+        input_dir=tmp_path / "input",
+        parallelism=parallelism,
+        conf=conf,
+        **options,
+    ).run()
+
+
+def rescale_runs(
+    spark: SparkSession,
+    tmp_path: Path,
+    conf: StateBackendConf,
+    parallelisms: Sequence[int],
+    events: int,
+    *,
+    job_id: str,
+    **options: Any,
+) -> list[RunSummary]:
+    """A run at each parallelism, ``events`` events of 40 users in 4 partitions (seed =
+    the run's index) appended to ``tmp_path/input`` before each."""
+    summaries = []
+    for seed, parallelism in enumerate(parallelisms):
+        example.generate_events(tmp_path / "input", events, 40, 4, seed)
+        summaries.append(
+            run_user_totals(
+                spark, tmp_path, conf, job_id=job_id, parallelism=parallelism, **options
+            )
+        )
+    return summaries
+
+
+def assert_matches_python(
+    spark: SparkSession,
+    tmp_path: Path,
+    checkpoint: str | None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """The example's state in ``checkpoint`` is what a plain-Python computation of all of
+    ``tmp_path/input`` gives."""
+    assert checkpoint is not None
+    expected = example.expected_totals(example.read_events(tmp_path / "input"))
+    actual = example.checkpointed_totals(spark, checkpoint, storage_options)
+    assert example.compare_totals(expected, actual) == []
