@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import operator
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ from statebackend.state.ttl import StateTtlConfig, TtlUpdateType
 M = 128
 FULL_RANGE = KeyGroupRange(0, M - 1)
 KINDS = ["heap", "rocksdb"]
+BATCHED = "rocksdb-batched"
+"""A RocksDB backend whose every state call runs in a batch (``KeyedStateBackend.batch``):
+``run_ops`` ends the batch and opens the next one every ``BATCH_OPS`` operations,
+prefetching the keys of the first half of them, so the suite covers reads from the
+multi-get, single reads of keys not prefetched, buffered writes, and their commit."""
+BATCH_OPS = 40
+OPEN_BATCHES: dict[KeyedStateBackend, ExitStack] = {}
 
 
 class FakeClock:
@@ -104,11 +112,29 @@ class Backends:
             local_dir = self.tmp_path / f"rocksdb-{len(self.created)}"
             backend = RocksDBKeyedStateBackend(local_dir, **options)
         self.created.append(backend)
+        if kind == BATCHED:
+            OPEN_BATCHES[backend] = ExitStack()
+            if key_serializer is None:  # KEYS are strings
+                rebatch(backend, KEYS)
         return backend
 
     def dispose_all(self) -> None:
         for backend in self.created:
+            stack = OPEN_BATCHES.pop(backend, None)
+            if stack is not None:
+                stack.close()
             backend.dispose()
+
+
+def rebatch(backend: KeyedStateBackend, keys: Iterable[str]) -> None:
+    """End a batched backend's batch and open the next one, prefetching those of
+    ``keys`` in its key-group range (nothing for other backends)."""
+    stack = OPEN_BATCHES.get(backend)
+    if stack is None:
+        return
+    stack.close()
+    owned = backend.key_group_range
+    stack.enter_context(backend.batch(k for k in keys if key_group(k) in owned))
 
 
 @pytest.fixture
@@ -123,7 +149,7 @@ def backends(tmp_path: Path, clock: FakeClock) -> Iterator[Backends]:
     factory.dispose_all()
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=[*KINDS, BATCHED])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -330,7 +356,10 @@ def run_ops(
     backend: KeyedStateBackend, states: dict[str, Any], model: Model, ops: list[Op]
 ) -> None:
     """Apply ``ops`` to both; every read must observe what the model says."""
-    for op in ops:
+    for position, op in enumerate(ops):
+        if position % BATCH_OPS == 0:
+            batch = ops[position : position + BATCH_OPS // 2]
+            rebatch(backend, (key for _, key, _, _ in batch))
         expected = model.apply(op)
         observed = apply_to_backend(backend, states, op)
         assert observed == expected, op
@@ -847,7 +876,9 @@ def test_ttl_expired_values_never_returned_randomized(
     elements: dict[str, list[tuple[int, float]]] = {}
     entries: dict[str, dict[str, tuple[int, float]]] = {}
     now = 0.0
-    for _ in range(1500):
+    for step in range(1500):
+        if step % BATCH_OPS == 0:
+            rebatch(backend, KEYS[:5])
         now += rng.choice([0, 0.5, 1, 2, 3])
         clock.at(now)
         key = rng.choice(KEYS[:10])
