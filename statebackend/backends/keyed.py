@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
@@ -167,6 +167,8 @@ class KeyedStateBackend(ABC):
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
         self._batching = False
+        self._batch_keys: dict[Any, tuple[Any, CurrentKey]] = {}
+        """Keys read ahead in the open batch: key -> (the key object, its record)."""
         self._timer_service: KeyedTimerService | None = None
         self._timer_metas: dict[str, StateMetaInfo] = {}
         self._timer_clocks: TimerClocks | None = None
@@ -184,6 +186,18 @@ class KeyedStateBackend(ABC):
         """
         if self._disposed:
             self._check_open()
+        known = self._batch_keys
+        if known:
+            try:
+                hit = known.get(key)
+            except TypeError:  # an unhashable key: never read ahead
+                hit = None
+            # The very object read ahead: equal keys of other types (1, 1.0, True)
+            # serialize differently.
+            if hit is not None and hit[0] is key:
+                self._current = hit[1]
+                self._current_object = key
+                return
         self._current = self._current_key_of(key)
         self._current_object = key
 
@@ -201,6 +215,20 @@ class KeyedStateBackend(ABC):
                 f"route records to the subtask that owns their key group"
             )
         return CurrentKey.of(key_group, encoded)
+
+    def _read_ahead_keys(self, keys: Iterable[Any]) -> list[CurrentKey]:
+        """The current-key records of ``keys`` (checked as ``set_current_key`` checks
+        them), remembered until the batch ends so that ``set_current_key`` of the same
+        key objects does not compute them again."""
+        keys = list(keys)
+        records = [self._current_key_of(key) for key in keys]
+        try:
+            self._batch_keys.update(zip(keys, zip(keys, records, strict=True), strict=True))
+        except TypeError:  # an unhashable key: it is computed again when it is set
+            for key, current in zip(keys, records, strict=True):
+                with suppress(TypeError):
+                    self._batch_keys[key] = (key, current)
+        return records
 
     @property
     def current_key(self) -> Any:
@@ -243,6 +271,7 @@ class KeyedStateBackend(ABC):
             yield
         finally:
             self._batching = False
+            self._batch_keys = {}
             if not self._disposed:
                 self._end_batch()
 

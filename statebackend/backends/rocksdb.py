@@ -506,8 +506,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
 
     def _prefetch(self, keys: Iterable[Any]) -> None:
         assert self._read_ahead is not None
-        current_key_of = self._current_key_of
-        self._read_ahead.prefixes.extend(current_key_of(key).prefix for key in keys)
+        records = self._read_ahead_keys(keys)
+        self._read_ahead.prefixes.extend(current.prefix for current in records)
 
     def _write_batch(self) -> None:
         if self._read_ahead is None:

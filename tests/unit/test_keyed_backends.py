@@ -1207,3 +1207,57 @@ def test_rocksdb_cut_checkpoint_directory_lives_until_release(backends: Backends
     second.release()
     second.release()
     assert set(backend.local_dir.iterdir()) == before
+
+
+# -- batches (``KeyedStateBackend.batch``) --------------------------------------------------
+
+
+def test_a_batch_keeps_equal_keys_of_other_types_and_unhashable_keys_apart(
+    backends: Backends, kind: str
+) -> None:
+    # 1 == 1.0 == True, but they serialize to three keys; a list key cannot be hashed.
+    backend = backends.make(kind, key_serializer=PickleSerializer())
+    state = backend.get_state(ValueStateDescriptor("v", PickleSerializer()))
+    assert isinstance(state, ValueState)
+    keys: list[Any] = [1, 1.0, True, [1, 2], (1,), (1.0,)]
+    expected = {repr(key): [] for key in keys}
+    for round_ in range(3):
+        with backend.batch(keys[round_:]):
+            for key in keys:
+                backend.set_current_key(key)
+                state.update((state.value() or []) + [round_])
+                expected[repr(key)].append(round_)
+    for key in keys:
+        backend.set_current_key(key)
+        assert state.value() == expected[repr(key)], key
+    assert len(list(backend.keys("v"))) == len(keys)
+
+
+def test_a_batch_writes_when_it_ends_and_before_cuts_and_drains(backends: Backends) -> None:
+    backend = backends.make("rocksdb")
+    backend.enable_changelog()
+    state = backend.get_state(ValueStateDescriptor("v", IntSerializer()))
+    assert isinstance(state, ValueState)
+    with pytest.raises(StateAccessError, match="already open"), backend.batch(["a"]):
+        backend.set_current_key("a")
+        state.update(1)
+        cut = backend.sync_cut()
+        one = IntSerializer().serialize(1)
+        assert [entry for _, _, entry in collect(cut)] == [(b"a", b"", one)]
+        cut.release()
+        backend.set_current_key("b")
+        state.update(2)
+        assert len(backend.drain_changelog()) == 2
+        with backend.batch([]):
+            pass
+    assert isinstance(backend, RocksDBKeyedStateBackend)
+    backend.close()  # the batch's writes are in the database that close() keeps
+    reopened = RocksDBKeyedStateBackend(
+        backend.local_dir, open_existing=True, max_parallelism=M, key_group_range=FULL_RANGE
+    )
+    backends.created.append(reopened)
+    restored = reopened.get_state(ValueStateDescriptor("v", IntSerializer()))
+    assert isinstance(restored, ValueState)
+    for key, value in (("a", 1), ("b", 2)):
+        reopened.set_current_key(key)
+        assert restored.value() == value
