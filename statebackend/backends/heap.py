@@ -8,7 +8,7 @@ RocksDB backend and back.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from statebackend.backends.keyed import FrozenState, KeyedStateBackend
@@ -147,4 +147,18 @@ class HeapKeyedStateBackend(KeyedStateBackend):
         return FrozenState(views, None)
 
     def _close(self) -> None:
+        pass
+
+    # A batch has nothing to read ahead or buffer: the state is in memory.
+
+    def _begin_batch(self) -> None:
+        pass
+
+    def _prefetch(self, keys: Iterable[Any]) -> None:
+        pass
+
+    def _write_batch(self) -> None:
+        pass
+
+    def _end_batch(self) -> None:
         pass

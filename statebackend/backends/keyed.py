@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
@@ -200,6 +201,9 @@ class KeyedStateBackend(ABC):
         self._restored: dict[str, StateMetaInfo] = {}
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
+        self._batching = False
+        self._batch_keys: dict[Any, tuple[Any, CurrentKey]] = {}
+        """Keys read ahead in the open batch: key -> (the key object, its record)."""
         self._timer_service: KeyedTimerService | None = None
         self._timer_metas: dict[str, StateMetaInfo] = {}
         self._timer_clocks: TimerClocks | None = None
@@ -217,6 +221,23 @@ class KeyedStateBackend(ABC):
         """
         if self._disposed:
             self._check_open()
+        known = self._batch_keys
+        if known:
+            try:
+                hit = known.get(key)
+            except TypeError:  # an unhashable key: never read ahead
+                hit = None
+            # The very object read ahead: equal keys of other types (1, 1.0, True)
+            # serialize differently.
+            if hit is not None and hit[0] is key:
+                self._current = hit[1]
+                self._current_object = key
+                return
+        self._current = self._current_key_of(key)
+        self._current_object = key
+
+    def _current_key_of(self, key: Any) -> CurrentKey:
+        """The current-key record of ``key``, with ``set_current_key``'s checks."""
         if key is None:
             raise StateAccessError("None cannot be a key: give every record a key")
         encoded = self.key_serializer.serialize(key)
@@ -228,8 +249,21 @@ class KeyedStateBackend(ABC):
                 f"key-group range {self.key_group_range.start}..{self.key_group_range.end}: "
                 f"route records to the subtask that owns their key group"
             )
-        self._current = CurrentKey.of(key_group, encoded)
-        self._current_object = key
+        return CurrentKey.of(key_group, encoded)
+
+    def _read_ahead_keys(self, keys: Iterable[Any]) -> list[CurrentKey]:
+        """The current-key records of ``keys`` (checked as ``set_current_key`` checks
+        them), remembered until the batch ends so that ``set_current_key`` of the same
+        key objects does not compute them again."""
+        keys = list(keys)
+        records = [self._current_key_of(key) for key in keys]
+        try:
+            self._batch_keys.update(zip(keys, zip(keys, records, strict=True), strict=True))
+        except TypeError:  # an unhashable key: it is computed again when it is set
+            for key, current in zip(keys, records, strict=True):
+                with suppress(TypeError):
+                    self._batch_keys[key] = (key, current)
+        return records
 
     @property
     def current_key(self) -> Any:
@@ -248,6 +282,39 @@ class KeyedStateBackend(ABC):
             self._check_open()
             raise StateAccessError("no current key: call set_current_key(key) before using state")
         return current
+
+    # -- batches ------------------------------------------------------------------------
+
+    @contextmanager
+    def batch(self, keys: Iterable[Any] = ()) -> Iterator[None]:
+        """Run the block as one batch of state accesses: the state of ``keys`` (and of
+        the keys given to ``prefetch`` inside the block) is read with one multi-get per
+        state, on the state's first read, and writes are buffered and written at once
+        when the block ends (whether it ends normally or by an exception), before a
+        ``sync_cut`` and before ``drain_changelog``. Reads see the block's own writes;
+        every state call gives exactly what it gives outside a batch. A backend whose
+        state is in memory (heap) has nothing to batch: the block runs as it is.
+        Raises StateAccessError for a key ``set_current_key`` would refuse, and when a
+        batch is already open."""
+        self._check_open()
+        if self._batching:
+            raise StateAccessError("a batch is already open on this backend: end it first")
+        self._batching = True
+        self._begin_batch()
+        try:
+            self.prefetch(keys)
+            yield
+        finally:
+            self._batching = False
+            self._batch_keys = {}
+            if not self._disposed:
+                self._end_batch()
+
+    def prefetch(self, keys: Iterable[Any]) -> None:
+        """Inside ``batch``: add ``keys`` to the keys whose state is read ahead (by one
+        multi-get per state, on the state's next read). Outside a batch it does nothing."""
+        if self._batching:
+            self._prefetch(keys)
 
     def keys(self, state_name: str) -> Iterator[Any]:
         """The keys that have a value in state ``state_name``, each once."""
@@ -357,6 +424,7 @@ class KeyedStateBackend(ABC):
     def sync_cut(self) -> KeyedStateCut:
         """Freeze the current state (the synchronous part of a snapshot)."""
         self._check_open()
+        self._write_batch()
         timers = self._timer_snapshot_info()
         metas = self.state_meta()
         frozen = self._freeze([meta.name for meta in metas])
@@ -557,6 +625,7 @@ class KeyedStateBackend(ABC):
             raise StateAccessError(
                 "this backend does not record changes: call enable_changelog() first"
             )
+        self._write_batch()
         changes = {name: store.take_changes() for name, store in self._changelog.items()}
         return ChangeSet(
             self.key_serializer.config(),
@@ -637,6 +706,24 @@ class KeyedStateBackend(ABC):
     @abstractmethod
     def _close(self) -> None:
         """Free the backend's resources."""
+
+    @abstractmethod
+    def _begin_batch(self) -> None:
+        """Start buffering writes (``batch``)."""
+
+    @abstractmethod
+    def _prefetch(self, keys: Iterable[Any]) -> None:
+        """Read ahead the state of ``keys`` in the open batch (checked as
+        ``_current_key_of`` checks them)."""
+
+    @abstractmethod
+    def _write_batch(self) -> None:
+        """Write the open batch's buffered writes now (the batch stays open); nothing
+        when no batch is open."""
+
+    @abstractmethod
+    def _end_batch(self) -> None:
+        """Write the batch's buffered writes and stop buffering."""
 
 
 def migrate_values(

@@ -155,26 +155,113 @@ def _scan(column: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         yield key, value
 
 
+_UNKNOWN: Any = object()
+"""What a batch's read cache gives for a key it knows nothing of."""
+
+
+class ReadAhead:
+    """The composite prefixes whose state a RocksDB backend's open batch reads ahead
+    (``KeyedStateBackend.prefetch``), shared by its stores: each fetches the ones it
+    has not fetched yet with one multi-get on its next read that misses its cache."""
+
+    def __init__(self) -> None:
+        self.prefixes: list[bytes] = []
+
+
 class RocksDBStateStore(StateStore):
-    """One state's column family."""
+    """One state's column family.
+
+    In a batch (``start_batch``) a value-kind store keeps what it read and wrote in a
+    cache (the database plus the batch's writes) and buffers its writes until
+    ``add_writes`` hands them to the backend's one WriteBatch. A map-kind store (map
+    state, timers) is never buffered: its entries are read and written in place.
+    """
 
     def __init__(self, db: Rdict, column: Rdict, name: str, is_map: bool) -> None:
         self._db = db
         self._column = column
         self._name = name
         self.is_map = is_map
+        self._read_ahead: ReadAhead | None = None
+        self._fetched = 0
+        """How many of the read-ahead prefixes are in the cache."""
+        self._cache: dict[bytes, bytes | None] = {}
+        self._written: dict[bytes, bytes | None] = {}
+        """The batch's writes not yet handed to a WriteBatch (None: deleted)."""
+
+    # -- batches (``KeyedStateBackend.batch``) ------------------------------------------------
+
+    def start_batch(self, read_ahead: ReadAhead) -> None:
+        """Buffer writes and read ahead the prefixes of ``read_ahead`` (value-kind only)."""
+        if not self.is_map:
+            self._read_ahead = read_ahead
+
+    def add_writes(self, batch: WriteBatch) -> int:
+        """Move the buffered writes into ``batch``; returns how many there were."""
+        written = self._written
+        if not written:
+            return 0
+        handle = self._db.get_column_family_handle(self._name)
+        for key, value in written.items():
+            if value is None:
+                batch.delete(key, handle)
+            else:
+                batch.put(key, value, handle)
+        self._written = {}
+        return len(written)
+
+    def end_batch(self) -> None:
+        """Stop buffering (after ``add_writes``) and forget the batch's reads."""
+        self._read_ahead = None
+        self._fetched = 0
+        self._cache = {}
+
+    def _flush(self) -> None:
+        """Write the buffered writes now (a read that bypasses the cache follows)."""
+        if self._written:
+            batch = WriteBatch(raw_mode=True)
+            self.add_writes(batch)
+            self._db.write(batch)
+
+    def _fetch(self, prefix: bytes) -> bytes | None:
+        """The value of ``prefix`` when the cache does not know it: the read-ahead
+        prefixes not fetched yet come in one multi-get; any other prefix by itself."""
+        assert self._read_ahead is not None
+        pending = self._read_ahead.prefixes[self._fetched :]
+        if pending:
+            self._fetched += len(pending)
+            cache = self._cache
+            fetched = cast(list["bytes | None"], self._column.get(pending))  # type: ignore[arg-type]
+            cache.update(zip(pending, fetched, strict=True))
+            cache.update(self._written)  # the batch's own writes stay the newest
+            value = cache.get(prefix, _UNKNOWN)
+            if value is not _UNKNOWN:
+                return cast("bytes | None", value)
+        value = self._column.get(prefix)
+        self._cache[prefix] = value
+        return cast("bytes | None", value)
+
+    # -- the StateStore interface -----------------------------------------------------------
 
     def get(self, current: CurrentKey) -> bytes | None:
-        return self._column.get(current.prefix)
+        if self._read_ahead is None:
+            return self._column.get(current.prefix)
+        value = self._cache.get(current.prefix, _UNKNOWN)
+        return self._fetch(current.prefix) if value is _UNKNOWN else value
 
     def put(self, current: CurrentKey, value: bytes) -> None:
-        self._column[current.prefix] = value
+        if self._read_ahead is None:
+            self._column[current.prefix] = value
+        else:
+            self._cache[current.prefix] = self._written[current.prefix] = value
 
     def delete(self, current: CurrentKey) -> None:
         if self.is_map:
             self._column.delete_range(current.prefix, prefix_end(current.prefix))
-        else:
+        elif self._read_ahead is None:
             del self._column[current.prefix]
+        else:
+            self._cache[current.prefix] = self._written[current.prefix] = None
 
     def map_get(self, current: CurrentKey, user_key: bytes) -> bytes | None:
         return self._column.get(current.prefix + user_key)
@@ -191,6 +278,7 @@ class RocksDBStateStore(StateStore):
             yield key[start:], value
 
     def keys(self) -> Iterator[bytes]:
+        self._flush()
         previous = None
         for composite in cast(Iterator[bytes], self._column.keys()):
             key = split_composite_key(composite)[1]
@@ -199,6 +287,7 @@ class RocksDBStateStore(StateStore):
                 previous = key
 
     def composite_keys_from(self, key_group: int, start: bytes, limit: int | None) -> list[bytes]:
+        self._flush()
         read_opt = ReadOptions()  # must outlive the iterator: it holds the upper bound
         read_opt.set_iterate_upper_bound(prefix_end(KEY_GROUP_PREFIX.pack(key_group)))
         keys = cast(Iterator[bytes], self._column.keys(from_key=start, read_opt=read_opt))
@@ -216,13 +305,22 @@ class RocksDBStateStore(StateStore):
         if count:
             self._db.write(batch)
 
+    def _restart_reads(self) -> None:
+        """Write the buffered writes and read everything again from the database: for
+        the bulk changes below, which bypass the cache."""
+        self._flush()
+        self._cache = {}
+        self._fetched = 0
+
     def write_entries(self, entries: Iterator[tuple[int, Entry]]) -> None:
+        self._restart_reads()
         self._write_batches(
             (CurrentKey.of(key_group, key).prefix + user_key, value)
             for key_group, (key, user_key, value) in entries
         )
 
     def transform_values(self, function: Callable[[bytes], bytes]) -> None:
+        self._restart_reads()
         self._write_batches((key, function(value)) for key, value in _raw_items(self._column))
 
 
@@ -299,6 +397,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         self, local_dir: str | Path, *, open_existing: bool = False, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
+        self._read_ahead: ReadAhead | None = None
+        """The open batch's read-ahead (None: no batch open)."""
         self.local_dir = Path(local_dir)
         db_path = self.local_dir / "db"
         reopen = open_existing and db_path.is_dir()
@@ -378,6 +478,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         later backend can reopen it with ``open_existing=True``."""
         if self._disposed:
             return
+        self._write_batch()
         self._db[_META_KEY] = json.dumps(self._meta_document()).encode("utf-8")
         self._keep_files = True
         self.dispose()
@@ -386,7 +487,40 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         column = self._columns.get(name)  # present if a native checkpoint brought it
         if column is None:
             column = self._columns[name] = self._db.create_column_family(name, _options())
-        return RocksDBStateStore(self._db, column, name, is_map)
+        store = RocksDBStateStore(self._db, column, name, is_map)
+        if self._read_ahead is not None:
+            store.start_batch(self._read_ahead)
+        return store
+
+    # -- batches: reads ahead by multi-get, writes in one WriteBatch ------------------------
+
+    def _batch_stores(self) -> Iterator[RocksDBStateStore]:
+        for store in self._stores.values():
+            assert isinstance(store, RocksDBStateStore)
+            yield store
+
+    def _begin_batch(self) -> None:
+        self._read_ahead = ReadAhead()
+        for store in self._batch_stores():
+            store.start_batch(self._read_ahead)
+
+    def _prefetch(self, keys: Iterable[Any]) -> None:
+        assert self._read_ahead is not None
+        records = self._read_ahead_keys(keys)
+        self._read_ahead.prefixes.extend(current.prefix for current in records)
+
+    def _write_batch(self) -> None:
+        if self._read_ahead is None:
+            return
+        batch = WriteBatch(raw_mode=True)
+        if sum([store.add_writes(batch) for store in self._batch_stores()]):
+            self._db.write(batch)
+
+    def _end_batch(self) -> None:
+        self._write_batch()
+        self._read_ahead = None
+        for store in self._batch_stores():
+            store.end_batch()
 
     # -- restore without puts ---------------------------------------------------------------
 

@@ -101,15 +101,20 @@ class KeyedFunctionProcessor(StatefulProcessor):
 
 
 def _key_runs(
-    batches: Iterable[pa.RecordBatch], key_columns: tuple[str, ...]
+    batches: Iterable[pa.RecordBatch],
+    key_columns: tuple[str, ...],
+    prefetch: Callable[[Iterable[tuple[Any, ...]]], None],
 ) -> Iterator[tuple[tuple[Any, ...], int, pa.RecordBatch, int, int]]:
     """(key, kind, batch, start, stop) for each run of rows with the same key and kind,
-    in order: rows ``start:stop`` of ``batch``."""
+    in order: rows ``start:stop`` of ``batch``. The keys of each batch's initial-state
+    and input rows go to ``prefetch`` before its first run."""
     for batch in batches:
         if batch.num_rows == 0:
             continue
         keys = list(zip(*(batch.column(name).to_pylist() for name in key_columns), strict=True))
         kinds = batch.column(KIND_COLUMN).to_pylist()
+        read = (key for key, kind in zip(keys, kinds, strict=True) if kind != CONTROL)
+        prefetch(dict.fromkeys(read))
         start = 0
         key, kind = keys[0], kinds[0]
         for end in range(1, batch.num_rows):
@@ -299,21 +304,25 @@ def run_keyed_subtask(
     handle.phase = Phase.INITIALIZED
     if spec.time_mode == "EventTime" and spec.event_time_column is not None:
         batches = _drop_late_events(batches, spec.event_time_column, times.late_events_watermark_ms)
-    for key, runs in groupby(_key_runs(batches, spec.key_columns), key=lambda run: run[0]):
-        by_kind: dict[int, list[Run]] = {CONTROL: [], INITIAL: [], INPUT: []}
-        for _, kind, batch, start, stop in runs:
-            by_kind[kind].append((batch, start, stop))
-        if not by_kind[INITIAL] and not by_kind[INPUT]:
-            continue  # the control row
-        backend.set_current_key(key)
-        for initial_state in inputs.initial_states(by_kind[INITIAL]):
-            processor.handleInitialState(key, initial_state, timer_values)
-        if by_kind[INPUT]:
-            rows = inputs.input_rows(by_kind[INPUT])
-            yield from emit(processor.handleInputRows(key, rows, timer_values) or ())
+    # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
+    # and the writes go to the database at once when the keys and timers are done.
+    with backend.batch():
+        key_runs = _key_runs(batches, spec.key_columns, backend.prefetch)
+        for key, runs in groupby(key_runs, key=lambda run: run[0]):
+            by_kind: dict[int, list[Run]] = {CONTROL: [], INITIAL: [], INPUT: []}
+            for _, kind, batch, start, stop in runs:
+                by_kind[kind].append((batch, start, stop))
+            if not by_kind[INITIAL] and not by_kind[INPUT]:
+                continue  # the control row
+            backend.set_current_key(key)
+            for initial_state in inputs.initial_states(by_kind[INITIAL]):
+                processor.handleInitialState(key, initial_state, timer_values)
+            if by_kind[INPUT]:
+                rows = inputs.input_rows(by_kind[INPUT])
+                yield from emit(processor.handleInputRows(key, rows, timer_values) or ())
 
-    handle.phase = Phase.DATA_PROCESSED
-    yield from _fire_timers(spec, handle, times, timer_service, emit)
+        handle.phase = Phase.DATA_PROCESSED
+        yield from _fire_timers(spec, handle, times, timer_service, emit)
     handle.phase = Phase.TIMER_PROCESSED
     processor.close()
     handle.phase = Phase.CLOSED

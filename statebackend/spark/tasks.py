@@ -335,9 +335,10 @@ def keyed_task(
         function.open(ctx)
 
         def rows() -> Iterator[Any]:
-            for key, values in groups.items():
-                backend.set_current_key(key)
-                yield from function.process(key, values, ctx)
+            with backend.batch(groups):  # reads ahead by multi-get, one WriteBatch
+                for key, values in groups.items():
+                    backend.set_current_key(key)
+                    yield from function.process(key, values, ctx)
 
         started = time.perf_counter()
         result.outputs = _write_output(plan, subtask, rows())

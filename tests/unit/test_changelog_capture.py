@@ -35,6 +35,7 @@ from statebackend.state.interfaces import MapState, ValueState
 from statebackend.state.timers import MIN_TIMESTAMP
 from statebackend.state.ttl import StateTtlConfig, TtlUpdateType
 from tests.unit.test_keyed_backends import (
+    BATCHED,
     FULL_RANGE,
     KEYS,
     KINDS,
@@ -47,6 +48,7 @@ from tests.unit.test_keyed_backends import (
     key_group,
     random_ops,
     read_state,
+    rebatch,
     register,
     run_ops,
 )
@@ -129,7 +131,7 @@ def entries_of(backend: KeyedStateBackend) -> tuple[list[Any], list[Any]]:
         cut.release()
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=[*KINDS, BATCHED])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -187,6 +189,7 @@ def test_replay_with_ttl_equals_live(
     rng = random.Random(3)
     now = 0.0
     for _ in range(6):
+        rebatch(live, KEYS[:6])
         for op in random_ops(rng.randrange(1000), 300, KEYS[:12]):
             now += rng.choice([0, 0.25, 0.5, 1])
             clock.at(now)
