@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import set_memory_limit
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metadata import SubtaskAck
@@ -222,26 +223,36 @@ def _task_attempt() -> str | None:
     return None if context is None else str(context.taskAttemptId())
 
 
-def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
-    """Take the checkpoint's synchronous cut and start its upload; return the cut's time."""
-    assert plan.checkpoint_id is not None and local.backend is not None
-    checkpoint_id = plan.checkpoint_id
-    storage = plan.storage.open()
+def snapshot_subtask(
+    storage: CheckpointStorage,
+    backend: KeyedStateBackend,
+    checkpoint_id: int,
+    operator_id: str,
+    subtask: int,
+    parallelism: int,
+    run_id: str,
+    wait_for_upload: bool,
+) -> float:
+    """Take checkpoint N's synchronous cut of keyed subtask ``subtask`` (of
+    ``parallelism``) of ``operator_id`` and start its upload; return the cut's seconds.
+
+    The upload runs on the process's transfer threads, beating the upload heartbeat, and
+    writes the subtask's ack (naming run ``run_id`` and this task attempt) when done;
+    with ``wait_for_upload`` it is done, and acknowledged, before this returns. A failed
+    or cancelled upload acknowledges nothing: the driver aborts the checkpoint.
+    """
     attempt = _task_attempt()
     started = time.perf_counter()
-    future = local.backend.snapshot(
+    future = backend.snapshot(
         checkpoint_id,
-        storage.snapshot_target(checkpoint_id, plan.operator_id, subtask, plan.run_id, attempt),
+        storage.snapshot_target(checkpoint_id, operator_id, subtask, run_id, attempt),
     )
     sync_seconds = time.perf_counter() - started
-    parallelism = plan.version.parallelism
 
     def ack(handle: Any) -> SubtaskAck:
-        return SubtaskAck(
-            plan.operator_id, subtask, parallelism, handle, None, plan.run_id, attempt
-        )
+        return SubtaskAck(operator_id, subtask, parallelism, handle, None, run_id, attempt)
 
-    if plan.wait_for_upload:
+    if wait_for_upload:
         try:
             uploaded_handle = future.result()
         except CheckpointCancelledError:  # aborted meanwhile: the driver knows
@@ -250,7 +261,7 @@ def _snapshot(plan: KeyedPlan, subtask: int, local: LocalKeyedState) -> float:
         if not storage.write_ack(checkpoint_id, ack(uploaded_handle)):
             _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
         return sync_seconds
-    path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
+    path = heartbeat_path(storage, checkpoint_id, operator_id, subtask)
     heartbeat = UploadHeartbeat(storage, checkpoint_id, path)
 
     def uploaded(done: Any) -> None:
@@ -316,6 +327,15 @@ def keyed_task(
         )
         result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
-            result.sync_seconds = _snapshot(plan, subtask, local)
+            result.sync_seconds = snapshot_subtask(
+                plan.storage.open(),
+                backend,
+                plan.checkpoint_id,
+                plan.operator_id,
+                subtask,
+                plan.version.parallelism,
+                plan.run_id,
+                plan.wait_for_upload,
+            )
         local.commit(plan.batch_id)
     yield result
