@@ -619,6 +619,11 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         self._schema = _schema_identity(schema)
         self._encode_struct, self._decode_struct = _struct_codec(schema)
 
+    def __reduce__(self) -> tuple[type[RowTupleSerializer], tuple[str]]:
+        # Its codecs are closures over struct.Struct packers, which cannot be pickled:
+        # a copy (e.g. one Spark ships to executors) is built again from the schema.
+        return (RowTupleSerializer, (self.schema_json,))
+
     def _encode(self, value: tuple[Any, ...]) -> bytes:
         parts: list[bytes] = []
         self._encode_struct(value, parts)

@@ -31,8 +31,9 @@ Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoin
 - **``_metadata`` written = complete.** ``_metadata`` is never overwritten. Whatever fails
   after it was written (removing the marker and acks, discarding older checkpoints,
   copying a savepoint) is logged and retried at the next trigger or poll; it never turns
-  the checkpoint into an aborted one. ``last_completed_id`` tells a caller that caught a
-  savepoint-copy error that the checkpoint itself did complete.
+  the checkpoint into an aborted one. ``last_completed`` (the ``_metadata`` it wrote)
+  tells a caller that caught a savepoint-copy error that the checkpoint itself did
+  complete, and spares it reading ``_metadata`` back.
 - **Fencing.** Each coordinator claims a new leader epoch, ``_leader/epoch-<E>.json``
   (one more than the newest there, naming its run), when it triggers its first
   checkpoint; a driver that fails before that (e.g. on bad input) fences nobody. Before
@@ -130,14 +131,19 @@ class CheckpointCoordinator:
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.epoch: int | None = None
         """The leader epoch this coordinator claimed (None before its first trigger)."""
-        self.last_completed_id: int | None = None
-        """The newest checkpoint this coordinator completed (its ``_metadata`` written)."""
+        self.last_completed: CheckpointMetadata | None = None
+        """The ``_metadata`` of the newest checkpoint this coordinator completed."""
         self._unfinished: dict[int, frozenset[str]] = {}
         """Completed checkpoints whose marker and acks are still to be removed, with the
         files their ``_metadata`` references."""
         self._discard_due = False
         # Directories written before the high-water mark existed count too.
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
+
+    @property
+    def last_completed_id(self) -> int | None:
+        """The id of the newest checkpoint this coordinator completed, or None."""
+        return None if self.last_completed is None else self.last_completed.checkpoint_id
 
     def claim_leadership(self) -> int:
         """Claim the job's next leader epoch (once; later calls return it), fencing every
@@ -336,7 +342,7 @@ class CheckpointCoordinator:
         directory = self.storage.complete(metadata)
         # From here on the checkpoint is complete, whatever fails afterwards.
         del self.pending[pending.checkpoint_id]
-        self.last_completed_id = pending.checkpoint_id
+        self.last_completed = metadata
         self._unfinished[pending.checkpoint_id] = self.registry.paths_of(
             pending.checkpoint_id, pending.acks.values()
         )

@@ -16,8 +16,11 @@ processor, one metadata row per keyed subtask:
    newest batch manifest unless its marker says it is at batch N-1), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
    (``changelog/N/<op>-<i>-<attempt>``) and its output rows
-   (``outputs/N/<op>-<i>-<attempt>.parquet``) durably, marks the local copy at N and
-   yields one metadata row: ``streaming_commit`` commits and publishes them.
+   (``outputs/N/<op>-<i>-<attempt>.parquet``, with its checksum) durably; if the batch
+   is a materialization, takes the checkpoint's synchronous cut of the state after the
+   batch and leaves its upload and ack to the background (``tasks.snapshot_subtask``,
+   as StatefulJob's keyed subtasks do); marks the local copy at N and yields one
+   metadata row: ``streaming_commit`` commits and publishes them.
 
 No record is pickled on the way: rows cross the JVM/Python boundary as Arrow.
 """
@@ -44,6 +47,7 @@ from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, Stru
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checksums import checksum
 from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.arrow_keys import key_groups
@@ -59,10 +63,11 @@ from statebackend.spark.processor_runner import (
     SEQUENCE_COLUMN,
     SUBTASK_COLUMN,
     ProcessorSpec,
+    SubtaskCounts,
     run_keyed_subtask,
 )
 from statebackend.spark.streaming_commit import METADATA_SCHEMA
-from statebackend.spark.tasks import StorageSpec
+from statebackend.spark.tasks import StorageSpec, snapshot_subtask
 
 OPERATOR_ID = "transform-with-state"
 
@@ -83,6 +88,12 @@ class KeyedBatchPlan:
     """The newest committed batch (N-1), or None for a job without manifests."""
     storage: StorageSpec
     local_dir: str
+    checkpoint_id: int | None = None
+    """The materialization to cut at the end of the batch, if the batch is one."""
+    run_id: str = ""
+    """The coordinator run that triggered ``checkpoint_id``: named in its files and acks."""
+    wait_for_upload: bool = False
+    """Upload the materialization before the task returns (no Python worker reuse)."""
 
 
 def _key_groups(
@@ -130,7 +141,13 @@ def _parquet_bytes(batches: list[pa.RecordBatch], schema: pa.Schema) -> bytes:
 
 
 def _metadata_batch(
-    subtask: int, handle: str, output: str, metrics: BatchMetrics
+    subtask: int,
+    handle: str,
+    output: str,
+    output_checksum: str,
+    metrics: BatchMetrics,
+    restored_bytes: int,
+    restore_seconds: float,
 ) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
         [
@@ -139,6 +156,9 @@ def _metadata_batch(
             pa.array([output], pa.string()),
             pa.array([metrics.records_out], pa.int64()),
             pa.array([json.dumps(record_to_json(metrics))], pa.string()),
+            pa.array([output_checksum], pa.string()),
+            pa.array([restored_bytes], pa.int64()),
+            pa.array([restore_seconds], pa.float64()),
         ],
         names=METADATA_SCHEMA.names,
     )
@@ -183,7 +203,12 @@ def _keyed_task(
                 records_in += batch.num_rows
                 yield batch
 
+        counts = SubtaskCounts()
+        opening = time.perf_counter()
         with _current_state(plan, subtask, storage) as local:
+            # Rebuilding from storage (not reusing the local copy) is a restore.
+            restored_bytes = local.restored_bytes if local.rebuilt else 0
+            restore_seconds = time.perf_counter() - opening if local.rebuilt else 0.0
             backend = local.backend
             assert backend is not None
             backend.clock = BatchClock(plan.times.batch_timestamp_ms)
@@ -193,7 +218,12 @@ def _keyed_task(
             try:
                 output = list(
                     run_keyed_subtask(
-                        plan.spec, backend, plan.times, counted(chain([first], batches)), timers
+                        plan.spec,
+                        backend,
+                        plan.times,
+                        counted(chain([first], batches)),
+                        timers,
+                        counts,
                     )
                 )
             except StateBackendError:
@@ -205,18 +235,39 @@ def _keyed_task(
                 plan.batch_id, OPERATOR_ID, subtask, attempt, backend.drain_changelog()
             )
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
-            schema = to_arrow_schema(plan.spec.output_schema)
-            storage.fs.write_atomic(path, _parquet_bytes(output, schema))
+            staged = _parquet_bytes(output, to_arrow_schema(plan.spec.output_schema))
+            storage.fs.write_atomic(path, staged)
+            sync_seconds = 0.0
+            if plan.checkpoint_id is not None:  # a materialization: cut the state after N
+                sync_seconds = snapshot_subtask(
+                    storage,
+                    backend,
+                    plan.checkpoint_id,
+                    OPERATOR_ID,
+                    subtask,
+                    plan.parallelism,
+                    plan.run_id,
+                    plan.wait_for_upload,
+                )
             local.commit(plan.batch_id)
         metrics = BatchMetrics(
             batch_id=plan.batch_id,
             records_in=records_in,
             records_out=sum(batch.num_rows for batch in output),
-            keys_touched=0,
+            keys_touched=counts.keys,
             keyed_seconds=keyed_seconds,
+            sync_cut_seconds=sync_seconds,
             changelog_bytes=handle.size,
         )
-        yield _metadata_batch(subtask, json.dumps(handle.to_json()), path, metrics)
+        yield _metadata_batch(
+            subtask,
+            json.dumps(handle.to_json()),
+            path,
+            checksum(staged, storage.fs.checksum_algorithm),
+            metrics,
+            restored_bytes,
+            restore_seconds,
+        )
 
     return run
 

@@ -10,8 +10,9 @@ neither acks nor beats its heartbeat for ``stall_seconds`` aborts the checkpoint
 the job goes on. Savepoint requests (``statebackend savepoint trigger``) are taken by a
 trigger and answered when their checkpoint completes or fails.
 
-Completion is reported to the job through ``on_completed`` (e.g. to make it the restore
-point, or the base of the next batch manifests).
+Completion is reported to the job through ``on_completed`` with the ``_metadata`` the
+coordinator wrote (e.g. to make it the restore point, or the base of the next batch
+manifests, and to record its metrics without reading it back).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.metrics import CheckpointMetrics, checkpoint_metrics
 from statebackend.checkpoint.requests import (
     SavepointRequest,
     answer_savepoint_request,
@@ -59,7 +62,7 @@ class CheckpointTracker:
         coordinator: CheckpointCoordinator,
         watched_operator: str,
         stall_seconds: float,
-        on_completed: Callable[[TrackedCheckpoint], None],
+        on_completed: Callable[[TrackedCheckpoint, CheckpointMetadata], None],
     ) -> None:
         self.storage = storage
         self.coordinator = coordinator
@@ -73,6 +76,7 @@ class CheckpointTracker:
         """Seconds the job waited for a pending checkpoint (per wait)."""
         self.savepoints: list[str] = []
         """Savepoints written on request."""
+        self._previous: CheckpointMetadata | None = None
 
     # -- savepoint requests ---------------------------------------------------------------
 
@@ -130,20 +134,40 @@ class CheckpointTracker:
                 raise
             if pending.savepoint_request is not None:
                 self._answer(pending.savepoint_request, None, str(exc))
-            if self.coordinator.last_completed_id == pending.checkpoint_id:
+            completed = self.coordinator.last_completed
+            if completed is not None and completed.checkpoint_id == pending.checkpoint_id:
                 # Only the savepoint copy failed: the checkpoint itself is complete.
-                self.on_completed(pending)
+                self.on_completed(pending, completed)
                 return True
             self.aborted += 1
             return False
         if result is None:
             return False
         self.pending = None
-        self.on_completed(pending)
+        assert self.coordinator.last_completed is not None  # the checkpoint it just completed
+        self.on_completed(pending, self.coordinator.last_completed)
         if pending.savepoint_request is not None:
             self.savepoints.append(result)
             self._answer(pending.savepoint_request, result, None)
         return True
+
+    def metrics(
+        self, pending: TrackedCheckpoint, metadata: CheckpointMetadata, sync_seconds: float
+    ) -> CheckpointMetrics:
+        """The metrics of the completed checkpoint of ``pending`` (``metadata``, as given
+        to ``on_completed``) whose longest synchronous cut took ``sync_seconds``; its
+        incremental bytes are those the previous one this tracker measured does not
+        reference, its upload time counts from ``uploads_started``."""
+        since = pending.watch.uploads_since
+        measured = checkpoint_metrics(
+            metadata,
+            batch_id=pending.batch_id,
+            sync_seconds=sync_seconds,
+            upload_seconds=0.0 if since is None else time.monotonic() - since,
+            previous=self._previous,
+        )
+        self._previous = metadata
+        return measured
 
     def _check_uploads(self, pending: TrackedCheckpoint) -> None:
         """Abort the pending checkpoint (CheckpointError) if a watched upload stalled."""

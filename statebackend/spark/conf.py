@@ -118,6 +118,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "compression": ("compression", _choice(CODECS)),
     "rocksdb.memory": ("rocksdb_memory", parse_memory_size),
     "streaming.tick-interval": ("tick_interval", _optional_seconds),
+    "changelog.materialize-every": ("materialize_every", _positive_int),
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
 
@@ -153,6 +154,9 @@ class StateBackendConf:
     signing_key_file: str = ""
     tick_interval: float | None = None
     """Seconds between the batches of an idle ``transform_with_state`` query (None: off)."""
+    materialize_every: int = 10
+    """Batches between the materializations of a ``transform_with_state`` query (a
+    StatefulJob materializes at its checkpoints, every ``checkpoint_interval`` batches)."""
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, str]], **overrides: Any) -> StateBackendConf:

@@ -283,14 +283,24 @@ def _drop_late_events(
         yield batch.filter(pc.invert(late))
 
 
+@dataclass
+class SubtaskCounts:
+    """What one keyed subtask's batch touched, counted as it runs."""
+
+    keys: int = 0
+    """Distinct keys with input or initial-state rows (the processor ran for them)."""
+
+
 def run_keyed_subtask(
     spec: ProcessorSpec,
     backend: KeyedStateBackend,
     times: BatchTimes,
     batches: Iterable[pa.RecordBatch],
     timer_service: TimerService | None = None,
+    counts: SubtaskCounts | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """Run one keyed subtask of one batch (see the module docstring); yield its output."""
+    """Run one keyed subtask of one batch (see the module docstring); yield its output,
+    counting into ``counts`` (if given) as it goes."""
     processor = spec.processor
     handle = ProcessorHandle(
         time_mode=spec.time_mode, catalog=spec.catalog, backend=backend, timers=timer_service
@@ -314,6 +324,8 @@ def run_keyed_subtask(
                 by_kind[kind].append((batch, start, stop))
             if not by_kind[INITIAL] and not by_kind[INPUT]:
                 continue  # the control row
+            if counts is not None:
+                counts.keys += 1
             backend.set_current_key(key)
             for initial_state in inputs.initial_states(by_kind[INITIAL]):
                 processor.handleInitialState(key, initial_state, timer_values)

@@ -66,7 +66,6 @@ from statebackend.checkpoint.metrics import (
     FailureMetrics,
     MetricsHistory,
     RestoreMetrics,
-    checkpoint_metrics,
     combine_batches,
 )
 from statebackend.checkpoint.requests import SavepointRequest
@@ -393,7 +392,6 @@ class StatefulJob:
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
         """This run's metrics history: a record per batch, checkpoint, restore, failure."""
         self._checkpoint_syncs: dict[int, float] = {}
-        self._previous_metadata: CheckpointMetadata | None = None
         self._changelog = ChangelogStorage(storage)
         manifest = self._newest_manifest()
         restored: CheckpointMetadata | BatchManifest | None = manifest
@@ -574,25 +572,16 @@ class StatefulJob:
             },
         )
 
-    def _completed(self, pending: TrackedCheckpoint) -> None:
-        """Make the completed checkpoint of ``pending`` the base of the next manifests."""
+    def _completed(self, pending: TrackedCheckpoint, metadata: CheckpointMetadata) -> None:
+        """Make the completed checkpoint of ``pending`` (its ``_metadata``: ``metadata``)
+        the base of the next manifests."""
         self._covered_batch = pending.batch_id
         checkpoint_dir = self._storage.layout.checkpoint_path(pending.checkpoint_id)
         self._summary.checkpoints.append(checkpoint_dir)
         self._lineage.append(checkpoint_dir)
         self._changelog.materialized(pending.checkpoint_id, pending.batch_id)
-        metadata = self._storage.load(checkpoint_dir)
-        uploads_since = pending.watch.uploads_since
-        self.metrics.record(
-            checkpoint_metrics(
-                metadata,
-                batch_id=pending.batch_id,
-                sync_seconds=self._checkpoint_syncs.pop(pending.checkpoint_id, 0.0),
-                upload_seconds=0.0 if uploads_since is None else time.monotonic() - uploads_since,
-                previous=self._previous_metadata,
-            )
-        )
-        self._previous_metadata = metadata
+        sync_seconds = self._checkpoint_syncs.pop(pending.checkpoint_id, 0.0)
+        self.metrics.record(self._tracker.metrics(pending, metadata, sync_seconds))
 
     def _acknowledge_source(self, checkpoint_id: int) -> None:
         run = self._coordinator.run_id

@@ -21,26 +21,39 @@ redistributed, which is how to rescale a query) yields the same state and output
 a run without failure. State lives in an executor-local RocksDB per (job, subtask) under
 ``spark.statebackend.local.dir``, reused while its marker says it is at batch N-1, else
 rebuilt from the newest manifest in storage (base checkpoint + changelog).
+
+Materialization: every ``spark.statebackend.changelog.materialize-every`` batches the
+driver triggers a checkpoint (``CheckpointTracker``, as StatefulJob's) that the keyed
+subtasks cut at the end of the batch and upload in the background. The batch never waits
+for it: while one is pending, the next is postponed, and the driver only polls its acks
+before and after each batch. Once it completes, ``ChangelogStorage.materialized`` makes
+it the base of the next manifests and the records at or below it are deleted; one that
+stalls, times out or fails is aborted and the manifests keep their old base. Checkpoint
+retention keeps every checkpoint a retained manifest builds on.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pyspark.sql import DataFrame, GroupedData, SparkSession
+from pyspark.sql import DataFrame, GroupedData, Row, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.metrics import (
     BatchMetrics,
     MetricsHistory,
+    RestoreMetrics,
     combine_batches,
     record_from_json,
 )
@@ -53,6 +66,7 @@ from statebackend.spark.arrow_path import (
     combined_input,
     keyed_batch,
 )
+from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
 from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion
@@ -72,6 +86,8 @@ from statebackend.spark.streaming_commit import (
 )
 from statebackend.spark.streaming_ticks import with_ticks, without_ticks
 from statebackend.spark.tasks import StorageSpec
+
+_log = logging.getLogger(__name__)
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
 WATERMARK_METADATA = "spark.watermarkDelayMs"
@@ -227,6 +243,7 @@ class StatefulStream:
             conf.storage_options,
             conf.transfer_threads,
             conf.compression,
+            incremental=conf.incremental,
             rocksdb_memory=conf.rocksdb_memory,
             signing_key=conf.checkpoint_signing_key(),
         )
@@ -242,6 +259,14 @@ class StatefulStream:
             check_parallelism(parallelism, self.max_parallelism)
         self.binding_id: str | None = None
         """The id of the binding to a Spark checkpointLocation, once a query started."""
+        reuse = df.sparkSession.sparkContext.getConf().get("spark.python.worker.reuse", "true")
+        self._wait_for_uploads = reuse.lower() != "true"
+        """Without Python worker reuse an upload would die with its task's worker."""
+        self._tracker: CheckpointTracker | None = None
+        self._materialized_batch = -1
+        """The batch cut by the newest materialization triggered (or the base's)."""
+        self._sync_seconds: dict[int, float] = {}
+        """Longest synchronous cut of a subtask, per pending materialization."""
 
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
@@ -275,6 +300,8 @@ class StatefulStream:
             self._previous_batch = batch_id
             return committed
         restore_batch = self.committer.newest_batch()
+        tracker = self._materializations()
+        checkpoint_id = self._materialization_due(tracker, batch_id)
         initial = self.initial_state if batch_id == 0 else None  # as Spark: batch 0 only
         plan = KeyedBatchPlan(
             spec=self.spec,
@@ -293,23 +320,119 @@ class StatefulStream:
             restore_batch=restore_batch,
             storage=self.storage_spec,
             local_dir=self.conf.local_dir,
+            checkpoint_id=checkpoint_id,
+            run_id=tracker.coordinator.run_id,
+            wait_for_upload=self._wait_for_uploads,
         )
         sc = self.df.sparkSession.sparkContext
-        with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
-            rows = keyed_batch(combined_input(batch_df, self.spec, initial), plan).collect()
-        manifest = self.committer.commit(
-            batch_id, rows, self.parallelism, self.max_parallelism, times
-        )
-        parts = [record_from_json(json.loads(row.metrics)) for row in rows]
-        self.metrics.record(
-            combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
-        )
+        try:
+            with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
+                rows = keyed_batch(combined_input(batch_df, self.spec, initial), plan).collect()
+            manifest = self.committer.commit(
+                batch_id, rows, self.parallelism, self.max_parallelism, times
+            )
+        except BaseException as exc:
+            if checkpoint_id is not None:  # it would cut no committed state
+                tracker.abort(f"batch {batch_id} failed: {exc}")
+            raise
+        self._record_batch(batch_id, rows, checkpoint_id, restore_batch)
+        if checkpoint_id is not None:
+            tracker.uploads_started()
+        tracker.poll()
         self._previous_batch = batch_id
         return manifest
 
+    def _materializations(self) -> CheckpointTracker:
+        """The tracker of the stream's materializations, made at its first batch (its
+        coordinator claims the job's leader epoch at its first trigger)."""
+        if self._tracker is None:
+            storage = self.committer.storage
+            changelog = self.committer.changelog
+            coordinator = CheckpointCoordinator(
+                storage,
+                max_parallelism=self.max_parallelism,
+                retained=self.conf.retained,
+                timeout_seconds=self.conf.timeout_seconds,
+                run_id=self._generation[:12],
+                pinned=changelog.referenced_checkpoints,
+            )
+            self._tracker = CheckpointTracker(
+                storage,
+                coordinator,
+                OPERATOR_ID,
+                self.conf.upload_stall_seconds,
+                self._materialized,
+            )
+            newest = changelog.latest_manifest()
+            if newest is not None and newest.base is not None:
+                self._materialized_batch = newest.base.batch_id
+        return self._tracker
+
+    def _materialization_due(self, tracker: CheckpointTracker, batch_id: int) -> int | None:
+        """Trigger the materialization that cuts the end of batch ``batch_id`` if it is
+        due (``materialize-every`` batches after the last one) and none is pending; its
+        checkpoint id. A pending one is polled first, never waited for."""
+        tracker.poll()
+        due = batch_id - self._materialized_batch >= self.conf.materialize_every
+        if not due or tracker.pending is not None:
+            return None
+        self._materialized_batch = batch_id
+        properties = {
+            "batch_id": batch_id,
+            "operator": OPERATOR_ID,
+            "key_by": list(self.spec.key_columns),
+        }
+        return tracker.trigger({OPERATOR_ID: self.parallelism}, batch_id, None, properties)
+
+    def _materialized(self, pending: TrackedCheckpoint, metadata: CheckpointMetadata) -> None:
+        """A materialization completed: its metrics; the next manifests build on it if
+        it cut the task attempts its batch's manifest accepted (another attempt, e.g. a
+        speculative copy, ran the same batch but need not have left the same state)."""
+        sync_seconds = self._sync_seconds.pop(pending.checkpoint_id, 0.0)
+        assert self._tracker is not None
+        self.metrics.record(self._tracker.metrics(pending, metadata, sync_seconds))
+        changelog = self.committer.changelog
+        records = changelog.load_manifest(pending.batch_id).operators[OPERATOR_ID][-1]
+        accepted = [handle.attempt for handle in records.subtasks]
+        cut = [ack.attempt for ack in metadata.operators[OPERATOR_ID].subtasks]
+        if cut != accepted:
+            _log.warning(
+                "materialization %s cut task attempts %s of batch %s, whose manifest "
+                "accepted %s: it does not become the base",
+                pending.checkpoint_id,
+                cut,
+                pending.batch_id,
+                accepted,
+            )
+            return
+        changelog.materialized(pending.checkpoint_id, pending.batch_id)
+
+    def _record_batch(
+        self, batch_id: int, rows: list[Row], checkpoint_id: int | None, restore_batch: int | None
+    ) -> None:
+        """Record the batch's metrics, and a restore if subtasks rebuilt from storage
+        (from manifest ``restore_batch``)."""
+        parts = [record_from_json(json.loads(row.metrics)) for row in rows]
+        batch = combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
+        self.metrics.record(batch)
+        if checkpoint_id is not None:
+            self._sync_seconds[checkpoint_id] = batch.sync_cut_seconds
+        rebuilt = [row for row in rows if row.restored_bytes]
+        if rebuilt and restore_batch is not None:
+            restored_from = self.committer.changelog.layout.manifest_path(restore_batch)
+            self.metrics.record(
+                RestoreMetrics(
+                    restored_from,
+                    sum(int(row.restored_bytes) for row in rebuilt),
+                    max(float(row.restore_seconds) for row in rebuilt),
+                    len(rebuilt),
+                )
+            )
+
     def output(self, manifest: BatchManifest) -> DataFrame:
         """The output rows of a committed batch, read from its staged files."""
-        return batch_output(self.df.sparkSession, manifest, self.output_schema)
+        storage = self.committer.storage
+        return batch_output(self.df.sparkSession, storage, manifest, self.output_schema)
 
 
 class StatefulStreamWriter:

@@ -20,7 +20,10 @@ driver then:
    ``part-<N>-<subtask>.parquet`` (overwriting is idempotent); other sinks are appended
    to and guarded by a ``published/<N>`` marker written after the write: a crash between
    the two appends the batch again. ``foreachBatch`` functions must, as with Spark, be
-   idempotent by batch id.
+   idempotent by batch id. Every staged file is checked against the checksum manifest N
+   holds for it (``OUTPUT_CHECKSUMS_PROPERTY``) before it is published; with a signing
+   key that is a SHA-256 under the manifest's signature, so a staged file changed after
+   its batch ran is refused (CheckpointCorruptedError naming it) instead of published.
 
 Invariant: ``commits/N`` exists => manifest N exists => state(N) = base + changelogs.
 """
@@ -35,14 +38,23 @@ from typing import Any
 import fsspec
 from fsspec.utils import get_protocol
 from pyspark.sql import DataFrame, Row, SparkSession
-from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.layout import batch_ids, join
 from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.signing import FILE_CHECKSUM
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.checksums import algorithm_of, checksum
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.processor_handle import BatchTimes
 
@@ -50,6 +62,9 @@ SPARK_BINDING_FILE = "statebackend-binding.json"
 """Our file in the Spark checkpointLocation, naming the state job it is bound to."""
 OUTPUTS_PROPERTY = "outputs"
 """Manifest property: the staged output files of the accepted attempts, by subtask."""
+OUTPUT_CHECKSUMS_PROPERTY = "output_checksums"
+"""Manifest property: the checksum of each staged output file, by subtask (SHA-256 when
+the job has a signing key, else CRC-32)."""
 
 METADATA_SCHEMA = StructType(
     [
@@ -58,10 +73,15 @@ METADATA_SCHEMA = StructType(
         StructField("output", StringType(), False),
         StructField("rows", LongType(), False),
         StructField("metrics", StringType(), False),
+        StructField("output_checksum", StringType(), False),
+        StructField("restored_bytes", LongType(), False),
+        StructField("restore_seconds", DoubleType(), False),
     ]
 )
 """What a keyed subtask returns for batch N: its changelog handle (JSON), the path of
-its staged output rows, their count, and its ``BatchMetrics`` (JSON)."""
+its staged output rows, their count, its ``BatchMetrics`` (JSON), the staged file's
+checksum, and the bytes and seconds it spent rebuilding its state from storage (0 when
+it reused its local copy)."""
 
 
 def _read_json(fs: CheckpointFileSystem, path: str) -> dict[str, Any] | None:
@@ -192,6 +212,7 @@ class BatchCommitter:
             "late_events_watermark_ms": times.late_events_watermark_ms,
             "eviction_watermark_ms": times.eviction_watermark_ms,
             OUTPUTS_PROPERTY: [str(row.output) for row in ordered],
+            OUTPUT_CHECKSUMS_PROPERTY: [str(row.output_checksum) for row in ordered],
             "rows": sum(int(row.rows) for row in ordered),
         }
         manifest = self.changelog.commit(
@@ -217,11 +238,44 @@ class BatchCommitter:
         return [str(path) for path in manifest.properties.get(OUTPUTS_PROPERTY, [])]
 
 
-def batch_output(spark: SparkSession, manifest: BatchManifest, schema: StructType) -> DataFrame:
-    """The output rows of a committed batch, read from its staged files."""
+def staged_output(storage: CheckpointStorage, manifest: BatchManifest, subtask: int) -> bytes:
+    """The bytes of subtask ``subtask``'s staged output of a committed batch, checked
+    against the checksum the manifest holds for it. Raises CheckpointCorruptedError
+    naming the file if they differ, or if the job has a signing key and the manifest
+    holds no SHA-256 for it (the file would not be protected by the signature)."""
+    path = BatchCommitter.outputs(manifest)[subtask]
+    checksums = manifest.properties.get(OUTPUT_CHECKSUMS_PROPERTY)
+    expected = None if checksums is None else str(checksums[subtask])
+    signed = storage.signing_key is not None
+    if signed and (expected is None or algorithm_of(expected) != FILE_CHECKSUM):
+        raise CheckpointCorruptedError(
+            f"staged output {path} of batch {manifest.batch_id} has no signed "
+            f"{FILE_CHECKSUM} checksum in its manifest, so its content is not protected: "
+            f"do not publish it; run the query with the signing key from its first batch"
+        )
+    data = storage.fs.read_file(path)
+    if expected is not None:
+        algorithm = algorithm_of(expected)
+        if algorithm is None or checksum(data, algorithm) != expected:
+            raise CheckpointCorruptedError(
+                f"staged output {path} does not match the {'signed ' if signed else ''}"
+                f"checksum in manifest {manifest.batch_id} ({expected}): it was changed "
+                f"after the batch ran; restore the file or do not publish the batch"
+            )
+    return data
+
+
+def batch_output(
+    spark: SparkSession, storage: CheckpointStorage, manifest: BatchManifest, schema: StructType
+) -> DataFrame:
+    """The output rows of a committed batch, read from its staged files; with a signing
+    key each file is checked first (``staged_output``)."""
     paths = BatchCommitter.outputs(manifest)
     if not paths:
         return spark.createDataFrame([], schema)
+    if storage.signing_key is not None:
+        for subtask in range(len(paths)):
+            staged_output(storage, manifest, subtask)
     return spark.read.schema(schema).parquet(*paths)
 
 
@@ -239,9 +293,9 @@ def publish_parquet(
     renames = bool({"file", "local", "hdfs"} & protocols)
     if renames:
         sink.makedirs(root, exist_ok=True)
-    for subtask, staged in enumerate(BatchCommitter.outputs(manifest)):
+    for subtask in range(len(BatchCommitter.outputs(manifest))):
         name = f"part-{manifest.batch_id}-{subtask}.parquet"
-        data = storage.fs.read_file(staged)
+        data = staged_output(storage, manifest, subtask)
         if renames:
             temporary = f"{root}/.{name}.{uuid.uuid4().hex}.tmp"
             sink.pipe_file(temporary, data)

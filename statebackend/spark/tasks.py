@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.rocksdb import set_memory_limit
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
@@ -41,7 +42,7 @@ from statebackend.spark.function_state import (
     start_function,
 )
 from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
-from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
+from statebackend.spark.local_state import LocalVersion, local_keyed_state
 from statebackend.spark.source import KeyOf, LogSource, Offsets
 
 RECORD = 0
@@ -233,37 +234,45 @@ def _task_attempt() -> str | None:
     return None if context is None else str(context.taskAttemptId())
 
 
-def _snapshot(
-    plan: KeyedPlan,
+def snapshot_subtask(
+    storage: CheckpointStorage,
+    backend: KeyedStateBackend,
+    checkpoint_id: int,
+    operator_id: str,
     subtask: int,
-    local: LocalKeyedState,
-    operator_state: OperatorStateCut | None,
+    parallelism: int,
+    run_id: str,
+    wait_for_upload: bool,
+    operator_state: OperatorStateCut | None = None,
 ) -> float:
-    """Take the checkpoint's synchronous cut and start its upload (with the function's
-    ``operator_state`` cut, if any); return the cut's time."""
-    assert plan.checkpoint_id is not None and local.backend is not None
-    checkpoint_id = plan.checkpoint_id
-    storage = plan.storage.open()
+    """Take checkpoint N's synchronous cut of keyed subtask ``subtask`` (of
+    ``parallelism``) of ``operator_id`` and start its upload, with the function's
+    ``operator_state`` cut if any; return the cut's seconds.
+
+    The upload runs on the process's transfer threads, beating the upload heartbeat, and
+    writes the subtask's ack (naming run ``run_id`` and this task attempt) when done;
+    with ``wait_for_upload`` it is done, and acknowledged, before this returns. A failed
+    or cancelled upload acknowledges nothing: the driver aborts the checkpoint.
+    """
     attempt = _task_attempt()
     started = time.perf_counter()
-    target = storage.snapshot_target(checkpoint_id, plan.operator_id, subtask, plan.run_id, attempt)
+    target = storage.snapshot_target(checkpoint_id, operator_id, subtask, run_id, attempt)
     operator_future = (
         None
         if operator_state is None
         else target.write_operator_snapshot(checkpoint_id, operator_state)
     )
-    future = local.backend.snapshot(checkpoint_id, target)
+    future = backend.snapshot(checkpoint_id, target)
     sync_seconds = time.perf_counter() - started
-    parallelism = plan.version.parallelism
 
     def ack(handle: Any) -> SubtaskAck:
         # Submitted before the keyed upload, so it has started: waiting cannot starve it.
         operator_handle = None if operator_future is None else operator_future.result()
         return SubtaskAck(
-            plan.operator_id, subtask, parallelism, handle, operator_handle, plan.run_id, attempt
+            operator_id, subtask, parallelism, handle, operator_handle, run_id, attempt
         )
 
-    if plan.wait_for_upload:
+    if wait_for_upload:
         try:
             subtask_ack = ack(future.result())
         except CheckpointCancelledError:  # aborted meanwhile: the driver knows
@@ -272,7 +281,7 @@ def _snapshot(
         if not storage.write_ack(checkpoint_id, subtask_ack):
             _log.info("checkpoint %s is no longer pending: not acknowledged", checkpoint_id)
         return sync_seconds
-    path = heartbeat_path(storage, checkpoint_id, plan.operator_id, subtask)
+    path = heartbeat_path(storage, checkpoint_id, operator_id, subtask)
     heartbeat = UploadHeartbeat(storage, checkpoint_id, path)
 
     def uploaded(done: Any) -> None:
@@ -357,7 +366,17 @@ def keyed_task(
         result.changelog_seconds = time.perf_counter() - started
         result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
-            result.sync_seconds = _snapshot(plan, subtask, local, operator_state)
+            result.sync_seconds = snapshot_subtask(
+                plan.storage.open(),
+                backend,
+                plan.checkpoint_id,
+                plan.operator_id,
+                subtask,
+                plan.version.parallelism,
+                plan.run_id,
+                plan.wait_for_upload,
+                operator_state,
+            )
         local.commit(plan.batch_id)
         keep_function(run, root, subtask, plan.version, plan.batch_id)
     yield result

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.storage import CheckpointStorage
 from tests.spark import test_streaming_exactly_once, test_streaming_parity
 from tests.spark.streaming_parity import ParityCase, run_parity
 
@@ -35,9 +37,11 @@ def executor_local_dirs(spark: SparkSession, job_id: str) -> list[Path]:
 def spark(spark_cluster: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
     spark_cluster.conf.set("spark.statebackend.checkpoint.dir", (tmp_path / "ours").as_uri())
     spark_cluster.conf.set("spark.statebackend.local.dir", PRIVATE_LOCAL_DIR)
+    spark_cluster.conf.set(test_streaming_exactly_once.MATERIALIZE_EVERY, "2")
     yield spark_cluster
     spark_cluster.conf.unset("spark.statebackend.checkpoint.dir")
     spark_cluster.conf.unset("spark.statebackend.local.dir")
+    spark_cluster.conf.unset(test_streaming_exactly_once.MATERIALIZE_EVERY)
 
 
 def test_parity_on_two_executors(spark_cluster: SparkSession, tmp_path: Path) -> None:
@@ -55,5 +59,11 @@ def test_parity_on_two_executors(spark_cluster: SparkSession, tmp_path: Path) ->
 def test_restart_at_another_parallelism_on_two_executors(
     spark: SparkSession, tmp_path: Path
 ) -> None:
+    """Materializing every 2 batches: both executors cut and upload their subtasks'
+    state, and the restart rebuilds from a materialized base plus changelog."""
     test_streaming_exactly_once.restart_at_another_parallelism(spark, tmp_path)
     assert len(executor_local_dirs(spark, "totals")) == 2
+    storage = CheckpointStorage((tmp_path / "ours").as_uri(), "totals")
+    newest = ChangelogStorage(storage).latest_manifest()
+    assert newest is not None and newest.base is not None
+    assert storage.is_completed(newest.base.checkpoint_id)

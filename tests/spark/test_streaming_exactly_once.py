@@ -26,6 +26,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from statebackend.errors import ConfigurationError
+from statebackend.spark.arrow_path import OPERATOR_ID
+from statebackend.spark.state_reader import read_state
 from statebackend.spark.streaming import transform_with_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +46,7 @@ KILLS = 5
 FILES_PER_RUN = 2
 MAX_KILLED_RUNS = 8
 PART_NAME = re.compile(r"part-(\d+)-(\d+)\.parquet$")
+MATERIALIZE_EVERY = "spark.statebackend.changelog.materialize-every"
 
 
 def make_batches(count: int, seed: int) -> Batches:
@@ -253,14 +256,77 @@ def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_pat
     assert written == Counter(row for (_, row) in expected_output(batches).elements())
 
 
-def _run_script(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def expected_totals(batches: Batches) -> dict[str, tuple[int, int]]:
+    """``UserTotals``' ``totals`` value state (count, total) per user after ``batches``."""
+    totals: dict[str, tuple[int, int]] = {}
+    for rows in batches:
+        for user, amount in rows:
+            count, total = totals.get(user, (0, 0))
+            totals[user] = (count + 1, total + amount)
+    return totals
+
+
+def state_totals(spark: SparkSession, job_dir: Path) -> dict[str, tuple[int, int]]:
+    """The ``totals`` state at the job's newest manifest, read with ``read_state``."""
+    frame = read_state(spark, str(job_dir / "latest"), OPERATOR_ID, "totals")
+    totals = {}
+    for key, value in frame.collect():  # row tuples come as JSON arrays
+        (user,), (count, total) = json.loads(key), json.loads(value)
+        totals[user] = (count, total)
+    return totals
+
+
+SLOW_UPLOADS = '''"""Imported by every Python process of a test driver with this directory on
+its PYTHONPATH: snapshot uploads sleep before each file, so that the driver can be
+killed while a materialization uploads."""
+import time
+
+from statebackend.snapshot import target
+
+_write_file = target.SnapshotDirectory._write_file
+
+
+def _slow_write_file(self, *args, **kwargs):
+    time.sleep(60)
+    return _write_file(self, *args, **kwargs)
+
+
+target.SnapshotDirectory._write_file = _slow_write_file
+'''
+
+
+def _run_script(
+    args: list[str], log: Path, slow_uploads: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start the example driver, materializing every 2 batches; with ``slow_uploads`` (a
+    directory) its snapshot uploads sleep (``SLOW_UPLOADS``, as its ``sitecustomize``)."""
+    env = dict(os.environ)
+    env["PYSPARK_SUBMIT_ARGS"] = f"--conf {MATERIALIZE_EVERY}=2 pyspark-shell"
+    if slow_uploads is not None:
+        slow_uploads.mkdir(exist_ok=True)
+        (slow_uploads / "sitecustomize.py").write_text(SLOW_UPLOADS)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(slow_uploads), env.get("PYTHONPATH")])
+        )
     with log.open("ab") as sink:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
+
+
+def _materialization_uploads(job_dir: Path) -> bool:
+    """Whether a materialization is uploading after batch 1 was committed: a checkpoint
+    is pending (``_pending``, no ``_metadata``) and manifest 1 exists."""
+    if not (job_dir / "manifests" / "1").exists():
+        return False
+    return any(
+        (chk / "_pending").exists() and not (chk / "_metadata").exists()
+        for chk in job_dir.glob("chk-*")
+    )
 
 
 def spark_batches(checkpoint: Path, batches: Batches) -> Batches:
@@ -304,7 +370,9 @@ def _committed_batches(commits: Path) -> int:
 def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: Path) -> None:
     """Each run gets new input files, is SIGKILLed at a random moment of the batch after
     its first commit, and the next run starts at the other parallelism; a run that ends
-    before its kill does not count. Then a last run finishes the input."""
+    before its kill does not count. The drivers materialize every 2 batches, and the
+    first one is killed while its first materialization (after batch 1) uploads, slowed
+    down. Then a last run finishes the input. Output and state equal plain Python."""
     batches = make_batches(MAX_KILLED_RUNS * FILES_PER_RUN, seed=23)
     input_dir, out = tmp_path / "in", tmp_path / "out"
     args = [
@@ -316,6 +384,7 @@ def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: P
     ]  # fmt: skip
     log = tmp_path / "driver.log"
     commits = tmp_path / "ckpt" / "commits"
+    job_dir = tmp_path / "state" / "streaming-user-totals"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     kills = written_files = 0
@@ -323,15 +392,22 @@ def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: P
         assert written_files < len(batches), (
             f"{kills} kills (seed {seed}): {log.read_text()[-2000:]}"
         )
-        write_batch_files(input_dir, batches[written_files:][:FILES_PER_RUN], first=written_files)
-        written_files += FILES_PER_RUN
+        slow = tmp_path / "slow-uploads" if kills == 0 else None
+        files = FILES_PER_RUN + (slow is not None)  # a batch 2 to kill it in
+        write_batch_files(input_dir, batches[written_files:][:files], first=written_files)
+        written_files += files
         before = _committed_batches(commits)
-        process = _run_script([*args, "--parallelism", str(2 + kills % 2)], log)
+        process = _run_script([*args, "--parallelism", str(2 + kills % 2)], log, slow)
         deadline = time.monotonic() + 240
-        while process.poll() is None and _committed_batches(commits) == before:
+        while process.poll() is None and (
+            not _materialization_uploads(job_dir)
+            if slow is not None
+            else _committed_batches(commits) == before
+        ):
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        time.sleep(rng.uniform(0.0, 1.5))  # anywhere in the next batch: job, commit, publish
+        if slow is None:  # anywhere in the next batch: job, commit, publish
+            time.sleep(rng.uniform(0.0, 1.5))
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             kills += 1
@@ -345,3 +421,4 @@ def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: P
     expected = _amounts_as_sets(expected_output(ran))
     assert _amounts_as_sets(written) == expected, f"seed {seed}, {kills} kills"
     assert max(written.values()) == 1
+    assert state_totals(spark, job_dir) == expected_totals(given)

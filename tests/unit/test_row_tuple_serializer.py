@@ -186,3 +186,15 @@ def test_decimals_keep_their_digits() -> None:
     serializer = RowTupleSerializer(StructType([StructField("d", DecimalType(10, 2))]).json())
     value = (decimal.Decimal("12.30"),)
     assert serializer.deserialize(serializer.serialize(value)) == value
+
+
+def test_ships_to_executors_with_cloudpickle() -> None:
+    """Spark pickles a serializer captured by a task (e.g. ``read_state``'s decoder) with
+    cloudpickle: a numeric-only struct, packed with a ``struct.Struct``, must survive."""
+    from pyspark import cloudpickle
+
+    schema = StructType([StructField("count", LongType()), StructField("total", LongType())])
+    serializer = RowTupleSerializer(schema.json())
+    shipped = cloudpickle.loads(cloudpickle.dumps(serializer))
+    assert shipped.config() == serializer.config()
+    assert shipped.deserialize(serializer.serialize((3, 40))) == (3, 40)

@@ -1,0 +1,134 @@
+"""Background materialization of transform_with_state queries
+(``spark.statebackend.changelog.materialize-every``): checkpoints every K batches become
+the base of later manifests, the changelog below them is deleted, metrics are recorded,
+a restart at another parallelism is exact, and a changed staged output file of a signed
+job is refused. Every check compares with a plain-Python computation of the same input.
+A driver SIGKILLed while a materialization uploads: ``test_streaming_exactly_once``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.layout import batch_ids
+from statebackend.checkpoint.metrics import (
+    BatchMetrics,
+    CheckpointMetrics,
+    RestoreMetrics,
+    read_history,
+    records_of,
+)
+from statebackend.checkpoint.storage import CheckpointStorage
+from tests.spark.test_streaming_exactly_once import (
+    MATERIALIZE_EVERY,
+    expected_output,
+    expected_totals,
+    make_batches,
+    read_output,
+    run_to_parquet,
+    state_totals,
+    write_batch_files,
+)
+
+SIGNING_KEY = "spark.statebackend.checkpoint.signing-key"
+
+
+@pytest.fixture
+def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
+    settings = {
+        "spark.statebackend.checkpoint.dir": (tmp_path / "ours").as_uri(),
+        "spark.statebackend.local.dir": str(tmp_path / "local"),
+        MATERIALIZE_EVERY: "2",
+    }
+    for key, value in settings.items():
+        spark_local.conf.set(key, value)
+    yield spark_local
+    for key in (*settings, SIGNING_KEY):
+        spark_local.conf.unset(key)
+
+
+def job_storage(tmp_path: Path, job_id: str) -> tuple[CheckpointStorage, ChangelogStorage]:
+    storage = CheckpointStorage((tmp_path / "ours").as_uri(), job_id)
+    return storage, ChangelogStorage(storage)
+
+
+def test_materializations_become_the_base_and_a_rescaled_restart_is_exact(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Six batches at parallelism 2 materialize after batches 1, 3 (and 5); the newest
+    manifest builds on the newest materialization before its batch and the records
+    below the retained manifests' bases are gone; three more batches at parallelism 3
+    rebuild every subtask from base + changelog. Output and state equal plain Python;
+    the metrics history has a checkpoint record per materialization, the keys each
+    batch touched and the rebuild."""
+    batches = make_batches(9, seed=41)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:6])
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    assert read_output(spark, out) == expected_output(batches[:6])
+
+    storage, changelog = job_storage(tmp_path, "totals")
+    completed = {
+        storage.load(n).properties["batch_id"]: n for n in storage.completed_checkpoint_ids()
+    }
+    # The one after batch 5 completes only if its ack came before the query ended.
+    assert {1, 3} <= set(completed) <= {1, 3, 5}, completed
+    newest = changelog.latest_manifest()
+    assert newest is not None and newest.batch_id == 5 and newest.base is not None
+    assert (newest.base.batch_id, newest.base.checkpoint_id) == (3, completed[3])
+    assert {h.batch_id for h in newest.handles()} == {4, 5}
+    oldest_base = min(
+        base.batch_id
+        for base in (changelog.load_manifest(b).base for b in changelog.manifest_ids())
+        if base is not None
+    )
+    recorded = batch_ids(storage.fs.list_dir(storage.layout.changelog_dir))
+    assert recorded and min(recorded) > oldest_base, (recorded, oldest_base)
+    assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches[:6])
+
+    write_batch_files(input_dir, batches[6:], first=6)
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=3)
+    written = read_output(spark, out)
+    assert written == expected_output(batches)
+    assert max(written.values()) == 1
+    assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
+
+    history = read_history(storage.fs, storage.layout.job_dir)
+    measured = records_of(history, CheckpointMetrics)
+    assert {(m.batch_id, m.checkpoint_id) for m in measured} >= {
+        (batch, n) for batch, n in completed.items()
+    }
+    assert all(m.full_bytes > 0 and m.subtasks for m in measured)
+    keys = {m.batch_id: m.keys_touched for m in records_of(history, BatchMetrics)}
+    assert keys == {b: len({user for user, _ in rows}) for b, rows in enumerate(batches)}
+    (rebuild,) = records_of(history, RestoreMetrics)  # batch 6, at the new parallelism
+    assert rebuild.subtasks == 3 and rebuild.restored_bytes > 0
+    assert rebuild.checkpoint.endswith("manifests/5")
+
+
+def test_signed_job_refuses_a_changed_staged_output(spark: SparkSession, tmp_path: Path) -> None:
+    """With a signing key, manifest N holds the SHA-256 of each staged output file: when
+    Spark runs a committed batch again, a staged file replaced by another well-formed
+    one is refused, naming it, and nothing is published."""
+    spark.conf.set(SIGNING_KEY, "0123456789abcdef-staged-output")
+    batches = make_batches(2, seed=43)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches)
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
+    job = tmp_path / "ours" / "totals"
+    checksums = json.loads((job / "manifests" / "1").read_text())["properties"]
+    assert [c.split(":")[0] for c in checksums["output_checksums"]] == ["sha256"]
+    (older,) = (job / "outputs" / "0").iterdir()
+    (staged,) = (job / "outputs" / "1").iterdir()
+    staged.write_bytes(older.read_bytes())
+    shutil.rmtree(out)
+    (checkpoint / "commits" / "1").unlink()  # Spark runs batch 1 again and publishes it
+    with pytest.raises(Exception, match=f"{staged.name} does not match the signed checksum"):
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
+    assert not list(out.glob("part-1-*.parquet"))
