@@ -80,6 +80,9 @@ class LoggingStateStore(StateStore):
     def get(self, current: CurrentKey) -> bytes | None:
         return self.inner.get(current)
 
+    def estimated_entries(self) -> int:
+        return self.inner.estimated_entries()
+
     def put(self, current: CurrentKey, value: bytes) -> None:
         self.inner.put(current, value)
         self.values[current.prefix] = value

@@ -28,6 +28,11 @@ class HeapStateStore(StateStore):
         group = self.groups.get(current.key_group)
         return None if group is None else group.get(current.key)
 
+    def estimated_entries(self) -> int:
+        if self.is_map:
+            return sum(len(entries) for group in self.groups.values() for entries in group.values())
+        return sum(len(group) for group in self.groups.values())
+
     def put(self, current: CurrentKey, value: bytes) -> None:
         self.groups.setdefault(current.key_group, {})[current.key] = value
 

@@ -316,6 +316,14 @@ class KeyedStateBackend(ABC):
         if self._batching:
             self._prefetch(keys)
 
+    def estimated_entries(self) -> int:
+        """How many entries the backend's states (timers included) hold, as the stores
+        estimate them (``StateStore.estimated_entries``): for metrics, not for logic. An
+        open batch's buffered writes are written first, so they count."""
+        self._check_open()
+        self._write_batch()
+        return sum(store.estimated_entries() for store in self._stores.values())
+
     def keys(self, state_name: str) -> Iterator[Any]:
         """The keys that have a value in state ``state_name``, each once."""
         self._check_open()

@@ -210,6 +210,10 @@ class RocksDBStateStore(StateStore):
         self._written = {}
         return len(written)
 
+    def estimated_entries(self) -> int:
+        # The buffered writes are not in it yet: the count is an estimate anyway.
+        return int(self._column.property_int_value("rocksdb.estimate-num-keys") or 0)
+
     def end_batch(self) -> None:
         """Stop buffering (after ``add_writes``) and forget the batch's reads."""
         self._read_ahead = None

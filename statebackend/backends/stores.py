@@ -96,6 +96,11 @@ class StateStore(ABC):
     def transform_values(self, function: Callable[[bytes], bytes]) -> None:
         """Replace every value by ``function(value)``: used by serializer migration."""
 
+    @abstractmethod
+    def estimated_entries(self) -> int:
+        """How many entries the store holds (a map entry counts once per user key): exact
+        in memory, RocksDB's ``estimate-num-keys`` on disk. For metrics only."""
+
 
 class StateStoreView(ABC):
     """A frozen view of a state's bytes, taken at a snapshot's synchronous cut."""

@@ -148,6 +148,7 @@ def _metadata_batch(
     metrics: BatchMetrics,
     restored_bytes: int,
     restore_seconds: float,
+    entries: int | None,
 ) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
         [
@@ -159,6 +160,7 @@ def _metadata_batch(
             pa.array([output_checksum], pa.string()),
             pa.array([restored_bytes], pa.int64()),
             pa.array([restore_seconds], pa.float64()),
+            pa.array([entries], pa.int64()),
         ],
         names=METADATA_SCHEMA.names,
     )
@@ -237,7 +239,7 @@ def _keyed_task(
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
             staged = _parquet_bytes(output, to_arrow_schema(plan.spec.output_schema))
             storage.fs.write_atomic(path, staged)
-            sync_seconds = 0.0
+            sync_seconds, entries = 0.0, None
             if plan.checkpoint_id is not None:  # a materialization: cut the state after N
                 sync_seconds = snapshot_subtask(
                     storage,
@@ -249,6 +251,7 @@ def _keyed_task(
                     plan.run_id,
                     plan.wait_for_upload,
                 )
+                entries = backend.estimated_entries()
             local.commit(plan.batch_id)
         metrics = BatchMetrics(
             batch_id=plan.batch_id,
@@ -267,6 +270,7 @@ def _keyed_task(
             metrics,
             restored_bytes,
             restore_seconds,
+            entries,
         )
 
     return run

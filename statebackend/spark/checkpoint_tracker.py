@@ -49,6 +49,10 @@ class TrackedCheckpoint:
     batch_id: int
     savepoint_request: SavepointRequest | None
     watch: StallWatch = field(default_factory=StallWatch)
+    sync_seconds: float = 0.0
+    """The longest synchronous cut of its keyed subtasks (``cut_taken``)."""
+    entries: dict[tuple[str, int], int] = field(default_factory=dict)
+    """The entries each keyed subtask, by (operator, subtask), held at the cut."""
 
 
 class CheckpointTracker:
@@ -151,20 +155,32 @@ class CheckpointTracker:
             self._answer(pending.savepoint_request, result, None)
         return True
 
+    def cut_taken(
+        self, checkpoint_id: int, sync_seconds: float, entries: Mapping[tuple[str, int], int]
+    ) -> None:
+        """The keyed subtasks took checkpoint ``checkpoint_id``'s cut: the longest took
+        ``sync_seconds``, and each (operator, subtask) held ``entries``. Kept with the
+        pending checkpoint for its metrics (nothing if it is no longer pending)."""
+        pending = self.pending
+        if pending is not None and pending.checkpoint_id == checkpoint_id:
+            pending.sync_seconds = sync_seconds
+            pending.entries = dict(entries)
+
     def metrics(
-        self, pending: TrackedCheckpoint, metadata: CheckpointMetadata, sync_seconds: float
+        self, pending: TrackedCheckpoint, metadata: CheckpointMetadata
     ) -> CheckpointMetrics:
         """The metrics of the completed checkpoint of ``pending`` (``metadata``, as given
-        to ``on_completed``) whose longest synchronous cut took ``sync_seconds``; its
-        incremental bytes are those the previous one this tracker measured does not
-        reference, its upload time counts from ``uploads_started``."""
+        to ``on_completed``), with the cut ``cut_taken`` recorded; its incremental bytes
+        are those the previous one this tracker measured does not reference, its upload
+        time counts from ``uploads_started``."""
         since = pending.watch.uploads_since
         measured = checkpoint_metrics(
             metadata,
             batch_id=pending.batch_id,
-            sync_seconds=sync_seconds,
+            sync_seconds=pending.sync_seconds,
             upload_seconds=0.0 if since is None else time.monotonic() - since,
             previous=self._previous,
+            entries=pending.entries,
         )
         self._previous = metadata
         return measured

@@ -391,7 +391,6 @@ class StatefulJob:
         self._run_id = uuid.uuid4().hex[:12]
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
         """This run's metrics history: a record per batch, checkpoint, restore, failure."""
-        self._checkpoint_syncs: dict[int, float] = {}
         self._changelog = ChangelogStorage(storage)
         manifest = self._newest_manifest()
         restored: CheckpointMetadata | BatchManifest | None = manifest
@@ -580,8 +579,7 @@ class StatefulJob:
         self._summary.checkpoints.append(checkpoint_dir)
         self._lineage.append(checkpoint_dir)
         self._changelog.materialized(pending.checkpoint_id, pending.batch_id)
-        sync_seconds = self._checkpoint_syncs.pop(pending.checkpoint_id, 0.0)
-        self.metrics.record(self._tracker.metrics(pending, metadata, sync_seconds))
+        self.metrics.record(self._tracker.metrics(pending, metadata))
 
     def _acknowledge_source(self, checkpoint_id: int) -> None:
         run = self._coordinator.run_id
@@ -707,8 +705,14 @@ class StatefulJob:
                 )
             )
         if checkpoint_id is not None:
-            self._checkpoint_syncs[checkpoint_id] = max(
-                (r.sync_seconds for r in results), default=0.0
+            self._tracker.cut_taken(
+                checkpoint_id,
+                max((r.sync_seconds for r in results), default=0.0),
+                {
+                    (self.operator_id, r.subtask): r.entries
+                    for r in results
+                    if r.entries is not None
+                },
             )
 
     def _commit(self, results: list[KeyedResult], batch_id: int, offsets: list[Offsets]) -> None:

@@ -265,8 +265,6 @@ class StatefulStream:
         self._tracker: CheckpointTracker | None = None
         self._materialized_batch = -1
         """The batch cut by the newest materialization triggered (or the base's)."""
-        self._sync_seconds: dict[int, float] = {}
-        """Longest synchronous cut of a subtask, per pending materialization."""
 
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
@@ -388,9 +386,8 @@ class StatefulStream:
         """A materialization completed: its metrics; the next manifests build on it if
         it cut the task attempts its batch's manifest accepted (another attempt, e.g. a
         speculative copy, ran the same batch but need not have left the same state)."""
-        sync_seconds = self._sync_seconds.pop(pending.checkpoint_id, 0.0)
         assert self._tracker is not None
-        self.metrics.record(self._tracker.metrics(pending, metadata, sync_seconds))
+        self.metrics.record(self._tracker.metrics(pending, metadata))
         changelog = self.committer.changelog
         records = changelog.load_manifest(pending.batch_id).operators[OPERATOR_ID][-1]
         accepted = [handle.attempt for handle in records.subtasks]
@@ -415,8 +412,13 @@ class StatefulStream:
         parts = [record_from_json(json.loads(row.metrics)) for row in rows]
         batch = combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
         self.metrics.record(batch)
-        if checkpoint_id is not None:
-            self._sync_seconds[checkpoint_id] = batch.sync_cut_seconds
+        if checkpoint_id is not None and self._tracker is not None:
+            entries = {(OPERATOR_ID, row.subtask): row.entries for row in rows}
+            self._tracker.cut_taken(
+                checkpoint_id,
+                batch.sync_cut_seconds,
+                {key: int(n) for key, n in entries.items() if n is not None},
+            )
         rebuilt = [row for row in rows if row.restored_bytes]
         if rebuilt and restore_batch is not None:
             restored_from = self.committer.changelog.layout.manifest_path(restore_batch)

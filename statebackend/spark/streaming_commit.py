@@ -76,12 +76,14 @@ METADATA_SCHEMA = StructType(
         StructField("output_checksum", StringType(), False),
         StructField("restored_bytes", LongType(), False),
         StructField("restore_seconds", DoubleType(), False),
+        StructField("entries", LongType(), True),
     ]
 )
 """What a keyed subtask returns for batch N: its changelog handle (JSON), the path of
 its staged output rows, their count, its ``BatchMetrics`` (JSON), the staged file's
-checksum, and the bytes and seconds it spent rebuilding its state from storage (0 when
-it reused its local copy)."""
+checksum, the bytes and seconds it spent rebuilding its state from storage (0 when it
+reused its local copy), and at a materialization the entries its state held at the cut
+(an estimate; null in other batches)."""
 
 
 def _read_json(fs: CheckpointFileSystem, path: str) -> dict[str, Any] | None:

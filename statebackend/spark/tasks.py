@@ -159,6 +159,8 @@ class KeyedResult:
     restoring the function's operator state."""
     changelog_seconds: float = 0.0
     """Seconds draining, encoding and writing the batch's changelog record."""
+    entries: int | None = None
+    """At a checkpoint: the entries the subtask's state held at the cut (an estimate)."""
 
     def metrics(self, batch_id: int) -> BatchMetrics:
         """This subtask's part of batch ``batch_id``'s metrics."""
@@ -377,6 +379,7 @@ def keyed_task(
                 plan.wait_for_upload,
                 operator_state,
             )
+            result.entries = backend.estimated_entries()
         local.commit(plan.batch_id)
         keep_function(run, root, subtask, plan.version, plan.batch_id)
     yield result

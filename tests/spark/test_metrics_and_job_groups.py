@@ -60,6 +60,11 @@ def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
         Path(path).name for path in summary.checkpoints
     ]
     assert all(c.full_bytes + c.incremental_bytes > 0 for c in checkpoints)
+    # Every keyed subtask counts its entries at the cut; each of the 30 users has some.
+    keyed = [s for s in checkpoints[-1].subtasks if s.operator_id == OPERATOR_ID]
+    assert sorted(s.subtask for s in keyed) == [0, 1]
+    assert all(s.entries is not None and s.entries > 0 for s in keyed)
+    assert sum(s.entries or 0 for s in keyed) >= 30
 
     tracker = spark_local.sparkContext.statusTracker()
     for batch_id in range(summary.batches):

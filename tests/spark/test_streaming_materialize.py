@@ -105,6 +105,11 @@ def test_materializations_become_the_base_and_a_rescaled_restart_is_exact(
         (batch, n) for batch, n in completed.items()
     }
     assert all(m.full_bytes > 0 and m.subtasks for m in measured)
+    # Each subtask counted its entries at the cut: a value per user it holds, at least.
+    for m in measured:
+        users = {user for rows in batches[: m.batch_id + 1] for user, _ in rows}
+        assert sum(s.entries or 0 for s in m.subtasks) >= len(users), m
+        assert all(s.entries is not None for s in m.subtasks), m
     keys = {m.batch_id: m.keys_touched for m in records_of(history, BatchMetrics)}
     assert keys == {b: len({user for user, _ in rows}) for b, rows in enumerate(batches)}
     (rebuild,) = records_of(history, RestoreMetrics)  # batch 6, at the new parallelism
