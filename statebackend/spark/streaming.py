@@ -413,11 +413,10 @@ class StatefulStream:
         batch = combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
         self.metrics.record(batch)
         if checkpoint_id is not None and self._tracker is not None:
-            entries = {(OPERATOR_ID, row.subtask): row.entries for row in rows}
             self._tracker.cut_taken(
                 checkpoint_id,
                 batch.sync_cut_seconds,
-                {key: int(n) for key, n in entries.items() if n is not None},
+                {(OPERATOR_ID, r.subtask): int(r.entries) for r in rows if r.entries is not None},
             )
         rebuilt = [row for row in rows if row.restored_bytes]
         if rebuilt and restore_batch is not None:
