@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -270,27 +271,34 @@ def timer_timestamps(ops: int, seed: int = 7) -> list[int]:
 
 
 def bench_timers(
-    kind: str, sequence: list[str], timestamps: list[int], workdir: Path
+    kind: str, sequence: list[str], timestamps: list[int], workdir: Path, batch: int | None
 ) -> tuple[Timing, Timing, int]:
     """(register timing, fire timing, timers fired): one event-time timer per operation,
-    then one watermark advance firing all of them."""
+    then one watermark advance firing all of them. With ``batch``, as the Spark runtime
+    runs them: the registrations in ``backend.batch()`` blocks of ``batch`` operations,
+    the firing in one."""
     backend = make_backend(kind, workdir)
     try:
         service = backend.timer_service
         set_current_key, register = backend.set_current_key, service.register_event_time_timer
         fired = 0
+        timers = list(zip(sequence, timestamps, strict=True))
+        size = batch or len(timers)
 
         def register_all() -> None:
-            for key, timestamp in zip(sequence, timestamps, strict=True):
-                set_current_key(key)
-                register(timestamp)
+            for start in range(0, len(timers), size):
+                with backend.batch() if batch else nullcontext():
+                    for key, timestamp in timers[start : start + size]:
+                        set_current_key(key)
+                        register(timestamp)
 
         def on_timer(key: object, timestamp: int) -> None:
             nonlocal fired
             fired += 1
 
         def fire_all() -> None:
-            service.advance_watermark(MAX_TIMESTAMP, on_timer)
+            with backend.batch() if batch else nullcontext():
+                service.advance_watermark(MAX_TIMESTAMP, on_timer)
 
         registered = _timed(register_all)
         firing = _timed(fire_all)
@@ -302,11 +310,12 @@ def bench_timers(
 
 
 def bench_raw_timers(
-    sequence: list[str], timestamps: list[int], workdir: Path
-) -> tuple[Timing, Timing, Timing, Timing]:
+    sequence: list[str], timestamps: list[int], workdir: Path, batch: int
+) -> tuple[Timing, Timing, Timing, Timing, Timing]:
     """Raw rocksdict: put of each timer's composite key, an in-order iteration over them;
     then the same work as our layout (per timer a get and two puts, then an in-order
-    iteration deleting both entries of each)."""
+    iteration deleting both entries of each); then the composite keys put again in
+    ``WriteBatch``es of ``batch``."""
     options = Options(raw_mode=True)
     options.create_if_missing(True)
     path = tempfile.mkdtemp(prefix="raw-timers-", dir=workdir)
@@ -355,10 +364,18 @@ def bench_raw_timers(
         for composite in composites:
             del db[composite]
         seen = 0
+
+        def put_batched() -> None:
+            for start in range(0, len(composites), batch):
+                write_batch = WriteBatch(raw_mode=True)
+                for composite in composites[start : start + batch]:
+                    write_batch.put(composite, b"")
+                db.write(write_batch)
+
         put_like_ours = _timed(put_both)
         fire_like_ours = _timed(iterate_and_delete_both)
         assert seen == len(index)
-        return put, iterate, put_like_ours, fire_like_ours
+        return put, iterate, put_like_ours, fire_like_ours, _timed(put_batched)
     finally:
         db.close()
         Rdict.destroy(path, options)
@@ -374,7 +391,7 @@ def run(
     timestamps = timer_timestamps(ops)
     raw_runs: list[Timing] = []
     raw_batched_runs: list[Timing] = []
-    raw_timer_runs: list[tuple[Timing, Timing, Timing, Timing]] = []
+    raw_timer_runs: list[tuple[Timing, Timing, Timing, Timing, Timing]] = []
     ours: dict[tuple[str, str], list[Timing]] = {}
     fired = 0
     with tempfile.TemporaryDirectory(prefix="state-ops-") as tmp:
@@ -382,7 +399,7 @@ def run(
         for _ in range(repeat):
             raw_runs.append(bench_raw_rocksdict(sequence, workdir))
             raw_batched_runs.append(bench_raw_rocksdict_batched(batches, workdir))
-            raw_timer_runs.append(bench_raw_timers(sequence, timestamps, workdir))
+            raw_timer_runs.append(bench_raw_timers(sequence, timestamps, workdir, batch))
             for kind in kinds:
                 ours.setdefault(("ValueState RMW", kind), []).append(
                     bench_value_rmw(kind, sequence, workdir)
@@ -393,19 +410,29 @@ def run(
                 ours.setdefault(("MapState get+put", kind), []).append(
                     bench_map_get_put(kind, sequence, workdir)
                 )
-                registered, firing, fired = bench_timers(kind, sequence, timestamps, workdir)
-                ours.setdefault(("timer register", kind), []).append(registered)
-                ours.setdefault(("timer fire", kind), []).append(firing)
+                for mode, timer_batch in (("", None), (", batched", batch)):
+                    registered, firing, fired = bench_timers(
+                        kind, sequence, timestamps, workdir, timer_batch
+                    )
+                    ours.setdefault((f"timer register{mode}", kind), []).append(registered)
+                    ours.setdefault((f"timer fire{mode}", kind), []).append(firing)
             raw_runs.append(bench_raw_rocksdict(sequence, workdir))
             raw_batched_runs.append(bench_raw_rocksdict_batched(batches, workdir))
-            raw_timer_runs.append(bench_raw_timers(sequence, timestamps, workdir))
+            raw_timer_runs.append(bench_raw_timers(sequence, timestamps, workdir, batch))
     fastest = {
         "get+put": min(raw_runs, key=lambda timing: timing.cpu),
         "batched get+put": min(raw_batched_runs, key=lambda timing: timing.cpu),
     }
-    for i, name in enumerate(("put", "iterate", "get+2 puts", "iterate+2 deletes")):
+    raw_timer_names = ("put", "iterate", "get+2 puts", "iterate+2 deletes", "WriteBatch put")
+    for i, name in enumerate(raw_timer_names):
         fastest[name] = min((run[i] for run in raw_timer_runs), key=lambda timing: timing.cpu)
-    raw_of = {"timer register": "put", "timer fire": "iterate", BATCHED_RMW: "batched get+put"}
+    raw_of = {
+        "timer register": "put",
+        "timer fire": "iterate",
+        "timer register, batched": "put",
+        "timer fire, batched": "iterate",
+        BATCHED_RMW: "batched get+put",
+    }
     results = [
         Result.of("raw get+put", "rocksdict", ops, keys, fastest["get+put"], None),
         Result.of("raw batched get+put", "rocksdict", ops, keys, fastest["batched get+put"], None),
@@ -415,10 +442,13 @@ def run(
         Result.of(
             "raw iterate+2 deletes", "rocksdict", fired, keys, fastest["iterate+2 deletes"], None
         ),
+        Result.of(
+            "raw timer WriteBatch put", "rocksdict", ops, keys, fastest["WriteBatch put"], None
+        ),
     ]
     for (benchmark, kind), runs in ours.items():
         best = min(runs, key=lambda timing: timing.cpu)
-        count = fired if benchmark == "timer fire" else ops
+        count = fired if benchmark.startswith("timer fire") else ops
         raw = fastest[raw_of.get(benchmark, "get+put")]
         results.append(Result.of(benchmark, kind, count, keys, best, raw))
     return results

@@ -171,10 +171,13 @@ class ReadAhead:
 class RocksDBStateStore(StateStore):
     """One state's column family.
 
-    In a batch (``start_batch``) a value-kind store keeps what it read and wrote in a
-    cache (the database plus the batch's writes) and buffers its writes until
-    ``add_writes`` hands them to the backend's one WriteBatch. A map-kind store (map
-    state, timers) is never buffered: its entries are read and written in place.
+    In a batch (``start_batch``) a store buffers its writes until ``add_writes`` hands
+    them, in key order (RocksDB inserts sorted keys into its memtable fastest), to the
+    backend's one WriteBatch. A value-kind store also keeps what it read in a cache (the
+    database plus the batch's writes), filled by the batch's read-ahead; a map-kind store
+    (map state, timers) reads a user key from its buffered writes, else from the database,
+    and writes its buffer out before anything that reads a range (``map_items``, ``keys``,
+    ``composite_keys_from``) or removes one (``delete``).
     """
 
     def __init__(self, db: Rdict, column: Rdict, name: str, is_map: bool) -> None:
@@ -182,6 +185,7 @@ class RocksDBStateStore(StateStore):
         self._column = column
         self._name = name
         self.is_map = is_map
+        self._batching = False
         self._read_ahead: ReadAhead | None = None
         self._fetched = 0
         """How many of the read-ahead prefixes are in the cache."""
@@ -193,6 +197,7 @@ class RocksDBStateStore(StateStore):
 
     def start_batch(self, read_ahead: ReadAhead) -> None:
         """Buffer writes and read ahead the prefixes of ``read_ahead`` (value-kind only)."""
+        self._batching = True
         if not self.is_map:
             self._read_ahead = read_ahead
 
@@ -202,7 +207,8 @@ class RocksDBStateStore(StateStore):
         if not written:
             return 0
         handle = self._db.get_column_family_handle(self._name)
-        for key, value in written.items():
+        for key in sorted(written):
+            value = written[key]
             if value is None:
                 batch.delete(key, handle)
             else:
@@ -216,6 +222,7 @@ class RocksDBStateStore(StateStore):
 
     def end_batch(self) -> None:
         """Stop buffering (after ``add_writes``) and forget the batch's reads."""
+        self._batching = False
         self._read_ahead = None
         self._fetched = 0
         self._cache = {}
@@ -261,6 +268,7 @@ class RocksDBStateStore(StateStore):
 
     def delete(self, current: CurrentKey) -> None:
         if self.is_map:
+            self._flush()
             self._column.delete_range(current.prefix, prefix_end(current.prefix))
         elif self._read_ahead is None:
             del self._column[current.prefix]
@@ -268,18 +276,29 @@ class RocksDBStateStore(StateStore):
             self._cache[current.prefix] = self._written[current.prefix] = None
 
     def map_get(self, current: CurrentKey, user_key: bytes) -> bytes | None:
-        return self._column.get(current.prefix + user_key)
+        composite = current.prefix + user_key
+        if self._written:
+            value = self._written.get(composite, _UNKNOWN)
+            if value is not _UNKNOWN:
+                return cast("bytes | None", value)
+        return self._column.get(composite)
 
     def map_put(self, current: CurrentKey, user_key: bytes, value: bytes) -> None:
-        self._column[current.prefix + user_key] = value
+        if self._batching:
+            self._written[current.prefix + user_key] = value
+        else:
+            self._column[current.prefix + user_key] = value
 
     def map_remove(self, current: CurrentKey, user_key: bytes) -> None:
-        del self._column[current.prefix + user_key]
+        if self._batching:
+            self._written[current.prefix + user_key] = None
+        else:
+            del self._column[current.prefix + user_key]
 
     def map_items(self, current: CurrentKey) -> Iterator[tuple[bytes, bytes]]:
+        self._flush()
         start = len(current.prefix)
-        for key, value in _scan(self._column, current.prefix):
-            yield key[start:], value
+        return ((key[start:], value) for key, value in _scan(self._column, current.prefix))
 
     def keys(self) -> Iterator[bytes]:
         self._flush()

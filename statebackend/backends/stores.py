@@ -15,6 +15,7 @@ from typing import NamedTuple
 KEY_GROUP_PREFIX = Struct(">H")
 KEY_LENGTH = Struct(">I")
 _KEY_HEADER = Struct(">HI")  # KEY_GROUP_PREFIX then KEY_LENGTH, packed in one call
+_new_tuple = tuple.__new__
 
 
 class CurrentKey(NamedTuple):
@@ -32,7 +33,8 @@ class CurrentKey(NamedTuple):
     @classmethod
     def of(cls, key_group: int, key: bytes) -> CurrentKey:
         """The current-key record of serialized ``key`` in ``key_group``."""
-        return cls(key_group, key, _KEY_HEADER.pack(key_group, len(key)) + key)
+        # tuple.__new__ skips the generated __new__'s argument handling (hot path).
+        return _new_tuple(cls, (key_group, key, _KEY_HEADER.pack(key_group, len(key)) + key))
 
 
 def split_composite_key(composite: bytes) -> tuple[int, bytes, bytes]:

@@ -228,22 +228,36 @@ class TimerQueue:
         elif key_group in self._frontier:
             self._refill(key_group)
 
-    def register(self, current: CurrentKey, timestamp: int) -> None:
-        """Add the timer (current key, ``timestamp``) unless it exists."""
-        ts8 = encode_timestamp(timestamp)
-        if self._by_key.map_get(current, ts8) is not None:
-            return
-        self._by_key.map_put(current, ts8, b"")
+    def _find(self, current: CurrentKey, ts8: bytes) -> tuple[CurrentKey, bytes, int | None, bool]:
+        """Where the timer (current key, ``ts8``) is: its ``by_time`` key and composite
+        key, its index in its key group's cache (None when the cache does not cover it)
+        and whether it exists. The cache is asked when it covers the timer (it holds every
+        timer up to its frontier), the ``by_key`` store otherwise."""
         key_group = current.key_group
         time_key = CurrentKey.of(key_group, ts8)
-        self._by_time.map_put(time_key, current.key, b"")
-        self.count += 1
         composite = time_key.prefix + current.key
         frontier = self._frontier.get(key_group)
         if frontier is not None and composite > frontier:
-            return  # only in the store, until the cache reaches it
-        cache = self._cache.setdefault(key_group, [])
+            return time_key, composite, None, self._by_key.map_get(current, ts8) is not None
+        cache = self._cache.get(key_group)
+        if not cache:
+            return time_key, composite, 0, False
         index = bisect_left(cache, composite)
+        return time_key, composite, index, index < len(cache) and cache[index] == composite
+
+    def register(self, current: CurrentKey, timestamp: int) -> None:
+        """Add the timer (current key, ``timestamp``) unless it exists."""
+        ts8 = _TIMESTAMP.pack(timestamp + _SIGN_BIT)
+        time_key, composite, index, exists = self._find(current, ts8)
+        if exists:
+            return
+        self._by_key.map_put(current, ts8, b"")
+        self._by_time.map_put(time_key, current.key, b"")
+        self.count += 1
+        if index is None:
+            return  # only in the store, until the cache reaches it
+        key_group = current.key_group
+        cache = self._cache.setdefault(key_group, [])
         cache.insert(index, composite)
         if index == 0:
             heappush(self._heads, _head(key_group, composite))
@@ -261,20 +275,16 @@ class TimerQueue:
 
     def delete(self, current: CurrentKey, timestamp: int) -> None:
         """Remove the timer (current key, ``timestamp``) if it exists."""
-        ts8 = encode_timestamp(timestamp)
-        if self._by_key.map_get(current, ts8) is None:
+        ts8 = _TIMESTAMP.pack(timestamp + _SIGN_BIT)
+        time_key, _, index, exists = self._find(current, ts8)
+        if not exists:
             return
         self._by_key.map_remove(current, ts8)
-        key_group = current.key_group
-        time_key = CurrentKey.of(key_group, ts8)
         self._by_time.map_remove(time_key, current.key)
         self.count -= 1
-        cache = self._cache.get(key_group)
-        if cache:
-            composite = time_key.prefix + current.key
-            index = bisect_left(cache, composite)
-            if index < len(cache) and cache[index] == composite:
-                self._removed_from_cache(key_group, cache, index)
+        if index is not None:
+            key_group = current.key_group
+            self._removed_from_cache(key_group, self._cache[key_group], index)
 
     def timestamps(self, current: CurrentKey) -> Iterator[int]:
         """The current key's timer timestamps, ascending."""

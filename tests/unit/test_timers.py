@@ -3,13 +3,16 @@
 Expectations come from a model (a set of (timestamp, serialized key) per time domain,
 fired by repeatedly taking its minimum), never from the backend under test. The RocksDB
 backend runs with its default in-memory cache of timers per key group and with a cache
-of 2, so that refills from the store are exercised.
+of 2, so that refills from the store are exercised; the model test also runs it inside
+batches (``KeyedStateBackend.batch``, timer writes buffered), ended and reopened every
+``BATCH_OPS`` operations.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,8 @@ FULL_RANGE = KeyGroupRange(0, M - 1)
 KEYS = [f"k{n}" for n in range(40)]
 # heap; RocksDB with its default cache; RocksDB keeping 2 timers per key group in memory.
 VARIANTS = ["heap", "rocksdb", "rocksdb-cache-2"]
+BATCHED = "rocksdb-cache-2-batched"
+BATCH_OPS = 40
 DOMAINS = ["event", "processing"]
 
 
@@ -49,6 +54,7 @@ class Backends:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.created: list[KeyedStateBackend] = []
+        self.batches: dict[KeyedStateBackend, ExitStack] = {}
 
     def make(
         self, variant: str, key_group_range: KeyGroupRange = FULL_RANGE, reopen: Path | None = None
@@ -65,18 +71,33 @@ class Backends:
             backend = RocksDBKeyedStateBackend(reopen, open_existing=True, **options)
         else:
             backend = RocksDBKeyedStateBackend(self.tmp_path / f"db-{len(self.created)}", **options)
-        if variant == "rocksdb-cache-2":
+        if variant.startswith("rocksdb-cache-2"):
             backend._timer_cache_entries = 2
         self.created.append(backend)
+        if variant == BATCHED:
+            self.batches[backend] = ExitStack()
+            self.rebatch(backend)
         return backend
+
+    def rebatch(self, backend: KeyedStateBackend) -> None:
+        """End a batched backend's batch and open the next (nothing for the others)."""
+        stack = self.batches.get(backend)
+        if stack is not None:
+            stack.close()
+            stack.enter_context(backend.batch())
+
+    def dispose_all(self) -> None:
+        for stack in self.batches.values():
+            stack.close()
+        for backend in self.created:
+            backend.dispose()
 
 
 @pytest.fixture
 def backends(tmp_path: Path) -> Iterator[Backends]:
     factory = Backends(tmp_path)
     yield factory
-    for backend in factory.created:
-        backend.dispose()
+    factory.dispose_all()
 
 
 @pytest.fixture(params=VARIANTS)
@@ -292,7 +313,13 @@ def check_against_model(backend: KeyedStateBackend, model: Model) -> None:
     assert service.current_processing_time == model.clocks["processing"]
 
 
-def run_random(backend: KeyedStateBackend, model: Model, rng: random.Random, steps: int) -> None:
+def run_random(
+    backend: KeyedStateBackend,
+    model: Model,
+    rng: random.Random,
+    steps: int,
+    rebatch: Callable[[KeyedStateBackend], None] = lambda backend: None,
+) -> None:
     service = backend.timer_service
 
     def register_in_backend(key: str, domain: str, timestamp: int) -> None:
@@ -301,7 +328,9 @@ def run_random(backend: KeyedStateBackend, model: Model, rng: random.Random, ste
     def register_in_model(key: str, domain: str, timestamp: int) -> None:
         model.timers[domain].add((timestamp, encoded(key)))
 
-    for _ in range(steps):
+    for step in range(steps):
+        if step % BATCH_OPS == 0:
+            rebatch(backend)
         op = rng.random()
         domain = rng.choice(DOMAINS)
         key = rng.choice(KEYS)
@@ -344,11 +373,12 @@ def run_random(backend: KeyedStateBackend, model: Model, rng: random.Random, ste
 
 
 @pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("variant", [*VARIANTS, BATCHED])
 def test_random_operations_match_the_model(backends: Backends, variant: str, seed: int) -> None:
     rng = random.Random(seed)
     backend = backends.make(variant)
     model = Model()
-    run_random(backend, model, rng, 1500)
+    run_random(backend, model, rng, 1500, backends.rebatch)
     check_against_model(backend, model)
     # Snapshot, restore into every variant, and go on from there with the model.
     cut = backend.sync_cut()
