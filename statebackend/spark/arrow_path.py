@@ -21,8 +21,9 @@ processor, one metadata row per keyed subtask:
    (``outputs/N/<op>-<i>-<attempt>.parquet``, with its checksum) durably; if the batch
    is a materialization, takes the checkpoint's synchronous cut of the state (and
    operator state) after the batch and leaves its upload and ack to the background
-   (``tasks.snapshot_subtask``, as StatefulJob's keyed subtasks do); marks the local copy at N and yields one
-   metadata row: ``streaming_commit`` commits and publishes them.
+   (``tasks.snapshot_subtask``, as StatefulJob's keyed subtasks do); marks the local
+   copy at N and yields one metadata row: ``streaming_commit`` commits and publishes
+   them.
 
 No record is pickled on the way: rows cross the JVM/Python boundary as Arrow.
 """
