@@ -239,7 +239,7 @@ def _keyed_task(
             version = _local_version(plan)
             started = time.perf_counter()
             try:
-                function = start_function(
+                function_run = start_function(
                     plan.spec.processor,
                     _local_root(plan),
                     subtask,
@@ -250,7 +250,7 @@ def _keyed_task(
                 )
                 output = list(
                     run_keyed_subtask(
-                        replace(plan.spec, processor=function.function),
+                        replace(plan.spec, processor=function_run.function),
                         backend,
                         plan.times,
                         counted(chain([first], batches)),
@@ -258,7 +258,7 @@ def _keyed_task(
                         counts,
                     )
                 )
-                operator_state = function.snapshot(plan.batch_id)
+                operator_state = function_run.snapshot(plan.batch_id)
             except StateBackendError:
                 raise
             except Exception as exc:
@@ -290,7 +290,7 @@ def _keyed_task(
                 )
                 entries = backend.estimated_entries()
             local.commit(plan.batch_id)
-            keep_function(function, _local_root(plan), subtask, version, plan.batch_id)
+            keep_function(function_run, _local_root(plan), subtask, version, plan.batch_id)
         metrics = BatchMetrics(
             batch_id=plan.batch_id,
             records_in=records_in,
