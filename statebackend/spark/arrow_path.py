@@ -15,12 +15,15 @@ processor, one metadata row per keyed subtask:
 5. ``mapInArrow(keyed task)``: the subtask opens its local RocksDB (rebuilt from the
    newest batch manifest unless its marker says it is at batch N-1), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
-   (``changelog/N/<op>-<i>-<attempt>``) and its output rows
+   (``changelog/N/<op>-<i>-<attempt>``, with the operator state of a processor that is
+   a ``CheckpointedFunction``: ``function_state`` initializes it when the subtask
+   (re)starts and the record holds its ``snapshot_state`` cut) and its output rows
    (``outputs/N/<op>-<i>-<attempt>.parquet``, with its checksum) durably; if the batch
-   is a materialization, takes the checkpoint's synchronous cut of the state after the
-   batch and leaves its upload and ack to the background (``tasks.snapshot_subtask``,
-   as StatefulJob's keyed subtasks do); marks the local copy at N and yields one
-   metadata row: ``streaming_commit`` commits and publishes them.
+   is a materialization, takes the checkpoint's synchronous cut of the state (and
+   operator state) after the batch and leaves its upload and ack to the background
+   (``tasks.snapshot_subtask``, as StatefulJob's keyed subtasks do); marks the local
+   copy at N and yields one metadata row: ``streaming_commit`` commits and publishes
+   them.
 
 No record is pickled on the way: rows cross the JVM/Python boundary as Arrow.
 """
@@ -51,6 +54,11 @@ from statebackend.checksums import checksum
 from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.arrow_keys import key_groups
+from statebackend.spark.function_state import (
+    keep_function,
+    restore_function_state,
+    start_function,
+)
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.spark.processor_handle import BatchClock, BatchTimes
 from statebackend.spark.processor_runner import (
@@ -64,6 +72,7 @@ from statebackend.spark.processor_runner import (
     SUBTASK_COLUMN,
     ProcessorSpec,
     SubtaskCounts,
+    checkpointed_part,
     run_keyed_subtask,
 )
 from statebackend.spark.streaming_commit import METADATA_SCHEMA
@@ -114,6 +123,22 @@ def _key_groups(
     return assign
 
 
+def _local_root(plan: KeyedBatchPlan) -> Path:
+    """The directory of the job's local copies (and the key of its live functions)."""
+    return Path(plan.local_dir) / plan.storage.job_id / OPERATOR_ID
+
+
+def _local_version(plan: KeyedBatchPlan) -> LocalVersion:
+    """What the subtasks' local state must be at: the end of batch ``plan.restore_batch``,
+    held by its manifest."""
+    return replace(
+        plan.version,
+        previous_batch=plan.restore_batch,
+        restore_dir=None,
+        restore_manifest=plan.restore_batch,
+    )
+
+
 @contextmanager
 def _current_state(
     plan: KeyedBatchPlan, subtask: int, storage: CheckpointStorage
@@ -122,14 +147,9 @@ def _current_state(
     copy if its marker says so (same binding, key groups and batch), else rebuilt from
     manifest ``restore_batch`` (base checkpoint + changelog, any old parallelism), or
     empty for a job without manifests."""
-    root = Path(plan.local_dir) / plan.storage.job_id / OPERATOR_ID
     key_serializer = RowTupleSerializer(plan.key_schema_json)
-    version = replace(
-        plan.version,
-        previous_batch=plan.restore_batch,
-        restore_dir=None,
-        restore_manifest=plan.restore_batch,
-    )
+    version = _local_version(plan)
+    root = _local_root(plan)
     with local_keyed_state(root, subtask, version, storage, OPERATOR_ID, key_serializer) as local:
         yield local
 
@@ -216,11 +236,21 @@ def _keyed_task(
             backend.clock = BatchClock(plan.times.batch_timestamp_ms)
             backend.enable_changelog()
             timers = backend.timer_service if plan.spec.time_mode != "None" else None
+            version = _local_version(plan)
             started = time.perf_counter()
             try:
+                function_run = start_function(
+                    plan.spec.processor,
+                    _local_root(plan),
+                    subtask,
+                    version,
+                    local.reused,
+                    lambda: restore_function_state(storage, version, OPERATOR_ID, subtask),
+                    checkpointed_part,
+                )
                 output = list(
                     run_keyed_subtask(
-                        plan.spec,
+                        replace(plan.spec, processor=function_run.function),
                         backend,
                         plan.times,
                         counted(chain([first], batches)),
@@ -228,13 +258,19 @@ def _keyed_task(
                         counts,
                     )
                 )
+                operator_state = function_run.snapshot(plan.batch_id)
             except StateBackendError:
                 raise
             except Exception as exc:
                 raise _processor_failed(plan, subtask, exc) from exc
             keyed_seconds = time.perf_counter() - started
             handle = ChangelogStorage(storage).write_record(
-                plan.batch_id, OPERATOR_ID, subtask, attempt, backend.drain_changelog()
+                plan.batch_id,
+                OPERATOR_ID,
+                subtask,
+                attempt,
+                backend.drain_changelog(),
+                operator_state,
             )
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
             staged = _parquet_bytes(output, to_arrow_schema(plan.spec.output_schema))
@@ -250,9 +286,11 @@ def _keyed_task(
                     plan.parallelism,
                     plan.run_id,
                     plan.wait_for_upload,
+                    operator_state,
                 )
                 entries = backend.estimated_entries()
             local.commit(plan.batch_id)
+            keep_function(function_run, _local_root(plan), subtask, version, plan.batch_id)
         metrics = BatchMetrics(
             batch_id=plan.batch_id,
             records_in=records_in,

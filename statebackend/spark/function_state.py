@@ -1,6 +1,7 @@
 """The operator state of a keyed subtask's user function, on the executor (FLIP-8).
 
-A ``KeyedFunction`` that also implements ``CheckpointedFunction`` (or
+A user function the runtime runs per keyed subtask (StatefulJob's ``KeyedFunction``, a
+``transform_with_state`` processor) that also implements ``CheckpointedFunction`` (or
 ``ListCheckpointed``) keeps non-keyed state per subtask: a buffer, offsets, a broadcast
 rule set. It has the same lifecycle as the subtask's local keyed state
 (``local_state``): the Spark task gets a freshly unpickled function every batch, so this
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
 from statebackend.checkpoint.changelog_restore import rebuild_operator_state
@@ -31,7 +33,6 @@ from statebackend.checkpoint.restore import restore_operator_state
 from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError, CheckpointUnreadableError
-from statebackend.spark.api import KeyedFunction
 from statebackend.spark.local_state import LocalVersion
 from statebackend.state.functions import (
     CheckpointedFunction,
@@ -40,13 +41,15 @@ from statebackend.state.functions import (
     as_checkpointed_function,
 )
 
+_Function = TypeVar("_Function")
+
 
 @dataclass(frozen=True)
-class FunctionRun:
+class FunctionRun(Generic[_Function]):
     """A keyed subtask's user function for a batch and, if it is checkpointed, its
     operator state."""
 
-    function: KeyedFunction
+    function: _Function
     checkpointed: CheckpointedFunction | None = None
     operator_state: OperatorStateBackend | None = None
 
@@ -61,7 +64,7 @@ class FunctionRun:
 
 
 _Marker = tuple[str, int | None, int, int]
-_LIVE: dict[tuple[str, int], tuple[_Marker, FunctionRun]] = {}
+_LIVE: dict[tuple[str, int], tuple[_Marker, FunctionRun[Any]]] = {}
 """This process's live functions: (local root, subtask) -> (version marker, run)."""
 
 
@@ -107,23 +110,27 @@ def restore_function_state(
 
 
 def start_function(
-    function: KeyedFunction,
+    function: _Function,
     root: Path,
     subtask: int,
     version: LocalVersion,
     keyed_state_reused: bool,
     restore: Callable[[], OperatorStateBackend],
-) -> FunctionRun:
+    checkpointed_of: Callable[[_Function], CheckpointedFunction | None] = (
+        as_checkpointed_function
+    ),
+) -> FunctionRun[_Function]:
     """The function to run subtask ``subtask``'s batch with: the live one if the local
     keyed state was reused and this process holds the function at the same batch, else
-    ``function`` initialized (``initialize_state``) with the operator state ``restore()``
+    ``function`` initialized (``initialize_state`` of ``checkpointed_of(function)``, the
+    part of it that keeps operator state) with the operator state ``restore()``
     returns. Functions without operator state are run as given."""
     key = (str(root), subtask)
     current = _marker(version, version.previous_batch)
     live = _LIVE.pop(key, None)
     for other in [k for k, (marker, _) in _LIVE.items() if k[0] == key[0] and marker != current]:
         del _LIVE[other]  # left behind by a batch this process did not run
-    checkpointed = as_checkpointed_function(function)
+    checkpointed = checkpointed_of(function)
     if checkpointed is None:
         return FunctionRun(function)
     if live is not None and keyed_state_reused and live[0] == current:
@@ -134,7 +141,7 @@ def start_function(
 
 
 def keep_function(
-    run: FunctionRun, root: Path, subtask: int, version: LocalVersion, batch_id: int
+    run: FunctionRun[Any], root: Path, subtask: int, version: LocalVersion, batch_id: int
 ) -> None:
     """Keep ``run`` live in this process as subtask ``subtask`` at ``batch_id`` (once the
     batch committed its local state)."""

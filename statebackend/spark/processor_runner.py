@@ -44,6 +44,7 @@ from statebackend.spark.processor_handle import (
     ProcessorHandle,
     SchemaCatalog,
 )
+from statebackend.state.functions import CheckpointedFunction, as_checkpointed_function
 from statebackend.state.timers import TimerService
 
 KIND_COLUMN = "__sb_kind"
@@ -98,6 +99,14 @@ class KeyedFunctionProcessor(StatefulProcessor):
         """All rows of ``key`` in this batch, through ``process``."""
         assert self._ctx is not None
         yield from self.function.process(key, list(rows), self._ctx)
+
+
+def checkpointed_part(processor: StatefulProcessor) -> CheckpointedFunction | None:
+    """The part of ``processor`` that keeps operator state (``function_state``): the
+    processor itself, or the KeyedFunction a ``KeyedFunctionProcessor`` runs, if it is a
+    CheckpointedFunction (or ListCheckpointed, wrapped); None if it keeps none."""
+    user = processor.function if isinstance(processor, KeyedFunctionProcessor) else processor
+    return as_checkpointed_function(user)
 
 
 def _key_runs(

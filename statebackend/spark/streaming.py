@@ -10,7 +10,9 @@ runs over a RocksDB per keyed subtask instead of Spark's state store: every micr
 goes through ``foreachBatch``, where ``arrow_path.keyed_batch`` shuffles its rows by key
 group to P keyed subtasks over Arrow and runs the processor there. Arguments are checked
 up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
-PRE_INIT) to parse the states' DDL schemas.
+PRE_INIT) to parse the states' DDL schemas. A processor (or KeyedFunction) that is also
+a ``CheckpointedFunction`` (or ``ListCheckpointed``) keeps operator state per keyed
+subtask, as StatefulJob's functions do (``function_state``).
 
 Exactly-once (``streaming_commit``): the query's Spark ``checkpointLocation`` is bound
 to the job's state directory; each keyed subtask writes its state changes and output rows

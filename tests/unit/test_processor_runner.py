@@ -41,9 +41,15 @@ from statebackend.spark.processor_runner import (
     SUBTASK_COLUMN,
     KeyedFunctionProcessor,
     ProcessorSpec,
+    checkpointed_part,
     run_keyed_subtask,
 )
 from statebackend.state.descriptors import ValueStateDescriptor
+from statebackend.state.functions import (
+    FunctionInitializationContext,
+    FunctionSnapshotContext,
+    ListCheckpointedAdapter,
+)
 from statebackend.state.ttl import StateTtlConfig
 from tests.unit.stateful_processors import (
     KEY_SCHEMA,
@@ -352,3 +358,35 @@ def test_a_one_ms_ttl_lives_through_its_batch_and_not_the_next(
         assert state.value() == timestamp_ms
         clock.timestamp_ms = timestamp_ms + 1
         assert state.value() is None
+
+
+class CheckpointedTotals(RowTotals):
+    """A processor that also keeps operator state."""
+
+    def initialize_state(self, ctx: FunctionInitializationContext) -> None:
+        self.seen = ctx.operator_state_store.get_list_state("seen")
+
+    def snapshot_state(self, ctx: FunctionSnapshotContext) -> None:
+        pass
+
+
+class ListCheckpointedTotals(Totals):
+    """A KeyedFunction whose operator state is one list."""
+
+    def snapshot_state(self, checkpoint_id: int) -> list[Any]:
+        return []
+
+    def restore_state(self, state: list[Any]) -> None:
+        pass
+
+
+def test_the_checkpointed_part_of_a_processor_is_what_keeps_operator_state() -> None:
+    """The processor itself, or the KeyedFunction a KeyedFunctionProcessor runs
+    (a ListCheckpointed one wrapped); None when neither keeps operator state."""
+    processor = CheckpointedTotals()
+    assert checkpointed_part(processor) is processor
+    function = ListCheckpointedTotals()
+    adapter = checkpointed_part(KeyedFunctionProcessor(function))
+    assert isinstance(adapter, ListCheckpointedAdapter) and adapter.function is function
+    assert checkpointed_part(RowTotals()) is None
+    assert checkpointed_part(KeyedFunctionProcessor(Totals())) is None
