@@ -19,7 +19,7 @@ full,incremental``), after fresh writes of 2000 keys to the memtables:
   the slowest), and the rescale 4->8 (the same for the 8 new subtasks); each restored
   backend's keys are counted afterwards (not timed), so a row shows that all K came back;
 - the process's peak RSS during the size (fill and every format), and above its RSS
-  before the first database opened.
+  before the first database opened (also up to the end of the fill alone).
 
 It prints a table with the time per GB of checkpoint of the upload and of the restores,
 and the targets' verdicts: sync pause <= 50 ms at every size; upload and restore time
@@ -103,6 +103,8 @@ class Row:
     rss_peak_mb: float
     rss_growth_mb: float
     """Peak RSS above the RSS before the first database opened."""
+    rss_fill_growth_mb: float
+    """The same, up to the end of the fill (before any checkpoint or restore)."""
 
     def per_gb(self, seconds: float) -> float:
         """``seconds`` per GB of this checkpoint."""
@@ -240,6 +242,7 @@ def measure_size(
             for backend in backends:  # as earlier checkpoints of a running job would have
                 backend._db.flush()
             fill_s = time.perf_counter() - started
+            fill_growth = rss.peak - rss.base
             touched = min(keys, TOUCHED_KEYS)
             for round_, name in enumerate(formats, start=1):
                 snapshot_bench.fill(backends, touched, values, round_)
@@ -283,6 +286,7 @@ def measure_size(
     for row in partial:
         row["rss_peak_mb"] = round(rss.peak / MB, 1)
         row["rss_growth_mb"] = round((rss.peak - rss.base) / MB, 1)
+        row["rss_fill_growth_mb"] = round(fill_growth / MB, 1)
     out.put(partial)
 
 
@@ -362,7 +366,7 @@ def print_table(rows: list[Row]) -> None:
         f"{'keys':>10} {'format':<11} {'storage':<7} {'ckpt MB':>9} {'sync ms':>8} "
         f"{'worst':>7} {'upload s':>9} {'s/GB':>6} {'restore s':>10} {'max':>7} {'s/GB':>6} "
         f"{'4->8 s':>8} {'max':>7} {'s/GB':>6} {'restored':>10} {'rescaled':>10} "
-        f"{'RSS MB':>7} {'growth':>7} {'fill s':>7}"
+        f"{'RSS MB':>7} {'growth':>7} {'at fill':>7} {'fill s':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -374,7 +378,7 @@ def print_table(rows: list[Row]) -> None:
             f"{r.restore_s:>10.3f} {r.restore_max_s:>7.3f} {r.per_gb(r.restore_s):>6.1f} "
             f"{r.rescale_s:>8.3f} {r.rescale_max_s:>7.3f} {r.per_gb(r.rescale_s):>6.1f} "
             f"{r.restored_keys:>10} {r.rescaled_keys:>10} {r.rss_peak_mb:>7.0f} "
-            f"{r.rss_growth_mb:>7.0f} {r.fill_s:>7.1f}"
+            f"{r.rss_growth_mb:>7.0f} {r.rss_fill_growth_mb:>7.0f} {r.fill_s:>7.1f}"
         )
     print()
     for line in verdicts(rows):

@@ -45,7 +45,7 @@ def test_main_measures_and_prints_every_size_and_format(
         assert row["upload_s"] > 0
         assert 0 < row["restore_max_s"] <= row["restore_s"]
         assert 0 < row["rescale_max_s"] <= row["rescale_s"]
-        assert 0 <= row["rss_growth_mb"] < row["rss_peak_mb"]
+        assert 0 <= row["rss_fill_growth_mb"] <= row["rss_growth_mb"] < row["rss_peak_mb"]
     assert list(tmp_path.iterdir()) == []  # scratch removed
 
     measured = [scale.Row(**row) for row in rows]
