@@ -415,6 +415,7 @@ def plot(rows: list[Row], path: str) -> None:
         axis.set_xscale("log")
         if "sync" in title:
             axis.axhline(SYNC_PAUSE_TARGET_MS, color="red", linestyle="--", label="target")
+            axis.set_ylim(bottom=0)
         else:
             axis.set_yscale("log")
         axis.set_title(title)
