@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import queue
 import shutil
 import statistics
 import sys
@@ -64,9 +65,9 @@ OLD_PARALLELISM = 4
 NEW_PARALLELISM = 8
 FORMATS = ("full", "incremental")
 TOUCHED_KEYS = 2000
+"""Keys rewritten before each cut, so that it has a memtable to flush."""
 PAUSE_ROUND_BASE = 1000
 """Checkpoint ids (and value rounds) of the cuts measured for the pause only."""
-"""Keys rewritten before each cut, so that it has a memtable to flush."""
 SYNC_PAUSE_TARGET_MS = 50.0
 PER_GB_SPREAD_TARGET = 1.5
 LARGE_CHECKPOINT_BYTES = 100 << 20
@@ -311,7 +312,7 @@ def run_size(
             try:
                 rows = out.get(timeout=5)
                 break
-            except Exception:  # queue.Empty: keep waiting while the child lives
+            except queue.Empty:  # keep waiting while the child lives
                 if not child.is_alive():
                     raise RuntimeError(
                         f"the measuring process of {keys} keys died (exit code "
