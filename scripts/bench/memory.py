@@ -53,20 +53,41 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status: this benchmark needs Linux")
 
 
+class PeakRss:
+    """This process's RSS before the block (``base``) and its peak during it (``peak``),
+    sampled every 50 ms by a thread and once more when the block ends."""
+
+    def __init__(self) -> None:
+        self.base = rss_bytes()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> PeakRss:
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
 def workload(limit: int | None, keys: int, value_bytes: int, workdir: str, out: Any) -> None:
     """Child process: the workload under ``limit``; puts its figures on ``out``."""
     set_memory_limit(limit)
-    base = rss_bytes()
-    peak = base
-    stop = threading.Event()
+    with PeakRss() as rss:
+        figures = _fill_and_read(keys, value_bytes, workdir)
+    out.put({"base": rss.base, "peak": rss.peak, **figures})
 
-    def sample() -> None:
-        nonlocal peak
-        while not stop.wait(0.05):
-            peak = max(peak, rss_bytes())
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+def _fill_and_read(keys: int, value_bytes: int, workdir: str) -> dict[str, float]:
+    """The workload: write ``keys`` keys over 4 backends, read each back once; returns
+    the seconds the writes took and the databases' bytes on disk."""
     backends = [
         RocksDBKeyedStateBackend(
             Path(workdir) / f"subtask-{i}",
@@ -104,13 +125,10 @@ def workload(limit: int | None, keys: int, value_bytes: int, workdir: str, out: 
         i = subtask(key)
         backends[i].set_current_key(key)
         states[i].value()
-    stop.set()
-    sampler.join()
-    peak = max(peak, rss_bytes())
     disk = sum(f.stat().st_size for f in Path(workdir).rglob("*") if f.is_file())
     for backend in backends:
         backend.dispose()
-    out.put({"base": base, "peak": peak, "written_s": written, "disk": disk})
+    return {"written_s": written, "disk": disk}
 
 
 def main(argv: list[str] | None = None) -> int:

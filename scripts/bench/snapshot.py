@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rocksdict import Checkpoint
 
@@ -183,28 +183,34 @@ def new_backend(local: Path, parallelism: int, index: int) -> RocksDBKeyedStateB
     )
 
 
-def fill(backends: list[RocksDBKeyedStateBackend], count: int, values: Values) -> None:
-    """Write ``count`` keys, each to the backend owning its key group."""
+FILL_BATCH = 50_000
+"""Keys written per round of ``fill``: each backend writes its share in one batch."""
+
+
+def fill(
+    backends: list[RocksDBKeyedStateBackend], count: int, values: Values, round_: int = 0
+) -> None:
+    """Write keys ``key-0`` .. ``key-{count-1}`` (the value of key n is
+    ``values(n + round_)``), each to the backend owning its key group, in rounds of
+    ``FILL_BATCH`` keys of which each backend writes its share in one ``batch`` (one
+    WriteBatch)."""
     parallelism = len(backends)
-    states = [backend.get_state(STATE) for backend in backends]
+    states = [cast(ValueState, backend.get_state(STATE)) for backend in backends]
     keys = StrSerializer()
-    for n in range(count):
-        key = f"key-{n}"
-        group = assign_to_key_group(keys.serialize(key), MAX_PARALLELISM)
-        index = compute_operator_index_for_key_group(MAX_PARALLELISM, parallelism, group)
-        backends[index].set_current_key(key)
-        state = states[index]
-        assert isinstance(state, ValueState)
-        state.update(values(n))
-
-
-def touch(backend: RocksDBKeyedStateBackend, count: int, values: Values, round_: int) -> None:
-    """Overwrite ``count`` existing keys (fresh writes in the memtable before a cut)."""
-    state = backend.get_state(STATE)
-    assert isinstance(state, ValueState)
-    for n in range(count):
-        backend.set_current_key(f"key-{n}")
-        state.update(values(n + round_))
+    owner = [
+        compute_operator_index_for_key_group(MAX_PARALLELISM, parallelism, group)
+        for group in range(MAX_PARALLELISM)
+    ]
+    for start in range(0, count, FILL_BATCH):
+        shares: list[list[int]] = [[] for _ in backends]
+        for n in range(start, min(count, start + FILL_BATCH)):
+            group = assign_to_key_group(keys.serialize(f"key-{n}"), MAX_PARALLELISM)
+            shares[owner[group]].append(n)
+        for backend, state, share in zip(backends, states, shares, strict=True):
+            with backend.batch():
+                for n in share:
+                    backend.set_current_key(f"key-{n}")
+                    state.update(values(n + round_))
 
 
 def raw_pipe_seconds(storage: CheckpointStorage, directory: str, data: bytes) -> float:
@@ -275,14 +281,14 @@ def bench_sync_and_upload(
     try:
         rounds = max(repeat, UPLOADS_PER_LOCATION * len(locations))
         for round_ in range(rounds):
-            touch(backend, 2000, values, round_ + 1)
+            fill([backend], 2000, values, round_ + 1)
             raw_dir = tempfile.mkdtemp(dir=workdir)
             started = time.perf_counter()
             Checkpoint(backend._db).create_checkpoint(str(Path(raw_dir) / "cp"))
             raw_pauses.append(time.perf_counter() - started)
             shutil.rmtree(raw_dir)
 
-            touch(backend, 2000, values, round_ + 2)
+            fill([backend], 2000, values, round_ + 2)
             location = locations[round_ % len(locations)]
             storage = storages[location.name]
             checkpoint_id = round_ + 1
