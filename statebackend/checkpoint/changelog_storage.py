@@ -20,10 +20,21 @@ Protocol (one micro-batch B; DESIGN.md "Structured Streaming and the changelog")
 
 The checkpoints that retained manifests build on must outlive them:
 ``referenced_checkpoints`` names them for the checkpoint retention.
+
+The driver is the job's only committer (one driver per job directory, fenced by leader
+epochs), so its ``ChangelogStorage`` lists the manifests once and then keeps the list as
+it commits and deletes them, and ``cleanup`` looks only at the records directories of
+the batches committed since its previous run but one (to delete the attempts not
+accepted, and a late straggler's) and of the batches no longer referenced (deleted
+whole, with any record a zombie attempt wrote later). A batch then costs the driver a
+bounded number of storage calls (check, write, two listings, deletes), whatever the
+checkpoint interval. The first ``cleanup`` of an instance, and the first after
+``restart``, lists the whole changelog.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -72,6 +83,16 @@ class ChangelogStorage:
         self._base: ManifestBase | None = None
         self._manifests: dict[int, BatchManifest] = {}
         """Manifests read or written so far: a manifest never changes once written."""
+        self._ids: list[int] | None = None
+        """The committed batches with a manifest, as this committer knows them (None:
+        list them at the next need)."""
+        self._swept: int | None = None
+        """The newest batch whose records ``cleanup`` has looked at since the changelog
+        was last listed whole (None: list it whole at the next ``cleanup``)."""
+        self._referenced: set[int] = set()
+        """The batches the retained manifests referenced at the last ``cleanup``."""
+        self._recent: set[int] = set()
+        """The referenced batches committed between the last two ``cleanup`` runs."""
 
     # -- subtasks -------------------------------------------------------------------------
 
@@ -144,7 +165,8 @@ class ChangelogStorage:
                 f"{path} already commits batch {batch_id} with other records or "
                 f"properties: a batch is committed once (is another driver running?)"
             )
-        previous = self.latest_manifest()
+        ids = self._committed_ids()
+        previous = self.load_manifest(ids[-1]) if ids else None
         base = None if previous is None else previous.base
         if self._base is not None and (base is None or base.batch_id < self._base.batch_id):
             base = self._base
@@ -160,6 +182,7 @@ class ChangelogStorage:
         )
         self.fs.write_atomic(path, manifest.to_bytes(self.storage.signing_key))
         self._manifests[batch_id] = manifest
+        bisect.insort(ids, batch_id)
         if cleanup:
             self.cleanup()
         return manifest
@@ -171,7 +194,7 @@ class ChangelogStorage:
 
         Raises CheckpointError if batch b is not committed yet or N is not complete.
         """
-        latest = self.manifest_ids()
+        latest = self._committed_ids()
         if not latest or latest[-1] < batch_id:
             raise CheckpointError(
                 f"checkpoint {checkpoint_id} of batch {batch_id} cannot become the base "
@@ -196,11 +219,14 @@ class ChangelogStorage:
             None if batch_id is None else self._completed_base(checkpoint_id, batch_id, directory)
         )
         after = -1 if batch_id is None else batch_id
-        dropped = [old for old in self.manifest_ids() if old > after]
+        ids = self.manifest_ids()
+        dropped = [old for old in ids if old > after]
         for old in reversed(dropped):  # newest first: a crash leaves a prefix of the history
             self.fs.delete(self.layout.manifest_path(old))
             self._manifests.pop(old, None)
         self._base = base
+        self._ids = [old for old in ids if old <= after]
+        self._swept = None
         return dropped
 
     def _completed_base(
@@ -215,8 +241,9 @@ class ChangelogStorage:
 
     def cleanup(self) -> list[str]:
         """Keep the newest ``retained`` manifests; delete the records of committed
-        batches that none of them references. Returns the deleted paths."""
-        ids = self.manifest_ids()
+        batches that none of them references (between materializations: of the batches
+        committed since the last ``cleanup``). Returns the deleted paths."""
+        ids = self._committed_ids()
         if not ids:
             return []
         deleted = []
@@ -225,12 +252,23 @@ class ChangelogStorage:
             self.fs.delete(path)
             self._manifests.pop(old, None)
             deleted.append(path)
-        kept = [self.load_manifest(batch_id) for batch_id in ids[-self.retained :]]
+        del ids[: -self.retained]
+        kept = [self.load_manifest(batch_id) for batch_id in ids]
         referenced = {
             resolve_path(self.layout.manifests_dir, f.path) for m in kept for f in m.files()
         }
         referenced_batches = {h.batch_id for m in kept for h in m.handles()}
-        for batch_id in batch_ids(self.fs.list_dir(self.layout.changelog_dir)):
+        if self._swept is None:
+            swept = batch_ids(self.fs.list_dir(self.layout.changelog_dir))
+            self._recent = referenced_batches & {ids[-1]}
+        else:  # older batches were looked at twice: their records are as they were
+            committed = referenced_batches.intersection(range(self._swept + 1, ids[-1] + 1))
+            unreferenced = self._referenced - referenced_batches
+            recent = self._recent & referenced_batches
+            swept = sorted(unreferenced | committed | recent)
+            self._recent = committed
+        self._swept, self._referenced = ids[-1], referenced_batches
+        for batch_id in swept:
             if batch_id > ids[-1]:
                 continue
             directory = self.layout.batch_changelog_dir(batch_id)
@@ -250,6 +288,13 @@ class ChangelogStorage:
     def manifest_ids(self) -> list[int]:
         """The committed batches that have a manifest, ascending."""
         return batch_ids(self.fs.list_dir(self.layout.manifests_dir))
+
+    def _committed_ids(self) -> list[int]:
+        """The committed batches that have a manifest, ascending, as this committer
+        knows them (listed once, then kept as it commits and deletes); not a copy."""
+        if self._ids is None:
+            self._ids = self.manifest_ids()
+        return self._ids
 
     def load_manifest(self, batch_id: int) -> BatchManifest:
         """Manifest B, validated; CheckpointCorruptedError naming it if it is missing,

@@ -73,6 +73,8 @@ def _optional_int(key: str, text: str) -> int | None:
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+DEFAULT_SINGLE_STAGE_BYTES = 4 << 20
+"""A StatefulJob batch of at most this many input bytes runs as one stage (no shuffle)."""
 DEFAULT_ROCKSDB_MEMORY = 512 << 20
 """Bytes the RocksDB instances of one executor Python worker share (``rocksdb.memory``)."""
 
@@ -83,17 +85,31 @@ def parse_memory_size(key: str, text: str) -> int | None:
     lowered = text.strip().lower()
     if lowered == "unbounded":
         return None
-    unit = lowered[-1:] if lowered[-1:].isalpha() else ""
-    number = lowered[: len(lowered) - len(unit)]
-    try:
-        value = int(number) * _SIZE_UNITS[unit]
-    except (ValueError, KeyError):
-        value = 0
-    if value < 1 << 20:
+    value = _bytes(lowered)
+    if value is None or value < 1 << 20:
         raise ConfigurationError(
             f"{key}={text!r} is invalid: give a size of at least 1m (e.g. 512m, 2g) or unbounded"
         )
     return value
+
+
+def parse_byte_size(key: str, text: str) -> int:
+    """Bytes of a size such as ``1m``, ``512k`` or ``0``; ConfigurationError naming
+    ``key`` otherwise."""
+    value = _bytes(text.strip().lower())
+    if value is None or value < 0:
+        raise ConfigurationError(f"{key}={text!r} is invalid: give a size such as 0, 512k or 2m")
+    return value
+
+
+def _bytes(lowered: str) -> int | None:
+    """The bytes of a lower-case size with an optional unit (k, m, g), or None."""
+    unit = lowered[-1:] if lowered[-1:].isalpha() else ""
+    number = lowered[: len(lowered) - len(unit)]
+    try:
+        return int(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        return None
 
 
 def _optional_seconds(key: str, text: str) -> float | None:
@@ -119,6 +135,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "rocksdb.memory": ("rocksdb_memory", parse_memory_size),
     "streaming.tick-interval": ("tick_interval", _optional_seconds),
     "changelog.materialize-every": ("materialize_every", _positive_int),
+    "batch.single-stage-bytes": ("single_stage_bytes", parse_byte_size),
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
 
@@ -157,6 +174,10 @@ class StateBackendConf:
     materialize_every: int = 10
     """Batches between the materializations of a ``transform_with_state`` query (a
     StatefulJob materializes at its checkpoints, every ``checkpoint_interval`` batches)."""
+    single_stage_bytes: int = DEFAULT_SINGLE_STAGE_BYTES
+    """A StatefulJob batch of at most this many input bytes runs as one stage: each keyed
+    subtask reads the whole batch itself, keeping its key groups, instead of a shuffle
+    (0: never)."""
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, str]], **overrides: Any) -> StateBackendConf:

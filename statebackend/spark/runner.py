@@ -4,6 +4,11 @@ Each micro-batch is one Spark job: ``parallelize(range(P), P)`` runs the source 
 ``partitionBy(P, identity)`` shuffles records to the keyed subtask of their key group, the
 keyed subtasks run the user's function over their executor-local RocksDB, and ``collect()``
 brings back small per-subtask results (new source offsets, counts, changelog handles).
+A batch of at most ``batch.single-stage-bytes`` of input runs as one stage instead: the
+driver fixes where the batch ends in each partition, and each keyed subtask reads all of
+it, keeping the records of its key groups (no source stage and no shuffle, whose fixed
+cost dominates a small batch); keyed subtask i reports source subtask i's new offsets, so
+what a batch commits is the same either way.
 
 Every batch N is committed by a batch manifest (``ChangelogStorage``): each keyed
 subtask writes its batch's state changes as a changelog record; the driver accepts one
@@ -109,6 +114,7 @@ from statebackend.spark.tasks import (
     StorageSpec,
     keyed_task,
     output_directory,
+    single_stage_input,
     source_task,
 )
 
@@ -630,11 +636,13 @@ class StatefulJob:
             run_id=self._coordinator.run_id,
         )
         sc = self.spark.sparkContext
+        stages = "keyed"
         if read_source:
             if self.output_dir is not None:
                 # Output of an attempt whose batch was not committed (a failed attempt,
                 # a killed driver's), maybe at another parallelism: rewritten whole.
                 shutil.rmtree(output_directory(self.output_dir, batch_id), ignore_errors=True)
+            ends = self._single_stage_ends()
             source_plan = SourcePlan(
                 self.source,
                 self._offsets(),
@@ -643,18 +651,28 @@ class StatefulJob:
                 self.key_serializer,
                 p,
                 self._max_parallelism,
+                ends,
             )
-            records = sc.parallelize(range(p), p).mapPartitionsWithIndex(
-                lambda index, _: source_task(source_plan, index)
-            )
-            shuffled = records.partitionBy(p, lambda subtask: subtask)
+            if ends is None:
+                stages = "source, shuffle, keyed"
+                keyed = (
+                    sc.parallelize(range(p), p)
+                    .mapPartitionsWithIndex(lambda index, _: source_task(source_plan, index))
+                    .partitionBy(p, lambda subtask: subtask)
+                    .mapPartitionsWithIndex(lambda index, items: keyed_task(plan, index, items))
+                )
+            else:
+                stages = "source and keyed, one stage"
+                keyed = sc.parallelize(range(p), p).mapPartitionsWithIndex(
+                    lambda index, _: keyed_task(plan, index, single_stage_input(source_plan, index))
+                )
         else:
-            shuffled = sc.parallelize([], p)
-        started = time.perf_counter()
-        with job_group(sc, self.job_id, self.operator_id, "source, shuffle, keyed", batch_id):
-            results: list[KeyedResult] = shuffled.mapPartitionsWithIndex(
+            keyed = sc.parallelize([], p).mapPartitionsWithIndex(
                 lambda index, items: keyed_task(plan, index, items)
-            ).collect()
+            )
+        started = time.perf_counter()
+        with job_group(sc, self.job_id, self.operator_id, stages, batch_id):
+            results: list[KeyedResult] = keyed.collect()
         seconds = time.perf_counter() - started
         offsets = self._offsets()
         for result in results:
@@ -668,6 +686,22 @@ class StatefulJob:
         if checkpoint_id is not None:
             self._tracker.uploads_started()
             self._acknowledge_source(checkpoint_id)
+
+    def _single_stage_ends(self) -> dict[int, int] | None:
+        """Per partition, the byte offset where this batch ends if it runs as one stage:
+        None if its input is more than ``batch.single-stage-bytes`` (it then runs as
+        source tasks and a shuffle)."""
+        budget = self.conf.single_stage_bytes
+        if budget <= 0:
+            return None
+        ends: dict[int, int] = {}
+        for partition, offset in iter_owned(self._offsets()):
+            end = self.source.batch_end(partition, offset, self.batch_size, budget)
+            if end is None:
+                return None
+            ends[partition] = end
+            budget -= end - offset
+        return ends
 
     def _record_batch(
         self,

@@ -15,13 +15,14 @@ counted in the job's summary.
 
 from __future__ import annotations
 
+import io
 import json
 import json.scanner
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.errors import ConfigurationError, SourceError
@@ -126,36 +127,73 @@ class LogSource:
                     return True
         return False
 
-    def read(self, partition: int, offset: int, max_records: int, key_of: KeyOf) -> PartitionBatch:
-        """Up to ``max_records`` complete lines of ``partition`` from ``offset``, keyed."""
+    def batch_end(self, partition: int, offset: int, max_lines: int, max_bytes: int) -> int | None:
+        """The byte offset after the first ``max_lines`` complete lines of ``partition``
+        from ``offset`` (after all its complete lines if it has fewer), or None if they
+        span more than ``max_bytes`` bytes (with fewer, so do the file's remaining bytes).
+        The bytes before it never change (the file is append-only), so every reader of
+        ``read(..., end=)`` gets the same lines."""
+        lines_left, scanned, complete = max_lines, 0, 0
+        with partition_path(self.directory, partition).open("rb") as f:
+            f.seek(offset)
+            while chunk := f.read(min(_READ_HINT, max_bytes + 1 - scanned)):
+                newlines = chunk.count(b"\n")
+                if newlines >= lines_left:
+                    rest = chunk.split(b"\n", lines_left)[-1]
+                    end = scanned + len(chunk) - len(rest)
+                    return offset + end if end <= max_bytes else None
+                lines_left -= newlines
+                if newlines:
+                    complete = scanned + chunk.rfind(b"\n") + 1
+                scanned += len(chunk)
+                if scanned > max_bytes:
+                    return None
+        return offset + complete
+
+    def read(
+        self,
+        partition: int,
+        offset: int,
+        max_records: int,
+        key_of: KeyOf,
+        end: int | None = None,
+    ) -> PartitionBatch:
+        """Up to ``max_records`` complete lines of ``partition`` from ``offset``, keyed;
+        with ``end``, only lines before byte ``end``."""
         path = partition_path(self.directory, partition)
         records: list[tuple[Any, Any]] = []
         skipped = 0
         with path.open("rb") as f:
             f.seek(offset)
-            while len(records) < max_records:
-                lines = f.readlines(_READ_HINT)
-                for line in lines:
-                    if len(records) >= max_records or not line.endswith(b"\n"):
-                        return PartitionBatch(records, offset, skipped)
-                    try:
-                        record = parse_line(line)
-                        key = key_of(record)
-                    except Exception as exc:
-                        if self.on_malformed == "skip":
-                            skipped += 1
-                            offset += len(line)
-                            continue
-                        raise SourceError(
-                            f"{path} line {_line_number(path, offset)}: malformed record "
-                            f"({type(exc).__name__}: {exc}): fix the line, or run with "
-                            f"on_malformed='skip' to skip and count such lines"
-                        ) from None
-                    records.append((key, record))
-                    offset += len(line)
-                if not lines:
+            for line in _lines(f, None if end is None else end - offset):
+                if len(records) >= max_records or not line.endswith(b"\n"):
                     break
+                try:
+                    record = parse_line(line)
+                    key = key_of(record)
+                except Exception as exc:
+                    if self.on_malformed == "skip":
+                        skipped += 1
+                        offset += len(line)
+                        continue
+                    raise SourceError(
+                        f"{path} line {_line_number(path, offset)}: malformed record "
+                        f"({type(exc).__name__}: {exc}): fix the line, or run with "
+                        f"on_malformed='skip' to skip and count such lines"
+                    ) from None
+                records.append((key, record))
+                offset += len(line)
         return PartitionBatch(records, offset, skipped)
+
+
+def _lines(f: BinaryIO, limit: int | None) -> Iterator[bytes]:
+    """The lines of ``f`` from its position (the last one maybe incomplete), all of them
+    or those in its next ``limit`` bytes."""
+    if limit is not None:
+        yield from io.BytesIO(f.read(limit))
+        return
+    while lines := f.readlines(_READ_HINT):
+        yield from lines
 
 
 def assign_partitions(partitions: list[int], parallelism: int) -> list[Offsets]:

@@ -114,6 +114,9 @@ class SourcePlan:
     key_serializer: Serializer[Any]
     parallelism: int
     max_parallelism: int
+    ends: dict[int, int] | None = None
+    """Per partition, the byte offset the batch ends at, fixed by the driver for a
+    single-stage batch (so that every keyed subtask reads the same lines); else None."""
 
 
 @dataclass(frozen=True)
@@ -178,23 +181,47 @@ class KeyedResult:
 
 def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
     """Read source subtask ``subtask``'s partitions; route records by key group."""
+    return _read_source(plan, subtask, None)
+
+
+def single_stage_input(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+    """The input of keyed subtask ``subtask`` in a single-stage batch (no shuffle): the
+    records of its key groups, read from every partition up to ``plan.ends``, and the
+    marker of source subtask ``subtask`` (its new offsets, what ``source_task`` sends)."""
+    return _read_source(plan, subtask, subtask)
+
+
+def _read_source(
+    plan: SourcePlan, subtask: int, only_for: int | None
+) -> Iterator[tuple[int, tuple[Any, ...]]]:
+    """Read source subtask ``subtask``'s partitions (with ``only_for``, every subtask's,
+    keeping the records of keyed subtask ``only_for``); route records by key group; end
+    with source subtask ``subtask``'s marker."""
     new_offsets: Offsets = []
     skipped = 0
     parallelism, max_parallelism = plan.parallelism, plan.max_parallelism
     serialize = plan.key_serializer.serialize
+    ends = plan.ends or {}
     targets: dict[Any, int] = {}  # key -> keyed subtask, computed once per key and batch
-    for partition, offset in plan.offsets[subtask]:
-        batch = plan.source.read(partition, offset, plan.batch_size, plan.key_of)
-        for key, record in batch.records:
-            target = targets.get(key)
-            if target is None:
-                key_group = assign_to_key_group(serialize(key), max_parallelism)
-                target = targets[key] = compute_operator_index_for_key_group(
-                    max_parallelism, parallelism, key_group
-                )
-            yield target, (RECORD, key, record)
-        new_offsets.append((partition, batch.offset))
-        skipped += batch.skipped
+    for source_subtask, share in enumerate(plan.offsets):
+        if only_for is None and source_subtask != subtask:
+            continue
+        for partition, offset in share:
+            batch = plan.source.read(
+                partition, offset, plan.batch_size, plan.key_of, ends.get(partition)
+            )
+            for key, record in batch.records:
+                target = targets.get(key)
+                if target is None:
+                    key_group = assign_to_key_group(serialize(key), max_parallelism)
+                    target = targets[key] = compute_operator_index_for_key_group(
+                        max_parallelism, parallelism, key_group
+                    )
+                if only_for is None or target == only_for:
+                    yield target, (RECORD, key, record)
+            if source_subtask == subtask:
+                new_offsets.append((partition, batch.offset))
+                skipped += batch.skipped
     yield subtask, (MARKER, subtask, new_offsets, skipped)
 
 
