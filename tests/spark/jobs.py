@@ -4,7 +4,8 @@ plain-Python totals of all the input."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,30 @@ from pyspark.sql import SparkSession
 from statebackend.spark import example
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.runner import RunSummary
+
+SIGNING_KEY = "spark.statebackend.checkpoint.signing-key"
+
+
+@contextmanager
+def streaming_session(
+    spark: SparkSession, tmp_path: Path, *pairs: tuple[str, str], local_dir: str | None = None
+) -> Iterator[SparkSession]:
+    """``spark`` set up for ``transform_with_state`` tests: our checkpoints in
+    ``tmp_path/ours``, the local copies in ``local_dir`` (default ``tmp_path/local``), and
+    the ``spark.statebackend.*`` pairs; afterwards every key set, and the signing key a
+    test may have set, is unset."""
+    conf = {
+        "spark.statebackend.checkpoint.dir": (tmp_path / "ours").as_uri(),
+        "spark.statebackend.local.dir": local_dir or str(tmp_path / "local"),
+        **dict(pairs),
+    }
+    for key, value in conf.items():
+        spark.conf.set(key, value)
+    try:
+        yield spark
+    finally:
+        for key in (*conf, SIGNING_KEY):
+            spark.conf.unset(key)
 
 
 def settings(tmp_path: Path, *pairs: tuple[str, str]) -> StateBackendConf:

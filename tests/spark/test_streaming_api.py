@@ -20,6 +20,7 @@ from pyspark.sql.streaming.stateful_processor import (
 
 from statebackend.errors import ConfigurationError
 from statebackend.spark.streaming import transform_with_state
+from tests.spark.jobs import streaming_session
 from tests.spark.streaming_parity import write_batches
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -53,11 +54,8 @@ class Totals(StatefulProcessor):
 
 @pytest.fixture
 def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
-    spark_local.conf.set("spark.statebackend.checkpoint.dir", (tmp_path / "ours").as_uri())
-    spark_local.conf.set("spark.statebackend.local.dir", str(tmp_path / "local"))
-    yield spark_local
-    spark_local.conf.unset("spark.statebackend.checkpoint.dir")
-    spark_local.conf.unset("spark.statebackend.local.dir")
+    with streaming_session(spark_local, tmp_path) as session:
+        yield session
 
 
 @pytest.fixture

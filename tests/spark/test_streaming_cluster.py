@@ -16,6 +16,7 @@ from pyspark.sql import SparkSession
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.storage import CheckpointStorage
 from tests.spark import test_streaming_exactly_once, test_streaming_parity
+from tests.spark.jobs import streaming_session
 from tests.spark.streaming_parity import ParityCase, run_parity
 
 PRIVATE_LOCAL_DIR = "statebackend-local"
@@ -35,13 +36,11 @@ def executor_local_dirs(spark: SparkSession, job_id: str) -> list[Path]:
 
 @pytest.fixture
 def spark(spark_cluster: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
-    spark_cluster.conf.set("spark.statebackend.checkpoint.dir", (tmp_path / "ours").as_uri())
-    spark_cluster.conf.set("spark.statebackend.local.dir", PRIVATE_LOCAL_DIR)
-    spark_cluster.conf.set(test_streaming_exactly_once.MATERIALIZE_EVERY, "2")
-    yield spark_cluster
-    spark_cluster.conf.unset("spark.statebackend.checkpoint.dir")
-    spark_cluster.conf.unset("spark.statebackend.local.dir")
-    spark_cluster.conf.unset(test_streaming_exactly_once.MATERIALIZE_EVERY)
+    materialize = (test_streaming_exactly_once.MATERIALIZE_EVERY, "2")
+    with streaming_session(
+        spark_cluster, tmp_path, materialize, local_dir=PRIVATE_LOCAL_DIR
+    ) as session:
+        yield session
 
 
 def test_parity_on_two_executors(spark_cluster: SparkSession, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.state_reader import read_state
 from statebackend.spark.streaming import transform_with_state
+from tests.spark.jobs import streaming_session
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "streaming_user_totals.py"
@@ -100,11 +101,8 @@ def read_output(spark: SparkSession, directory: Path) -> OutputRows:
 
 @pytest.fixture
 def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
-    spark_local.conf.set("spark.statebackend.checkpoint.dir", (tmp_path / "ours").as_uri())
-    spark_local.conf.set("spark.statebackend.local.dir", str(tmp_path / "local"))
-    yield spark_local
-    spark_local.conf.unset("spark.statebackend.checkpoint.dir")
-    spark_local.conf.unset("spark.statebackend.local.dir")
+    with streaming_session(spark_local, tmp_path) as session:
+        yield session
 
 
 def _stateful(spark: SparkSession, input_dir: Path, job_id: str, parallelism: int) -> Any:

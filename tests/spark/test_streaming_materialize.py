@@ -25,6 +25,7 @@ from statebackend.checkpoint.metrics import (
     records_of,
 )
 from statebackend.checkpoint.storage import CheckpointStorage
+from tests.spark.jobs import SIGNING_KEY, streaming_session
 from tests.spark.test_streaming_exactly_once import (
     MATERIALIZE_EVERY,
     expected_output,
@@ -36,21 +37,11 @@ from tests.spark.test_streaming_exactly_once import (
     write_batch_files,
 )
 
-SIGNING_KEY = "spark.statebackend.checkpoint.signing-key"
-
 
 @pytest.fixture
 def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
-    settings = {
-        "spark.statebackend.checkpoint.dir": (tmp_path / "ours").as_uri(),
-        "spark.statebackend.local.dir": str(tmp_path / "local"),
-        MATERIALIZE_EVERY: "2",
-    }
-    for key, value in settings.items():
-        spark_local.conf.set(key, value)
-    yield spark_local
-    for key in (*settings, SIGNING_KEY):
-        spark_local.conf.unset(key)
+    with streaming_session(spark_local, tmp_path, (MATERIALIZE_EVERY, "2")) as session:
+        yield session
 
 
 def job_storage(tmp_path: Path, job_id: str) -> tuple[CheckpointStorage, ChangelogStorage]:

@@ -47,6 +47,7 @@ from statebackend.serializers import IntSerializer, RowTupleSerializer, StrSeria
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.streaming import transform_with_state
 from statebackend.state.functions import FunctionInitializationContext, FunctionSnapshotContext
+from tests.spark.jobs import streaming_session
 from tests.spark.test_streaming_exactly_once import MATERIALIZE_EVERY
 
 JOB = "late-stream"
@@ -222,16 +223,8 @@ def materialized_late(storage: CheckpointStorage, parallelism: int) -> tuple[int
 
 @pytest.fixture
 def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
-    settings = {
-        "spark.statebackend.checkpoint.dir": (tmp_path / "ours").as_uri(),
-        "spark.statebackend.local.dir": str(tmp_path / "local"),
-        MATERIALIZE_EVERY: "2",
-    }
-    for key, value in settings.items():
-        spark_local.conf.set(key, value)
-    yield spark_local
-    for key in settings:
-        spark_local.conf.unset(key)
+    with streaming_session(spark_local, tmp_path, (MATERIALIZE_EVERY, "2")) as session:
+        yield session
 
 
 def test_split_and_broadcast_state_of_a_processor_across_restarts_and_rescales(
