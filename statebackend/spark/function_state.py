@@ -29,11 +29,12 @@ from typing import Any, Generic, TypeVar
 from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
 from statebackend.checkpoint.changelog_restore import rebuild_operator_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restore_operator_state
-from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointError, CheckpointUnreadableError
-from statebackend.spark.local_state import LocalVersion
+from statebackend.spark.local_state import LocalVersion, restore_version
 from statebackend.state.functions import (
     CheckpointedFunction,
     FunctionInitializationContext,
@@ -82,31 +83,27 @@ def restore_function_state(
     Raises CheckpointUnreadableError naming the source if it cannot be read, so that the
     driver falls back to an older checkpoint.
     """
-    manifest_batch, restore_dir = version.restore_manifest, version.restore_dir
-    source = restore_dir
-    try:
-        if manifest_batch is not None:
-            changelog = ChangelogStorage(storage)
-            source = storage.layout.manifest_path(manifest_batch)
-            manifest = changelog.load_manifest(manifest_batch)
-            return rebuild_operator_state(
-                changelog, manifest, operator_id, subtask, version.parallelism
-            )
-        if restore_dir is not None:
-            metadata = storage.load(restore_dir)
-            with verified_reads(
-                storage.fs, restore_dir, metadata.files(), storage.signing_key
-            ) as reads:
-                restored = restore_operator_state(
-                    reads, restore_dir, metadata, operator_id, subtask, version.parallelism
-                )
-            return restored if restored.is_restored else OperatorStateBackend(OperatorStateCut())
-    except CheckpointError as exc:
-        raise CheckpointUnreadableError(
-            f"subtask {subtask} of {operator_id} cannot restore its function's operator "
-            f"state from {source}: {exc}"
-        ) from exc
-    return OperatorStateBackend()
+    parallelism = version.parallelism
+
+    def from_manifest(changelog: ChangelogStorage, manifest: BatchManifest) -> OperatorStateBackend:
+        return rebuild_operator_state(changelog, manifest, operator_id, subtask, parallelism)
+
+    def from_checkpoint(
+        reads: CheckpointFileSystem, restore_dir: str, metadata: CheckpointMetadata
+    ) -> OperatorStateBackend:
+        restored = restore_operator_state(
+            reads, restore_dir, metadata, operator_id, subtask, parallelism
+        )
+        return restored if restored.is_restored else OperatorStateBackend(OperatorStateCut())
+
+    restored = restore_version(
+        storage,
+        version,
+        f"subtask {subtask} of {operator_id} (its function's operator state)",
+        from_manifest,
+        from_checkpoint,
+    )
+    return OperatorStateBackend() if restored is None else restored
 
 
 def start_function(

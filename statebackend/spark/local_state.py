@@ -43,6 +43,7 @@ import os
 import shutil
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -87,6 +91,38 @@ class LocalVersion:
 _PROBE_BYTES = 1 << 20
 """Bytes written to tell whether the local directory still takes writes."""
 _Backend = TypeVar("_Backend", bound=KeyedStateBackend)
+_Restored = TypeVar("_Restored")
+
+
+def restore_version(
+    storage: CheckpointStorage,
+    version: LocalVersion,
+    what: str,
+    from_manifest: Callable[[ChangelogStorage, BatchManifest], _Restored],
+    from_checkpoint: Callable[[CheckpointFileSystem, str, CheckpointMetadata], _Restored],
+) -> _Restored | None:
+    """Read the state a subtask must be at by ``version``: ``from_manifest`` of manifest
+    ``restore_manifest`` if there is one, else ``from_checkpoint`` of checkpoint
+    ``restore_dir`` (its files read through ``verified_reads``), else nothing (None).
+
+    Raises CheckpointUnreadableError saying that ``what`` cannot restore from the manifest
+    or checkpoint (so that the driver falls back to an older checkpoint).
+    """
+    manifest_batch, restore_dir = version.restore_manifest, version.restore_dir
+    source = restore_dir
+    try:
+        if manifest_batch is not None:
+            changelog = ChangelogStorage(storage)
+            source = storage.layout.manifest_path(manifest_batch)
+            return from_manifest(changelog, changelog.load_manifest(manifest_batch))
+        if restore_dir is not None:
+            metadata = storage.load(restore_dir)
+            files, key = metadata.files(), storage.signing_key
+            with verified_reads(storage.fs, restore_dir, files, key) as reads:
+                return from_checkpoint(reads, restore_dir, metadata)
+    except CheckpointError as exc:
+        raise CheckpointUnreadableError(f"{what} cannot restore from {source}: {exc}") from exc
+    return None
 
 
 class LocalKeyedState(ABC):
@@ -175,31 +211,30 @@ class LocalKeyedState(ABC):
         """Load the state at ``previous_batch`` into the fresh ``backend`` from manifest
         ``restore_manifest`` or else checkpoint ``restore_dir`` (neither: it stays empty);
         return the backend."""
-        manifest_batch, restore_dir = self._version.restore_manifest, self._version.restore_dir
-        if manifest_batch is None and restore_dir is None:
+        if self._version.restore_manifest is None and self._version.restore_dir is None:
             return backend
         fs = self._storage.fs
         before, extra = fs.bytes_read, 0
-        source = restore_dir
+        operator_id = self._operator_id
+
+        def from_manifest(changelog: ChangelogStorage, manifest: BatchManifest) -> None:
+            rebuild_keyed_state(backend, changelog, manifest, operator_id)
+
+        def from_checkpoint(
+            reads: CheckpointFileSystem, restore_dir: str, metadata: CheckpointMetadata
+        ) -> None:
+            nonlocal extra
+            restore_keyed_state(backend, reads, restore_dir, metadata, operator_id)
+            extra = 0 if reads is fs else reads.bytes_read
+
         try:
-            if manifest_batch is not None:
-                changelog = ChangelogStorage(self._storage)
-                source = self._storage.layout.manifest_path(manifest_batch)
-                manifest = changelog.load_manifest(manifest_batch)
-                rebuild_keyed_state(backend, changelog, manifest, self._operator_id)
-            else:
-                assert restore_dir is not None
-                metadata = self._storage.load(restore_dir)
-                files, key = metadata.files(), self._storage.signing_key
-                with verified_reads(fs, restore_dir, files, key) as reads:
-                    restore_keyed_state(backend, reads, restore_dir, metadata, self._operator_id)
-                extra = 0 if reads is fs else reads.bytes_read
-        except CheckpointError as exc:
-            backend.dispose()
-            raise CheckpointUnreadableError(
-                f"subtask {self._subtask} of {self._operator_id} cannot restore from "
-                f"{source}: {exc}"
-            ) from exc
+            restore_version(
+                self._storage,
+                self._version,
+                f"subtask {self._subtask} of {operator_id}",
+                from_manifest,
+                from_checkpoint,
+            )
         except BaseException:
             backend.dispose()
             raise
