@@ -134,49 +134,32 @@ def _timed(loop: Callable[[], None]) -> Timing:
     return Timing(time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def bench_value_rmw(kind: str, sequence: list[str], workdir: Path) -> Timing:
-    """ValueState read-modify-write."""
-    backend = make_backend(kind, workdir)
-    try:
-        state = backend.get_state(ValueStateDescriptor("count", IntSerializer(), default=0))
-        assert isinstance(state, ValueState)
-        set_current_key, value, update = backend.set_current_key, state.value, state.update
-
-        def loop() -> None:
-            for key in sequence:
-                set_current_key(key)
-                update(value() + 1)
-
-        result = _timed(loop)
-        _check_counts(backend, state, sequence)
-        return result
-    finally:
-        backend.dispose()
-
-
 def batches_of(sequence: list[str], size: int) -> list[list[str]]:
     """The operations cut into consecutive batches of ``size``."""
     return [sequence[start : start + size] for start in range(0, len(sequence), size)]
 
 
-def bench_value_rmw_batched(kind: str, batches: list[list[str]], workdir: Path) -> Timing:
-    """ValueState read-modify-write, each batch of operations in one ``backend.batch``
-    of its keys."""
+def bench_value_rmw(
+    kind: str, sequence: list[str], workdir: Path, batch: int | None = None
+) -> Timing:
+    """ValueState read-modify-write; with ``batch``, each ``batch`` operations in one
+    ``backend.batch`` of their keys."""
     backend = make_backend(kind, workdir)
     try:
         state = backend.get_state(ValueStateDescriptor("count", IntSerializer(), default=0))
         assert isinstance(state, ValueState)
         set_current_key, value, update = backend.set_current_key, state.value, state.update
+        chunks = batches_of(sequence, batch or len(sequence))
 
         def loop() -> None:
-            for batch in batches:
-                with backend.batch(dict.fromkeys(batch)):
-                    for key in batch:
+            for chunk in chunks:
+                with backend.batch(dict.fromkeys(chunk)) if batch else nullcontext():
+                    for key in chunk:
                         set_current_key(key)
                         update(value() + 1)
 
         result = _timed(loop)
-        _check_counts(backend, state, [key for batch in batches for key in batch])
+        _check_counts(backend, state, sequence)
         return result
     finally:
         backend.dispose()
@@ -405,7 +388,7 @@ def run(
                     bench_value_rmw(kind, sequence, workdir)
                 )
                 ours.setdefault((BATCHED_RMW, kind), []).append(
-                    bench_value_rmw_batched(kind, batches, workdir)
+                    bench_value_rmw(kind, sequence, workdir, batch)
                 )
                 ours.setdefault(("MapState get+put", kind), []).append(
                     bench_map_get_put(kind, sequence, workdir)
