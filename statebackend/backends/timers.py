@@ -247,7 +247,7 @@ class TimerQueue:
 
     def register(self, current: CurrentKey, timestamp: int) -> None:
         """Add the timer (current key, ``timestamp``) unless it exists."""
-        ts8 = _TIMESTAMP.pack(timestamp + _SIGN_BIT)
+        ts8 = encode_timestamp(timestamp)
         time_key, composite, index, exists = self._find(current, ts8)
         if exists:
             return
@@ -275,7 +275,7 @@ class TimerQueue:
 
     def delete(self, current: CurrentKey, timestamp: int) -> None:
         """Remove the timer (current key, ``timestamp``) if it exists."""
-        ts8 = _TIMESTAMP.pack(timestamp + _SIGN_BIT)
+        ts8 = encode_timestamp(timestamp)
         time_key, _, index, exists = self._find(current, ts8)
         if not exists:
             return
