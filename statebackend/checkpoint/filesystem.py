@@ -299,17 +299,31 @@ class CheckpointFileSystem:
         write is abandoned and CheckpointCancelledError raised. Whenever the write does not
         complete, nothing is left at ``path`` (an object store's multipart upload is
         aborted) and the error is raised: CheckpointErrors as they are, anything else
-        wrapped in a CheckpointError naming the path.
+        wrapped in a CheckpointError naming the path. A write that fails once
+        ``should_stop`` says stop (an abort deletes the checkpoint's directory while its
+        uploads may still write into it) raises CheckpointCancelledError: it was cancelled,
+        not broken.
         """
 
+        def stopped() -> bool:
+            return should_stop is not None and should_stop()
+
         def check_stop() -> None:
-            if should_stop is not None and should_stop():
+            if stopped():
                 raise CheckpointCancelledError(f"writing {path} was cancelled")
+
+        def cancelled(exc: Exception) -> CheckpointCancelledError:
+            return CheckpointCancelledError(f"writing {path} was cancelled: {exc}")
 
         size = 0
         running = RunningChecksum(self.checksum_algorithm)
-        with _io_errors("open for writing", path):
-            f = self._fs.open(path, "wb")
+        try:
+            with _io_errors("open for writing", path):
+                f = self._fs.open(path, "wb")
+        except CheckpointError as exc:
+            if stopped():
+                raise cancelled(exc) from exc.__cause__
+            raise
         try:
             for chunk in chunks:
                 check_stop()
@@ -321,7 +335,11 @@ class CheckpointFileSystem:
             f.close()
         except BaseException as exc:
             self._abandon(f, path)
-            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            if isinstance(exc, CheckpointCancelledError) or not isinstance(exc, Exception):
+                raise
+            if stopped():
+                raise cancelled(exc) from exc
+            if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"could not write {path}: {exc}") from exc
         return WrittenFile(path=path, size=size, checksum=running.value())

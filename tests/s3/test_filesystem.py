@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -92,6 +93,44 @@ def test_cancel_after_the_last_chunk_still_aborts(fs: CheckpointFileSystem, root
     with pytest.raises(CheckpointCancelledError):
         fs.write_file(f"{root}/f", [b"data"], should_stop=lambda: next(calls))
     assert not fs.exists(f"{root}/f")
+
+
+def test_a_write_failing_after_it_was_told_to_stop_is_cancelled(
+    fs: CheckpointFileSystem, root: str
+) -> None:
+    """An abort deletes the checkpoint's directory while its uploads may still write into
+    it: a write that fails once ``should_stop`` says stop was cancelled, not broken."""
+    path = f"{root}/job/chk-2/state.bin"
+    aborted: list[bool] = []
+
+    def chunks() -> Iterator[bytes]:
+        yield pattern(10_000)
+        aborted.append(True)  # the abort lands, and the directory goes with it
+        raise OSError("No such file or directory")
+
+    with pytest.raises(CheckpointCancelledError, match="state.bin.*No such file") as info:
+        fs.write_file(path, chunks(), should_stop=lambda: bool(aborted))
+
+    assert isinstance(info.value.__cause__, OSError)
+    assert not fs.exists(path)
+
+
+def test_a_write_whose_directory_vanishes_as_it_opens_is_cancelled_once_told_to_stop(
+    tmp_path: Path,
+) -> None:
+    """On a local file system, opening a file whose directory is being deleted by an
+    abort fails (its parent is found and gone); the write was cancelled if ``should_stop``
+    says stop by then, and is a CheckpointError naming the path otherwise."""
+    fs = open_filesystem(tmp_path.as_uri())
+    (tmp_path / "chk-2").write_bytes(b"")  # the parent cannot be made: open fails
+    path = f"{tmp_path.as_uri()}/chk-2/MANIFEST"
+
+    with pytest.raises(CheckpointCancelledError, match="MANIFEST") as cancelled:
+        fs.write_file(path, [b"x"], should_stop=lambda: True)
+    assert isinstance(cancelled.value.__cause__, FileExistsError)
+    with pytest.raises(CheckpointError, match="could not open for writing .*MANIFEST") as info:
+        fs.write_file(path, [b"x"], should_stop=lambda: False)
+    assert not isinstance(info.value, CheckpointCancelledError)
 
 
 def test_an_exception_mid_write_leaves_no_file(fs: CheckpointFileSystem, root: str) -> None:
