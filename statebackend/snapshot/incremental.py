@@ -232,8 +232,8 @@ def upload_native_checkpoint(
     new SST files to ``shared``, the others into ``directory`` (the checkpoint's), each
     named after ``name`` (the subtask's unique prefix), up to ``threads`` files at a time.
     Checks ``should_stop`` before each file and chunk; on cancellation or failure deletes
-    what it uploaded and raises. Asks ``abandoned`` once all files are written: if the
-    checkpoint was aborted meanwhile, it deletes them too and raises
+    what it uploaded and raises. Asks ``abandoned`` once all files are written (or one
+    failed): if the checkpoint was aborted meanwhile, it deletes them too and raises
     CheckpointCancelledError, so that a late upload leaves nothing behind. On success the
     paths it uploaded (not the shared files it reuses) are appended to ``uploaded``.
     """
@@ -279,13 +279,15 @@ def upload_native_checkpoint(
     with ThreadPoolExecutor(max(1, min(threads, len(pending))), "statebackend-file") as pool:
         futures = [pool.submit(upload, *item) for item in pending]
         wait(futures)
-    if not failures and abandoned():
-        failures.append(
-            CheckpointCancelledError(
-                f"checkpoint {checkpoint_id} was aborted while {name} uploaded; "
-                "its files were deleted"
-            )
+    if (not failures or not isinstance(failures[0], CheckpointCancelledError)) and abandoned():
+        # A write that failed because the abort deleted the directory under it was
+        # cancelled, not broken: ``should_stop`` only looks at the abort now and then.
+        aborted = CheckpointCancelledError(
+            f"checkpoint {checkpoint_id} was aborted while {name} uploaded; "
+            "its files were deleted"
         )
+        aborted.__cause__ = failures[0] if failures else None
+        failures.insert(0, aborted)
     if failures:
         # write_file leaves nothing of a file it did not finish; delete the finished ones.
         for (_, remote, _, _), future in zip(pending, futures, strict=True):

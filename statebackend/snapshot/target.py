@@ -13,7 +13,7 @@ from statebackend.backends.keyed import KeyedStateCut
 from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.raw_keyed import RawKeyedStateCut
 from statebackend.checksums import checksum
-from statebackend.errors import CheckpointCancelledError
+from statebackend.errors import CheckpointCancelledError, CheckpointError
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.future import ShouldStop, SnapshotFuture
 from statebackend.snapshot.incremental import SharedLocation, upload_native_checkpoint
@@ -155,7 +155,17 @@ class SnapshotDirectory:
         """Write one file of the snapshot, stopping between chunks when cancelled or
         aborted; a file finished after an abort is deleted (CheckpointCancelledError)."""
         path = f"{self.directory}/{relative}"
-        written = self.filesystem.write_file(path, chunks, should_stop=self._stop(should_stop))
+        try:
+            written = self.filesystem.write_file(
+                path, chunks, should_stop=self._stop(should_stop)
+            )
+        except CheckpointError as exc:
+            # The abort deletes the directory under a write it has not stopped yet.
+            if not isinstance(exc, CheckpointCancelledError) and self._abandoned():
+                raise CheckpointCancelledError(
+                    f"checkpoint {checkpoint_id} was aborted while {self.name} wrote {path}"
+                ) from exc
+            raise
         self._keep_unless_abandoned(checkpoint_id, [path])
         return written
 

@@ -15,15 +15,20 @@ import textwrap
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import fsspec
 import pytest
 from fsspec.utils import get_protocol
 
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCancelledError, CheckpointError, CheckpointFencedError
+from statebackend.keygroups import KeyGroupRange
+from statebackend.state.interfaces import ValueState
 from statebackend.tools.gc import find_garbage
 from tests.conftest import Storage
 from tests.s3 import test_checkpoint_storage as heap_jobs
@@ -115,6 +120,40 @@ def test_an_abort_mid_upload_leaves_no_file_outside_retained_checkpoints(
         assert restored == job.models[after]
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_an_upload_whose_directory_an_abort_deletes_is_cancelled(
+    tmp_path: Path, incremental: bool
+) -> None:
+    """The abort lands between an upload's (rate-limited) looks at it and deletes the
+    checkpoint's directory: the upload's next file cannot be opened there, and the upload
+    ends as cancelled (not as a broken or corrupted checkpoint) leaving nothing behind."""
+    storage = CheckpointStorage(tmp_path.as_uri(), "job", incremental=incremental)
+    coordinator = CheckpointCoordinator(storage, max_parallelism=heap_jobs.M)
+    backend = RocksDBKeyedStateBackend(
+        tmp_path / "local", max_parallelism=heap_jobs.M, key_group_range=KeyGroupRange(0, 127)
+    )
+    try:
+        count = cast(ValueState, backend.get_state(incremental_jobs.COUNT))
+        for key in range(200):
+            backend.set_current_key(f"key-{key}")
+            count.update(key)
+        checkpoint_id = coordinator.trigger({incremental_jobs.OPERATOR: 1})
+        target = storage.snapshot_target(
+            checkpoint_id, incremental_jobs.OPERATOR, 0, coordinator.run_id
+        )
+        coordinator.abort(checkpoint_id)
+        directory = Path(storage.layout.checkpoint_path(checkpoint_id).removeprefix("file://"))
+        directory.write_bytes(b"")  # nothing can be opened under it any more
+        future = backend.snapshot(checkpoint_id, target)
+        with pytest.raises(CheckpointCancelledError, match="aborted"):
+            future.result(WAIT)
+        directory.unlink()
+        assert find_garbage(storage.fs, storage.layout.job_dir) == []
+    finally:
+        backend.dispose()
+        storage.close()
 
 
 def test_retention_deletes_the_shared_files_of_an_ack_that_raced_the_abort(
