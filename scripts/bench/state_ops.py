@@ -16,8 +16,9 @@ for every measurement):
   the callback); beside raw rocksdict ``put`` of the same timers' composite keys (key
   group, timestamp, key: the layout ``backends/timers.py`` orders them by), one at a
   time, and a raw in-order iteration over them. Ours writes two entries per timer (by
-  time and by key) after an existence check, and firing deletes both, so the raw figures
-  are the least any RocksDB timer store could cost;
+  time and by key), beyond a key group's cached timers after an existence read when
+  the batch's changes are settled, and firing deletes both, so the raw figures are the
+  least any RocksDB timer store could cost;
 
 and prints ops/s and the ratio ours / raw, by wall-clock and by CPU time of this process
 (RocksDB's threads included; the CPU figure is the one to trust on a machine busy with

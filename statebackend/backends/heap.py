@@ -163,7 +163,8 @@ class HeapKeyedStateBackend(KeyedStateBackend):
         pass
 
     def _write_batch(self) -> None:
-        pass
+        if self._timer_service is not None:
+            self._timer_service.settle()
 
     def _end_batch(self) -> None:
         pass

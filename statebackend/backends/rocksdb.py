@@ -533,6 +533,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         self._read_ahead.prefixes.extend(current.prefix for current in records)
 
     def _write_batch(self) -> None:
+        if self._timer_service is not None:
+            self._timer_service.settle()  # its waiting changes are written with the rest
         if self._read_ahead is None:
             return
         batch = WriteBatch(raw_mode=True)

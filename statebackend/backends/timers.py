@@ -26,6 +26,18 @@ created (one ordered read per key group), which is also when the timers are coun
 unless their count is known (a RocksDB backend reopened after ``close()``): then only the
 first ``cache_entries`` are read per key group.
 
+Registering and deleting read nothing from the store on the way (as Flink's
+``RocksDBCachingPriorityQueueSet.add``). Within a key group's cached range the cache
+tells whether the timer exists and both entries change at once. Beyond it the change
+waits in memory (``TimerQueue.settle``) until something reads the timer stores or
+writes them out: the backend settles before it writes its buffered writes
+(``KeyedStateBackend._write_batch``: the end of a batch, a snapshot's synchronous cut,
+a changelog drain, ``close``), the queue before it lists a key's timers, refills a
+cache or counts, and after ``_PENDING_LIMIT`` waiting changes. Settling reads whether
+each waiting timer exists, in key order (RocksDB serves sorted reads faster than
+random ones), and writes only those whose existence changes: counts are exact
+whenever they are read, and the stores hold every timer before they are written out.
+
 The watermark and processing time are not entries (they are per subtask, not per key
 group): they travel in the keyed handle as ``TimerSnapshotInfo`` with the timer counts
 and earliest timestamps, and a restore from several handles (rescale) takes the minimum.
@@ -38,6 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from struct import Struct
+from struct import error as struct_error
 from typing import Any, NamedTuple
 
 from statebackend.backends.stores import KEY_GROUP_PREFIX, KEY_LENGTH, CurrentKey, StateStore
@@ -57,9 +70,16 @@ PROCESSING_TIME = "processing"
 TIME_DOMAINS = (EVENT_TIME, PROCESSING_TIME)
 
 _TIMESTAMP = Struct(">Q")
+_TIME_PREFIX = Struct(">HIQ")
+"""A ``by_time`` composite key's prefix: key group, key length (8) and ``ts8`` at once."""
+_PENDING_LIMIT = 10_000
+"""Timer changes beyond the cached ranges that may wait for ``TimerQueue.settle``."""
 _SIGN_BIT = 1 << 63
-_TIME_FROM = KEY_GROUP_PREFIX.size + KEY_LENGTH.size
-"""Where ``ts8`` starts in a ``by_time`` composite key."""
+_KEY_LENGTH_FROM = KEY_GROUP_PREFIX.size
+_KEY_FROM = _TIME_FROM = KEY_GROUP_PREFIX.size + KEY_LENGTH.size
+"""Where a composite key's key starts (a ``by_time`` key's: its ``ts8``)."""
+_LENGTH_8 = KEY_LENGTH.pack(_TIMESTAMP.size)
+_new_tuple = tuple.__new__
 _TIMER_KEY_FROM = _TIME_FROM + _TIMESTAMP.size
 """Where the serialized timer key starts in a ``by_time`` composite key."""
 
@@ -91,10 +111,14 @@ def check_timestamp(timestamp: Any) -> int:
         or isinstance(timestamp, bool)
         or not MIN_TIMESTAMP <= timestamp <= MAX_TIMESTAMP
     ):
-        raise StateAccessError(
-            f"timer timestamp {timestamp!r} is not an int of signed 64 bits: give milliseconds"
-        )
+        raise _bad_timestamp(timestamp)
     return timestamp
+
+
+def _bad_timestamp(timestamp: Any) -> StateAccessError:
+    return StateAccessError(
+        f"timer timestamp {timestamp!r} is not an int of signed 64 bits: give milliseconds"
+    )
 
 
 def timer_state_metas() -> list[tuple[str, StateKind, dict[str, Any]]]:
@@ -173,8 +197,10 @@ class TimerQueue:
 
     Invariant, per key group: ``_cache`` holds, sorted, exactly the stored timers ordered
     at or before ``_frontier`` (all its timers when it has no frontier), and is not empty
-    while a frontier exists; ``_heads`` holds an entry for the first cached timer of every
-    key group, among stale entries that are skipped when met.
+    while a frontier exists; ``_pending`` holds changes of timers beyond the frontier only
+    (a frontier moves to later timers only by a refill, which settles them first);
+    ``_heads`` holds an entry for the first cached timer of every key group, among stale
+    entries that are skipped when met.
     """
 
     def __init__(
@@ -191,14 +217,19 @@ class TimerQueue:
         self._cache: dict[int, list[bytes]] = {}
         self._frontier: dict[int, bytes] = {}
         self._heads: list[_Head] = []
-        self.count = 0 if count is None else count
+        self._pending: dict[bytes, bool] = {}
+        """Changes beyond the cached ranges not yet applied (see ``settle``): ``by_key``
+        composite key -> whether the timer is to be present. Only bytes and bools, which
+        the garbage collector does not track: thousands of tuples waiting here would be
+        promoted to its oldest generation and trigger full collections."""
+        self._count = 0 if count is None else count
         read = None if count is None or cache_entries is None else cache_entries + 1
         for key_group in key_groups:
             composites = by_time.composite_keys_from(
                 key_group, KEY_GROUP_PREFIX.pack(key_group), read
             )
             if count is None:
-                self.count += len(composites)
+                self._count += len(composites)
             if composites:
                 self._fill(key_group, composites[:cache_entries], len(composites))
 
@@ -213,6 +244,7 @@ class TimerQueue:
             heappush(self._heads, _head(key_group, composites[0]))
 
     def _refill(self, key_group: int) -> None:
+        self.settle()
         limit = self._cache_entries
         composites = self._by_time.composite_keys_from(
             key_group, self._frontier[key_group] + b"\x00", limit
@@ -228,36 +260,42 @@ class TimerQueue:
         elif key_group in self._frontier:
             self._refill(key_group)
 
-    def _find(self, current: CurrentKey, ts8: bytes) -> tuple[CurrentKey, bytes, int | None, bool]:
-        """Where the timer (current key, ``ts8``) is: its ``by_time`` key and composite
-        key, its index in its key group's cache (None when the cache does not cover it)
-        and whether it exists. The cache is asked when it covers the timer (it holds every
-        timer up to its frontier), the ``by_key`` store otherwise."""
-        key_group = current.key_group
-        time_key = CurrentKey.of(key_group, ts8)
-        composite = time_key.prefix + current.key
+    def change(self, current: CurrentKey, timestamp: Any, present: bool) -> None:
+        """Register (``present``) or delete the timer (current key, ``timestamp``):
+        registering a timer that exists or deleting one that does not changes nothing.
+        StateAccessError for a timestamp that is not an int of signed 64 bits.
+
+        Within the key group's cached range the cache tells whether the timer exists and
+        the stores change now; beyond it the change waits in ``_pending`` for ``settle``
+        (as Flink's RocksDB timer queue, registering reads nothing from the store)."""
+        if type(timestamp) is not int:  # the exact type: one test on the hot path
+            timestamp = check_timestamp(timestamp)  # passes int subclasses but bool
+        key_group, key, prefix = current
+        try:
+            time_prefix = _TIME_PREFIX.pack(key_group, 8, timestamp + _SIGN_BIT)
+        except struct_error:
+            raise _bad_timestamp(timestamp) from None
+        composite = time_prefix + key
+        ts8 = time_prefix[_TIME_FROM:]
         frontier = self._frontier.get(key_group)
         if frontier is not None and composite > frontier:
-            return time_key, composite, None, self._by_key.map_get(current, ts8) is not None
-        cache = self._cache.get(key_group)
-        if not cache:
-            return time_key, composite, 0, False
-        index = bisect_left(cache, composite)
-        return time_key, composite, index, index < len(cache) and cache[index] == composite
-
-    def register(self, current: CurrentKey, timestamp: int) -> None:
-        """Add the timer (current key, ``timestamp``) unless it exists."""
-        ts8 = encode_timestamp(timestamp)
-        time_key, composite, index, exists = self._find(current, ts8)
-        if exists:
+            pending = self._pending
+            pending[prefix + ts8] = present
+            if len(pending) >= _PENDING_LIMIT:
+                self.settle()
             return
-        self._by_key.map_put(current, ts8, b"")
-        self._by_time.map_put(time_key, current.key, b"")
-        self.count += 1
-        if index is None:
-            return  # only in the store, until the cache reaches it
-        key_group = current.key_group
-        cache = self._cache.setdefault(key_group, [])
+        cache = self._cache.get(key_group)
+        if cache is None:
+            if not present:
+                return
+            cache = self._cache[key_group] = []
+        index = bisect_left(cache, composite)
+        if (index < len(cache) and cache[index] == composite) is present:
+            return
+        self._write(current, _new_tuple(CurrentKey, (key_group, ts8, time_prefix)), present)
+        if not present:
+            self._removed_from_cache(key_group, cache, index)
+            return
         cache.insert(index, composite)
         if index == 0:
             heappush(self._heads, _head(key_group, composite))
@@ -268,26 +306,52 @@ class TimerQueue:
             cache.pop()  # the last stays in the store only
             self._frontier[key_group] = cache[-1]
 
+    def _write(self, current: CurrentKey, time_key: CurrentKey, present: bool) -> None:
+        """Put or remove both entries of the timer (current key, ``time_key.key``: its
+        ``ts8``), and count it."""
+        ts8 = time_key.key
+        if present:
+            self._by_key.map_put(current, ts8, b"")
+            self._by_time.map_put(time_key, current.key, b"")
+            self._count += 1
+        else:
+            self._by_key.map_remove(current, ts8)
+            self._by_time.map_remove(time_key, current.key)
+            self._count -= 1
+
+    def settle(self) -> None:
+        """Apply the changes waiting beyond the cached ranges: read whether each timer
+        exists (in key order, which RocksDB serves faster than random order) and write
+        only those whose existence changes. Must run before anything reads the stores or
+        writes their buffered writes out; until then the waiting changes are in no store."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = {}
+        exists, write = self._by_key.map_get, self._write
+        for composite, present in sorted(pending.items()):
+            # composite = [key group][key length][key][ts8]: the records without packing.
+            prefix, ts8 = composite[:-8], composite[-8:]
+            key_group = prefix[0] << 8 | prefix[1]
+            current = _new_tuple(CurrentKey, (key_group, prefix[_KEY_FROM:], prefix))
+            if (exists(current, ts8) is None) is present:
+                time_prefix = prefix[:_KEY_LENGTH_FROM] + _LENGTH_8 + ts8
+                write(current, _new_tuple(CurrentKey, (key_group, ts8, time_prefix)), present)
+
+    @property
+    def count(self) -> int:
+        """How many timers the queue holds."""
+        self.settle()
+        return self._count
+
     def _compact_heads(self) -> None:
         """Drop the stale heads (timers registered in descending order leave many)."""
         self._heads = [_head(g, cache[0]) for g, cache in self._cache.items() if cache]
         heapify(self._heads)
 
-    def delete(self, current: CurrentKey, timestamp: int) -> None:
-        """Remove the timer (current key, ``timestamp``) if it exists."""
-        ts8 = encode_timestamp(timestamp)
-        time_key, _, index, exists = self._find(current, ts8)
-        if not exists:
-            return
-        self._by_key.map_remove(current, ts8)
-        self._by_time.map_remove(time_key, current.key)
-        self.count -= 1
-        if index is not None:
-            key_group = current.key_group
-            self._removed_from_cache(key_group, self._cache[key_group], index)
-
     def timestamps(self, current: CurrentKey) -> Iterator[int]:
         """The current key's timer timestamps, ascending."""
+        self.settle()
         return iter(sorted(decode_timestamp(ts8) for ts8, _ in self._by_key.map_items(current)))
 
     def _first(self) -> _Head | None:
@@ -316,7 +380,7 @@ class TimerQueue:
             current = CurrentKey.of(key_group, key)
             self._by_time.map_remove(CurrentKey.of(key_group, ts8), key)
             self._by_key.map_remove(current, ts8)
-            self.count -= 1
+            self._count -= 1
             self._removed_from_cache(key_group, self._cache[key_group], 0)
             on_timer(current, timestamp)
             fired += 1
@@ -366,17 +430,23 @@ class KeyedTimerService(TimerService):
         """How many timers each time domain holds."""
         return {domain: queue.count for domain, queue in self._queues.items()}
 
+    def settle(self) -> None:
+        """Apply the timer changes that wait beyond the cached ranges (``TimerQueue.settle``):
+        the backend calls it before it writes its buffered writes out."""
+        self._event.settle()
+        self._processing.settle()
+
     def register_event_time_timer(self, timestamp: int) -> None:
-        self._event.register(self._current_key(), check_timestamp(timestamp))
+        self._event.change(self._current_key(), timestamp, True)
 
     def register_processing_time_timer(self, timestamp: int) -> None:
-        self._processing.register(self._current_key(), check_timestamp(timestamp))
+        self._processing.change(self._current_key(), timestamp, True)
 
     def delete_event_time_timer(self, timestamp: int) -> None:
-        self._event.delete(self._current_key(), check_timestamp(timestamp))
+        self._event.change(self._current_key(), timestamp, False)
 
     def delete_processing_time_timer(self, timestamp: int) -> None:
-        self._processing.delete(self._current_key(), check_timestamp(timestamp))
+        self._processing.change(self._current_key(), timestamp, False)
 
     def event_time_timers(self) -> Iterator[int]:
         return self._event.timestamps(self._current_key())

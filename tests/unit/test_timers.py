@@ -591,3 +591,57 @@ def test_restore_into_a_reopened_rocksdb_counts_all_timers(
     fired: list[tuple[int, bytes]] = []
     reopened.timer_service.advance_watermark(MAX_TIMESTAMP, recorder(fired))
     assert fired == [(10, b"a"), (20, b"b")]
+
+
+@pytest.mark.parametrize("variant", ["rocksdb-cache-2", BATCHED])
+def test_changes_beyond_the_cache_are_counted_when_read(
+    tmp_path: Path, backends: Backends, variant: str
+) -> None:
+    """Registering and deleting beyond a key group's cached timers reads nothing then: the
+    changes wait and are applied (existence read, duplicates dropped) before anything
+    reads the stores or writes them out. Counts, cuts, a close and a reopen taken in the
+    middle of a batch must all see exactly the model's timers."""
+    directory = tmp_path / "reused"
+    options: dict[str, Any] = {"max_parallelism": M, "key_group_range": FULL_RANGE}
+    backend = RocksDBKeyedStateBackend(directory, **options)
+    backend._timer_cache_entries = 2
+    service = backend.timer_service
+    model = Model()
+    rng = random.Random(11)
+    keys = KEYS[:4]  # few keys and timestamps: many duplicates and deletes of existing timers
+
+    def check(backend: KeyedStateBackend) -> None:
+        cut = backend.sync_cut()
+        entries = collect(cut)
+        cut.release()
+        assert cut.timers is not None
+        assert cut.timers.counts == {d: len(model.timers[d]) for d in DOMAINS}
+        assert sorted(entries) == sorted(model_entries(model))
+
+    with ExitStack() as stack:
+        for step in range(600):
+            if variant == BATCHED and step % 100 == 0:
+                stack.close()
+                stack.enter_context(backend.batch())
+            domain, key, timestamp = rng.choice(DOMAINS), rng.choice(keys), rng.randrange(40)
+            backend.set_current_key(key)
+            if rng.random() < 0.6:
+                register(service, domain, timestamp)
+                model.timers[domain].add((timestamp, encoded(key)))
+            else:
+                delete(service, domain, timestamp)
+                model.timers[domain].discard((timestamp, encoded(key)))
+            if step % 150 == 75:
+                check(backend)
+        backend.set_current_key(keys[0])
+        assert listed(service, "event") == sorted(
+            t for t, k in model.timers["event"] if k == encoded(keys[0])
+        )
+        register(service, "event", 1000)  # beyond the cache, waiting when the backend closes
+        model.timers["event"].add((1000, encoded(keys[0])))
+        backend.close()
+    reopened = backends.make("rocksdb", reopen=directory)
+    check(reopened)
+    fired: list[tuple[int, bytes]] = []
+    reopened.timer_service.advance_watermark(MAX_TIMESTAMP, recorder(fired))
+    assert fired == sorted(model.timers["event"])
