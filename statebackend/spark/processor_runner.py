@@ -23,8 +23,10 @@ are tuples of the key columns, as in Spark.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -56,6 +58,8 @@ CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
 
 OUTPUT_BATCH_ROWS = 10_000
+YOUNG_COLLECTION_OBJECTS = 100_000
+"""New objects between two young collections of the garbage collector during a batch."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +363,22 @@ class SubtaskCounts:
     """Distinct keys with input or initial-state rows (the processor ran for them)."""
 
 
+@contextmanager
+def _batch_collections() -> Iterator[None]:
+    """Python's cyclic garbage collector tuned for one batch, restored when it ends: a
+    young collection every ``YOUNG_COLLECTION_OBJECTS`` new objects and practically no
+    full one. A batch creates and keeps alive hundreds of thousands of small objects
+    (Rows, keys, read-ahead state); with the default thresholds the collector walked all
+    of them again and again, ~40% of the subtask's CPU time. Cycles made in the batch
+    still die in young collections, or at the first full one after the batch."""
+    previous = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_OBJECTS, 50, 1000)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+
+
 def run_keyed_subtask(
     spec: ProcessorSpec,
     backend: KeyedStateBackend,
@@ -378,34 +398,37 @@ def run_keyed_subtask(
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)
 
-    processor.init(handle)
-    handle.phase = Phase.INITIALIZED
-    if spec.time_mode == "EventTime" and spec.event_time_column is not None:
-        batches = _drop_late_events(batches, spec.event_time_column, times.late_events_watermark_ms)
-    # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
-    # and the writes go to the database at once when the keys and timers are done.
-    with backend.batch():
-        for key, initial, input_runs in _keys(batches, spec.key_columns, backend.prefetch):
-            if counts is not None:
-                counts.keys += 1
-            backend.set_current_key(key)
-            if initial:
-                for initial_state in inputs.initial_states(initial):
-                    processor.handleInitialState(key, initial_state, timer_values)
-            if input_runs:
-                rows = inputs.input_rows(input_runs)
-                emit(processor.handleInputRows(key, rows, timer_values) or ())
-                if output.ready:
-                    yield from output.take_ready()
+    with _batch_collections():
+        processor.init(handle)
+        handle.phase = Phase.INITIALIZED
+        if spec.time_mode == "EventTime" and spec.event_time_column is not None:
+            batches = _drop_late_events(
+                batches, spec.event_time_column, times.late_events_watermark_ms
+            )
+        # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
+        # and the writes go to the database at once when the keys and timers are done.
+        with backend.batch():
+            for key, initial, input_runs in _keys(batches, spec.key_columns, backend.prefetch):
+                if counts is not None:
+                    counts.keys += 1
+                backend.set_current_key(key)
+                if initial:
+                    for initial_state in inputs.initial_states(initial):
+                        processor.handleInitialState(key, initial_state, timer_values)
+                if input_runs:
+                    rows = inputs.input_rows(input_runs)
+                    emit(processor.handleInputRows(key, rows, timer_values) or ())
+                    if output.ready:
+                        yield from output.take_ready()
 
-        handle.phase = Phase.DATA_PROCESSED
-        _fire_timers(spec, handle, times, timer_service, emit)
-        yield from output.take_ready()
-    handle.phase = Phase.TIMER_PROCESSED
-    processor.close()
-    handle.phase = Phase.CLOSED
-    if not spec.use_pandas:
-        yield output.flush()
+            handle.phase = Phase.DATA_PROCESSED
+            _fire_timers(spec, handle, times, timer_service, emit)
+            yield from output.take_ready()
+        handle.phase = Phase.TIMER_PROCESSED
+        processor.close()
+        handle.phase = Phase.CLOSED
+        if not spec.use_pandas:
+            yield output.flush()
 
 
 def _fire_timers(

@@ -3,6 +3,7 @@ JVM, over the heap and RocksDB backends, compared with plain-Python computations
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 from collections import Counter, defaultdict
@@ -39,6 +40,7 @@ from statebackend.spark.processor_runner import (
     KIND_COLUMN,
     SEQUENCE_COLUMN,
     SUBTASK_COLUMN,
+    YOUNG_COLLECTION_OBJECTS,
     KeyedFunctionProcessor,
     ProcessorSpec,
     _row_maker,
@@ -455,3 +457,34 @@ def test_output_of_many_rows_per_key_is_complete_and_in_order(
     assert sorted(output) == sorted(row for key_rows in by_key.values() for row in key_rows)
     for user, expected in by_key.items():
         assert [row for row in output if row[0] == user] == expected
+
+
+class ThresholdRecorder(RowTotals):
+    """Records the garbage collector's thresholds while it handles rows; fails on "boom"."""
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        self.during = gc.get_threshold()
+        if key == ("boom",):
+            raise ValueError("boom")
+        yield from super().handleInputRows(key, rows, timerValues)
+
+
+def test_a_batch_tunes_the_garbage_collector_and_restores_it(backend: KeyedStateBackend) -> None:
+    processor = ThresholdRecorder()
+    previous = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert _rows(
+            run_keyed_subtask(_spec(processor), backend, BatchTimes(0), _batches([("a", 1)]))
+        )
+        assert processor.during[0] == YOUNG_COLLECTION_OBJECTS
+        assert gc.get_threshold() == (700, 10, 10)
+        with pytest.raises(ValueError, match="boom"):
+            list(
+                run_keyed_subtask(_spec(processor), backend, BatchTimes(0), _batches([("boom", 1)]))
+            )
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*previous)
