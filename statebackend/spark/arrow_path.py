@@ -1,6 +1,6 @@
 """The Arrow data path of one micro-batch, from Spark to our keyed subtasks and back.
 
-``keyed_batch`` runs a batch's input (and, in batch 0, the initial state) through the
+``KeyedBatches.plan`` runs a batch's input (and, in batch 0, the initial state) through the
 processor, one metadata row per keyed subtask:
 
 1. input and initial-state rows share one schema (initial-state columns prefixed
@@ -42,7 +42,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark import TaskContext
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
@@ -319,6 +319,11 @@ def _typed_nulls(schema: StructType, names: list[str], prefix: str = "") -> list
     return [F.lit(None).cast(fields[name].dataType).alias(prefix + name) for name in names]
 
 
+def _quoted(name: str) -> str:
+    """A column name as a SQL identifier."""
+    return "`" + name.replace("`", "``") + "`"
+
+
 def combined_input(
     batch_df: DataFrame,
     spec: ProcessorSpec,
@@ -326,70 +331,87 @@ def combined_input(
 ) -> DataFrame:
     """Input rows (and initial-state rows) in one schema with kind and sequence columns;
     the initial-state columns exist only in a batch that has initial state (batch 0)."""
+    if initial_state is None:
+        # SQL expressions: one JVM call, where Column objects take several per column.
+        return batch_df.selectExpr(
+            *[_quoted(name) for name in spec.input_columns],
+            f"CAST({INPUT} AS TINYINT) AS {_quoted(KIND_COLUMN)}",
+            f"monotonically_increasing_id() AS {_quoted(SEQUENCE_COLUMN)}",
+        )
     input_schema = batch_df.schema
-    initial_nulls = (
-        _typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX)
-        if initial_state is not None
-        else []
-    )
     inputs = batch_df.select(
-        *[F.col(f"`{name}`") for name in spec.input_columns],
-        *initial_nulls,
+        *[F.col(_quoted(name)) for name in spec.input_columns],
+        *_typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX),
         F.lit(INPUT).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
     )
-    if initial_state is None:
-        return inputs
     key_types = {field.name: field.dataType for field in input_schema.fields}
     others = [name for name in spec.input_columns if name not in spec.key_columns]
     initial = initial_state.select(
-        *[F.col(f"`{name}`").cast(key_types[name]).alias(name) for name in spec.key_columns],
+        *[F.col(_quoted(name)).cast(key_types[name]).alias(name) for name in spec.key_columns],
         *_typed_nulls(input_schema, others),
-        *[F.col(f"`{name}`").alias(INITIAL_PREFIX + name) for name in spec.initial_columns],
+        *[F.col(_quoted(name)).alias(INITIAL_PREFIX + name) for name in spec.initial_columns],
         F.lit(INITIAL).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
     )
     return inputs.unionByName(initial)
 
 
-def keyed_batch(
-    combined: DataFrame,
-    plan: KeyedBatchPlan,
-) -> DataFrame:
-    """One metadata row per keyed subtask of the batch (``METADATA_SCHEMA``), once the
-    batch has run (see the module docstring)."""
-    spec = plan.spec
-    with_groups_schema = StructType(
-        [
-            *combined.schema.fields,
-            StructField(KEY_GROUP_COLUMN, IntegerType(), False),
-            StructField(SUBTASK_COLUMN, IntegerType(), False),
-        ]
-    )
-    routed = combined.mapInArrow(
-        _key_groups(spec.key_columns, plan.key_schema_json, plan.parallelism, plan.max_parallelism),
-        with_groups_schema,
-    )
-    session = combined.sparkSession
-    control = session.range(plan.parallelism).select(
-        *[
-            F.lit(None).cast(field.dataType).alias(field.name)
-            for field in combined.schema.fields
-            if field.name not in (KIND_COLUMN, SEQUENCE_COLUMN)
-        ],
-        F.lit(CONTROL).cast(ByteType()).alias(KIND_COLUMN),
-        F.lit(0).cast(LongType()).alias(SEQUENCE_COLUMN),
-        F.lit(-1).cast(IntegerType()).alias(KEY_GROUP_COLUMN),
-        F.col("id").cast(IntegerType()).alias(SUBTASK_COLUMN),
-    )
-    shuffled = (
-        routed.unionByName(control)
-        .repartitionById(plan.parallelism, F.col(SUBTASK_COLUMN))
-        .sortWithinPartitions(
-            KEY_GROUP_COLUMN,
-            *[F.col(f"`{name}`") for name in spec.key_columns],
-            KIND_COLUMN,
-            SEQUENCE_COLUMN,
+class KeyedBatches:
+    """Builds the keyed plan of each batch of one query (``plan``), keeping what is the
+    same from batch to batch: the control rows, per session and input schema."""
+
+    def __init__(self) -> None:
+        self._control: dict[tuple[int, str, int], DataFrame] = {}
+
+    def _control_rows(
+        self, session: SparkSession, schema: StructType, parallelism: int
+    ) -> DataFrame:
+        """One control row per keyed subtask, in the columns of ``schema`` (the combined
+        input's) plus key group and subtask."""
+        cache_key = (id(session), schema.json(), parallelism)
+        control = self._control.get(cache_key)
+        if control is None or control.sparkSession is not session:
+            control = session.range(parallelism).select(
+                *[
+                    F.lit(None).cast(field.dataType).alias(field.name)
+                    for field in schema.fields
+                    if field.name not in (KIND_COLUMN, SEQUENCE_COLUMN)
+                ],
+                F.lit(CONTROL).cast(ByteType()).alias(KIND_COLUMN),
+                F.lit(0).cast(LongType()).alias(SEQUENCE_COLUMN),
+                F.lit(-1).cast(IntegerType()).alias(KEY_GROUP_COLUMN),
+                F.col("id").cast(IntegerType()).alias(SUBTASK_COLUMN),
+            )
+            self._control[cache_key] = control
+        return control
+
+    def plan(self, combined: DataFrame, plan: KeyedBatchPlan) -> DataFrame:
+        """One metadata row per keyed subtask of the batch (``METADATA_SCHEMA``), once the
+        batch has run (see the module docstring)."""
+        spec = plan.spec
+        schema = combined.schema
+        with_groups_schema = StructType(
+            [
+                *schema.fields,
+                StructField(KEY_GROUP_COLUMN, IntegerType(), False),
+                StructField(SUBTASK_COLUMN, IntegerType(), False),
+            ]
         )
-    )
-    return shuffled.mapInArrow(_keyed_task(plan), METADATA_SCHEMA)
+        routed = combined.mapInArrow(
+            _key_groups(
+                spec.key_columns, plan.key_schema_json, plan.parallelism, plan.max_parallelism
+            ),
+            with_groups_schema,
+        )
+        shuffled = (
+            routed.unionByName(self._control_rows(combined.sparkSession, schema, plan.parallelism))
+            .repartitionById(plan.parallelism, F.col(SUBTASK_COLUMN))
+            .sortWithinPartitions(
+                KEY_GROUP_COLUMN,
+                *[F.col(_quoted(name)) for name in spec.key_columns],
+                KIND_COLUMN,
+                SEQUENCE_COLUMN,
+            )
+        )
+        return shuffled.mapInArrow(_keyed_task(plan), METADATA_SCHEMA)

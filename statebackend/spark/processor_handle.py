@@ -40,7 +40,7 @@ from statebackend.state.descriptors import (
     StateKind,
     ValueStateDescriptor,
 )
-from statebackend.state.interfaces import ListState, MapState, ValueState
+from statebackend.state.interfaces import ListState, MapState
 from statebackend.state.timers import TimerService
 from statebackend.state.ttl import StateTtlConfig
 
@@ -147,7 +147,7 @@ _PLAIN_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def _row_tuple(value: Any) -> tuple[Any, ...]:
-    if type(value) is tuple and set(map(type, value)) <= _PLAIN_TYPES:
+    if type(value) is tuple and _PLAIN_TYPES.issuperset(map(type, value)):
         return value  # already what _plain would make of it
     plain = _plain(value)
     return tuple(plain) if isinstance(plain, (tuple, list)) else plain
@@ -162,33 +162,41 @@ class _StateVariable:
         self._state = state
 
     def _use(self, operation: str) -> Any:
-        if self._state is None or self._handle.phase in (Phase.PRE_INIT, Phase.CLOSED):
-            raise StatefulProcessorError(
-                "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE",
-                f"Failed to perform stateful processor operation={operation} with invalid "
-                f"handle state={self._handle.phase.name}: use state {self._name!r} in "
-                f"handleInputRows, handleExpiredTimer or handleInitialState",
-            )
-        return self._state
+        if self._handle.serving:
+            return self._state
+        raise self._refused(operation)
+
+    def _refused(self, operation: str) -> StatefulProcessorError:
+        return StatefulProcessorError(
+            "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE",
+            f"Failed to perform stateful processor operation={operation} with invalid "
+            f"handle state={self._handle.phase.name}: use state {self._name!r} in "
+            f"handleInputRows, handleExpiredTimer or handleInitialState",
+        )
 
 
 class ProcessorValueState(_StateVariable, SparkValueState):
     """Spark's ValueState over our ValueState: one tuple per key."""
 
+    # exists/get/update run once or more per key: the phase check is inlined (no _use call).
+
     def exists(self) -> bool:
         """Whether the current key has a value."""
-        state: ValueState = self._use("exists")
-        return state.value() is not None
+        if self._handle.serving:
+            return self._state.value() is not None
+        raise self._refused("exists")
 
     def get(self) -> tuple[Any, ...] | None:
         """The current key's tuple, or None."""
-        state: ValueState = self._use("get")
-        return state.value()
+        if self._handle.serving:
+            return self._state.value()
+        raise self._refused("get")
 
     def update(self, newValue: tuple[Any, ...]) -> None:
         """Set the current key's tuple."""
-        state: ValueState = self._use("update")
-        state.update(_row_tuple(newValue))
+        if not self._handle.serving:
+            raise self._refused("update")
+        self._state.update(_row_tuple(newValue))
 
     def clear(self) -> None:
         """Remove the current key's value."""
@@ -298,10 +306,23 @@ class ProcessorHandle(StatefulProcessorHandle):
         self.backend = backend
         self.timers = timers
         self._parse_ddl = parse_ddl
+        self.serving = False
+        """Whether states may be used now (kept by ``phase``'s setter, so that a state
+        call checks one flag instead of the phase)."""
         self.phase = Phase.PRE_INIT if backend is None else Phase.CREATED
         self.expiring: int | None = None
         """The timer whose ``handleExpiredTimer`` runs: as in Spark, it stays registered
         (listed; registering it again does nothing) until the handler returns."""
+
+    @property
+    def phase(self) -> Phase:
+        """The lifecycle phase; states are usable in every phase but PRE_INIT and CLOSED."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase
+        self.serving = self.backend is not None and phase not in (Phase.PRE_INIT, Phase.CLOSED)
 
     # -- states ---------------------------------------------------------------------------
 

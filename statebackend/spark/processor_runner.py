@@ -23,10 +23,12 @@ are tuples of the key columns, as in Spark.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import chain
 from typing import Any
 
 import pyarrow as pa
@@ -56,6 +58,8 @@ CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
 
 OUTPUT_BATCH_ROWS = 10_000
+YOUNG_COLLECTION_OBJECTS = 100_000
+"""New objects between two young collections of the garbage collector during a batch."""
 
 
 @dataclass(frozen=True)
@@ -109,33 +113,53 @@ def checkpointed_part(processor: StatefulProcessor) -> CheckpointedFunction | No
     return as_checkpointed_function(user)
 
 
-def _key_runs(
+Run = tuple[pa.RecordBatch, int, int]
+"""Rows ``start:stop`` of an Arrow record batch."""
+
+_NO_KEY = object()
+"""The key before the first row (equal to no key)."""
+
+
+def _keys(
     batches: Iterable[pa.RecordBatch],
     key_columns: tuple[str, ...],
     prefetch: Callable[[Iterable[tuple[Any, ...]]], None],
-) -> Iterator[tuple[tuple[Any, ...], int, pa.RecordBatch, int, int]]:
-    """(key, kind, batch, start, stop) for each run of rows with the same key and kind,
-    in order: rows ``start:stop`` of ``batch``. The keys of each batch's initial-state
-    and input rows go to ``prefetch`` before its first run."""
+) -> Iterator[tuple[tuple[Any, ...], list[Run], list[Run]]]:
+    """(key, its initial-state runs, its input runs) for each key with such rows, in
+    order; a key's rows may span record batches, control rows are left out. The keys of
+    each batch's initial-state and input rows go to ``prefetch`` before its first key."""
+    key: Any = _NO_KEY
+    initial: list[Run] = []
+    inputs: list[Run] = []
     for batch in batches:
-        if batch.num_rows == 0:
+        size = batch.num_rows
+        if size == 0:
             continue
         keys = list(zip(*(batch.column(name).to_pylist() for name in key_columns), strict=True))
         kinds = batch.column(KIND_COLUMN).to_pylist()
-        read = (key for key, kind in zip(keys, kinds, strict=True) if kind != CONTROL)
-        prefetch(dict.fromkeys(read))
+        prefetch(dict.fromkeys(k for k, kind in zip(keys, kinds, strict=True) if kind != CONTROL))
+        stops = [i for i in range(1, size) if keys[i] != keys[i - 1] or kinds[i] != kinds[i - 1]]
+        stops.append(size)
         start = 0
-        key, kind = keys[0], kinds[0]
-        for end in range(1, batch.num_rows):
-            if keys[end] != key or kinds[end] != kind:
-                yield key, kind, batch, start, end
-                start, key, kind = end, keys[end], kinds[end]
-        yield key, kind, batch, start, batch.num_rows
+        for stop in stops:
+            if keys[start] != key:
+                if initial or inputs:
+                    yield key, initial, inputs
+                key, initial, inputs = keys[start], [], []
+            kind = kinds[start]
+            if kind == INPUT:
+                inputs.append((batch, start, stop))
+            elif kind == INITIAL:
+                initial.append((batch, start, stop))
+            start = stop
+    if initial or inputs:
+        yield key, initial, inputs
 
 
 class OutputBuilder:
     """Collects a processor's output (Rows/tuples/dicts or pandas DataFrames) into Arrow
-    record batches of the output schema; a value that does not fit names its column."""
+    record batches of the output schema (``ready``, taken with ``take_ready``); a value
+    that does not fit names its column."""
 
     def __init__(self, schema: StructType) -> None:
         from pyspark.sql.pandas.types import to_arrow_schema
@@ -144,37 +168,49 @@ class OutputBuilder:
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
         self.names = [field.name for field in schema.fields]
         self._rows: list[tuple[Any, ...]] = []
+        self.ready: list[pa.RecordBatch] = []
+        """Full record batches not taken yet."""
 
-    def add_rows(self, rows: Iterable[Any]) -> Iterator[pa.RecordBatch]:
-        """Take Row-mode output; yield full record batches as they fill up."""
-        width = len(self.names)
+    def take_ready(self) -> list[pa.RecordBatch]:
+        """The full record batches collected so far (and forget them)."""
+        ready, self.ready = self.ready, []
+        return ready
+
+    def add_rows(self, rows: Iterable[Any]) -> None:
+        """Take Row-mode output; each 10,000 rows become a record batch in ``ready``."""
         names = self.names
+        collected = self._rows
         for row in rows:
             if type(row) is Row and getattr(row, "__fields__", None) == names:
-                self._rows.append(tuple(row))  # the common case: Row(**fields) in order
-            elif isinstance(row, Row) and hasattr(row, "__fields__"):
-                values = row.asDict(recursive=False)
-                missing = [name for name in self.names if name not in values]
-                if missing:
-                    raise OutputSchemaError(
-                        f"output row {row!r} has no column {missing[0]!r} of the output "
-                        f"schema {self.names}: return Rows with the output schema's fields"
-                    )
-                self._rows.append(tuple(values[name] for name in self.names))
-            elif isinstance(row, dict):
-                self._rows.append(tuple(row.get(name) for name in self.names))
-            elif isinstance(row, (tuple, list)) and len(row) == width:
-                self._rows.append(tuple(row))
+                collected.append(tuple(row))  # the common case: Row(**fields) in order
             else:
-                raise OutputSchemaError(
-                    f"output row {row!r} does not fit the output schema {self.names}: "
-                    f"return Rows (or tuples) with {width} fields"
-                )
-            if len(self._rows) >= OUTPUT_BATCH_ROWS:
-                yield self.flush()
+                collected.append(self._values(row))
+            if len(collected) >= OUTPUT_BATCH_ROWS:
+                self.ready.append(self.flush())
+                collected = self._rows
 
-    def add_frames(self, frames: Iterable[Any]) -> Iterator[pa.RecordBatch]:
-        """Take pandas-mode output (DataFrames); yield one record batch per DataFrame."""
+    def _values(self, row: Any) -> tuple[Any, ...]:
+        """The output schema's values of one Row-mode output row of any accepted form."""
+        if isinstance(row, Row) and hasattr(row, "__fields__"):
+            values = row.asDict(recursive=False)
+            missing = [name for name in self.names if name not in values]
+            if missing:
+                raise OutputSchemaError(
+                    f"output row {row!r} has no column {missing[0]!r} of the output "
+                    f"schema {self.names}: return Rows with the output schema's fields"
+                )
+            return tuple(values[name] for name in self.names)
+        if isinstance(row, dict):
+            return tuple(row.get(name) for name in self.names)
+        if isinstance(row, (tuple, list)) and len(row) == len(self.names):
+            return tuple(row)
+        raise OutputSchemaError(
+            f"output row {row!r} does not fit the output schema {self.names}: "
+            f"return Rows (or tuples) with {len(self.names)} fields"
+        )
+
+    def add_frames(self, frames: Iterable[Any]) -> None:
+        """Take pandas-mode output (DataFrames); each becomes a record batch in ``ready``."""
         for frame in frames:
             if len(frame) == 0:
                 continue
@@ -188,7 +224,7 @@ class OutputBuilder:
                     )
                 series = frame[field.name] if by_name else frame.iloc[:, position]
                 arrays.append(self._column(field, pa.Array.from_pandas, series))
-            yield pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+            self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
 
     @staticmethod
     def _column(field: pa.Field, convert: Callable[..., pa.Array], values: Any) -> pa.Array:
@@ -202,36 +238,53 @@ class OutputBuilder:
     def flush(self) -> pa.RecordBatch:
         """The collected Row-mode output as one record batch (and forget it)."""
         rows, self._rows = self._rows, []
-        columns = list(zip(*rows, strict=True)) if rows else [() for _ in self.names]
+        # Lists, not the tuples zip makes: pa.array converts a tuple ~50x slower.
+        columns = [list(column) for column in zip(*rows, strict=True)] if rows else None
         arrays = [
-            self._column(field, pa.array, values)
-            for field, values in zip(self.arrow_schema, columns, strict=True)
+            self._column(field, pa.array, columns[position] if columns else [])
+            for position, field in enumerate(self.arrow_schema)
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
 
-def _table_rows(table: pa.Table) -> Iterator[Row]:
-    """The table's rows as ``Row`` objects with its column names."""
-    row_type = Row(*table.column_names)
-    columns = [column.to_pylist() for column in table.columns]
-    return (row_type(*values) for values in zip(*columns, strict=True))
+def _row_maker(names: list[str]) -> Callable[[list[list[Any]]], list[Row]]:
+    """A function from column value lists to ``Row``s of the columns ``names``, each
+    equal to what ``Row(*names)(*values)`` makes.
 
-
-def _batch_rows(batch: pa.RecordBatch, names: list[str]) -> list[Row]:
-    """Every row of ``batch`` as a ``Row`` of the columns ``names``, equal to what
-    ``Row(*names)(*values)`` makes, built without its per-row Python calls."""
-    row_type = Row(*names)
-    new_tuple = tuple.__new__
-    rows = []
-    for values in zip(*(batch.column(name).to_pylist() for name in names), strict=True):
-        row = new_tuple(Row, values)
-        row.__dict__["__fields__"] = row_type
-        rows.append(row)
-    return rows
-
-
-Run = tuple[pa.RecordBatch, int, int]
-"""Rows ``start:stop`` of an Arrow record batch."""
+    Each Row also keeps its fields in its ``__dict__``: ``row.amount`` then finds the
+    value by ordinary attribute lookup instead of ``Row.__getattr__``'s Python search of
+    ``__fields__`` (~20x slower). Only names ``Row.__getattr__`` would answer go there (not
+    ``__x``, not tuple or Row attributes such as ``count``, the first of duplicates), so
+    every access gives what it gives on a plain Row. The loop is generated for the
+    columns (as ``collections.namedtuple`` generates code), so that each Row's dict is
+    one literal."""
+    if not names:
+        raise ValueError("a Row needs at least one column")
+    fields = Row(*names)
+    attributes: dict[str, int] = {}
+    for position, name in enumerate(names):
+        if not name.startswith("__") and not hasattr(Row, name):
+            attributes.setdefault(name, position)
+    values = ", ".join(f"v{position}" for position in range(len(names)))
+    entries = "".join(f"{name!r}: v{position}, " for name, position in attributes.items())
+    source = (
+        "def make(columns):\n"
+        "    rows = []\n"
+        f"    for {values}, in zip(*columns):\n"
+        f"        row = new_tuple(Row, ({values},))\n"
+        f"        set_dict(row, '__dict__', {{'__fields__': fields, {entries}}})\n"
+        "        rows.append(row)\n"
+        "    return rows\n"
+    )
+    namespace: dict[str, Any] = {
+        "new_tuple": tuple.__new__,
+        "Row": Row,
+        "set_dict": object.__setattr__,
+        "fields": fields,
+    }
+    exec(source, namespace)  # noqa: S102 - names only appear as repr() literals
+    make: Callable[[list[list[Any]]], list[Row]] = namespace["make"]
+    return make
 
 
 class _Inputs:
@@ -240,7 +293,12 @@ class _Inputs:
 
     def __init__(self, spec: ProcessorSpec) -> None:
         self._spec = spec
+        self._input_names = list(spec.input_columns)
         self._initial_names = [INITIAL_PREFIX + name for name in spec.initial_columns]
+        self._make_rows = _row_maker(self._input_names)
+        self._make_initial_rows = (
+            _row_maker(list(spec.initial_columns)) if spec.initial_columns else None
+        )
         self._rows_of: pa.RecordBatch | None = None
         self._rows: list[Row] = []
 
@@ -250,28 +308,33 @@ class _Inputs:
         piece = batch.slice(start, stop - start).select(names)
         return pa.Table.from_batches([piece]).rename_columns(as_names)
 
+    def _batch_rows(self, batch: pa.RecordBatch) -> list[Row]:
+        """Every row of ``batch`` as a Row of the input columns (the last batch's kept)."""
+        if batch is not self._rows_of:
+            columns = [batch.column(name).to_pylist() for name in self._input_names]
+            self._rows_of, self._rows = batch, self._make_rows(columns)
+        return self._rows
+
     def input_rows(self, runs: list[Run]) -> Iterator[Any]:
         """The key's input rows: Rows, or one DataFrame per run (pandas mode)."""
-        names = list(self._spec.input_columns)
-        for run in runs:
-            if self._spec.use_pandas:
-                yield self._select(run, names, names).to_pandas()
-                continue
-            batch, start, stop = run
-            if batch is not self._rows_of:
-                self._rows_of, self._rows = batch, _batch_rows(batch, names)
-            yield from self._rows[start:stop]
+        if self._spec.use_pandas:
+            names = self._input_names
+            return (self._select(run, names, names).to_pandas() for run in runs)
+        if len(runs) == 1:
+            batch, start, stop = runs[0]
+            return iter(self._batch_rows(batch)[start:stop])
+        return chain.from_iterable(
+            self._batch_rows(batch)[start:stop] for batch, start, stop in runs
+        )
 
     def initial_states(self, runs: list[Run]) -> Iterator[Any]:
         """The key's initial-state rows: one Row each, or one DataFrame (pandas mode)."""
-        if not runs:
-            return
         names = list(self._spec.initial_columns)
         table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         if self._spec.use_pandas:
-            yield table.to_pandas()
-        else:
-            yield from _table_rows(table)
+            return iter([table.to_pandas()])
+        assert self._make_initial_rows is not None
+        return iter(self._make_initial_rows([column.to_pylist() for column in table.columns]))
 
 
 def _drop_late_events(
@@ -300,6 +363,22 @@ class SubtaskCounts:
     """Distinct keys with input or initial-state rows (the processor ran for them)."""
 
 
+@contextmanager
+def _batch_collections() -> Iterator[None]:
+    """Python's cyclic garbage collector tuned for one batch, restored when it ends: a
+    young collection every ``YOUNG_COLLECTION_OBJECTS`` new objects and practically no
+    full one. A batch creates and keeps alive hundreds of thousands of small objects
+    (Rows, keys, read-ahead state); with the default thresholds the collector walked all
+    of them again and again, ~40% of the subtask's CPU time. Cycles made in the batch
+    still die in young collections, or at the first full one after the batch."""
+    previous = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_OBJECTS, 50, 1000)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+
+
 def run_keyed_subtask(
     spec: ProcessorSpec,
     backend: KeyedStateBackend,
@@ -319,36 +398,37 @@ def run_keyed_subtask(
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)
 
-    processor.init(handle)
-    handle.phase = Phase.INITIALIZED
-    if spec.time_mode == "EventTime" and spec.event_time_column is not None:
-        batches = _drop_late_events(batches, spec.event_time_column, times.late_events_watermark_ms)
-    # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
-    # and the writes go to the database at once when the keys and timers are done.
-    with backend.batch():
-        key_runs = _key_runs(batches, spec.key_columns, backend.prefetch)
-        for key, runs in groupby(key_runs, key=lambda run: run[0]):
-            by_kind: dict[int, list[Run]] = {CONTROL: [], INITIAL: [], INPUT: []}
-            for _, kind, batch, start, stop in runs:
-                by_kind[kind].append((batch, start, stop))
-            if not by_kind[INITIAL] and not by_kind[INPUT]:
-                continue  # the control row
-            if counts is not None:
-                counts.keys += 1
-            backend.set_current_key(key)
-            for initial_state in inputs.initial_states(by_kind[INITIAL]):
-                processor.handleInitialState(key, initial_state, timer_values)
-            if by_kind[INPUT]:
-                rows = inputs.input_rows(by_kind[INPUT])
-                yield from emit(processor.handleInputRows(key, rows, timer_values) or ())
+    with _batch_collections():
+        processor.init(handle)
+        handle.phase = Phase.INITIALIZED
+        if spec.time_mode == "EventTime" and spec.event_time_column is not None:
+            batches = _drop_late_events(
+                batches, spec.event_time_column, times.late_events_watermark_ms
+            )
+        # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
+        # and the writes go to the database at once when the keys and timers are done.
+        with backend.batch():
+            for key, initial, input_runs in _keys(batches, spec.key_columns, backend.prefetch):
+                if counts is not None:
+                    counts.keys += 1
+                backend.set_current_key(key)
+                if initial:
+                    for initial_state in inputs.initial_states(initial):
+                        processor.handleInitialState(key, initial_state, timer_values)
+                if input_runs:
+                    rows = inputs.input_rows(input_runs)
+                    emit(processor.handleInputRows(key, rows, timer_values) or ())
+                    if output.ready:
+                        yield from output.take_ready()
 
-        handle.phase = Phase.DATA_PROCESSED
-        yield from _fire_timers(spec, handle, times, timer_service, emit)
-    handle.phase = Phase.TIMER_PROCESSED
-    processor.close()
-    handle.phase = Phase.CLOSED
-    if not spec.use_pandas:
-        yield output.flush()
+            handle.phase = Phase.DATA_PROCESSED
+            _fire_timers(spec, handle, times, timer_service, emit)
+            yield from output.take_ready()
+        handle.phase = Phase.TIMER_PROCESSED
+        processor.close()
+        handle.phase = Phase.CLOSED
+        if not spec.use_pandas:
+            yield output.flush()
 
 
 def _fire_timers(
@@ -356,14 +436,14 @@ def _fire_timers(
     handle: ProcessorHandle,
     times: BatchTimes,
     timer_service: TimerService | None,
-    emit: Callable[[Iterable[Any]], Iterator[pa.RecordBatch]],
-) -> Iterator[pa.RecordBatch]:
-    """Due timers in ascending expiry order, through ``handleExpiredTimer``; the handler
-    sees its own timer as registered (``ProcessorHandle.expiring``), as in Spark."""
+    emit: Callable[[Iterable[Any]], None],
+) -> None:
+    """Due timers in ascending expiry order, through ``handleExpiredTimer`` (their output
+    to ``emit``); the handler sees its own timer as registered
+    (``ProcessorHandle.expiring``), as in Spark."""
     if spec.time_mode == "None" or timer_service is None:
         return
     timer_values = times.timer_values(spec.time_mode)
-    fired: list[pa.RecordBatch] = []
 
     def on_timer(key: Any, timestamp_ms: int) -> None:
         assert handle.backend is not None
@@ -373,7 +453,7 @@ def _fire_timers(
             result = spec.processor.handleExpiredTimer(
                 key, timer_values, ExpiredTimerInfo(timestamp_ms)
             )
-            fired.extend(emit(result or ()))
+            emit(result or ())
         finally:
             handle.expiring = None
 
@@ -381,4 +461,3 @@ def _fire_timers(
         timer_service.advance_processing_time(times.batch_timestamp_ms, on_timer)
     else:
         timer_service.advance_watermark(times.eviction_watermark_ms, on_timer)
-    yield from fired

@@ -7,7 +7,7 @@
 
 An unmodified ``pyspark.sql.streaming.StatefulProcessor`` (or our ``KeyedFunction``)
 runs over a RocksDB per keyed subtask instead of Spark's state store: every micro-batch
-goes through ``foreachBatch``, where ``arrow_path.keyed_batch`` shuffles its rows by key
+goes through ``foreachBatch``, where ``arrow_path.KeyedBatches`` shuffles its rows by key
 group to P keyed subtasks over Arrow and runs the processor there. Arguments are checked
 up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
 PRE_INIT) to parse the states' DDL schemas. A processor (or KeyedFunction) that is also
@@ -64,9 +64,9 @@ from statebackend.keygroups import check_parallelism, compute_default_max_parall
 from statebackend.spark.api import KeyedFunction
 from statebackend.spark.arrow_path import (
     OPERATOR_ID,
+    KeyedBatches,
     KeyedBatchPlan,
     combined_input,
-    keyed_batch,
 )
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
@@ -265,6 +265,7 @@ class StatefulStream:
         self._wait_for_uploads = reuse.lower() != "true"
         """Without Python worker reuse an upload would die with its task's worker."""
         self._tracker: CheckpointTracker | None = None
+        self._keyed_batches = KeyedBatches()
         self._materialized_batch = -1
         """The batch cut by the newest materialization triggered (or the base's)."""
 
@@ -327,7 +328,8 @@ class StatefulStream:
         sc = self.df.sparkSession.sparkContext
         try:
             with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
-                rows = keyed_batch(combined_input(batch_df, self.spec, initial), plan).collect()
+                combined = combined_input(batch_df, self.spec, initial)
+                rows = self._keyed_batches.plan(combined, plan).collect()
             manifest = self.committer.commit(
                 batch_id, rows, self.parallelism, self.max_parallelism, times
             )

@@ -3,6 +3,7 @@ JVM, over the heap and RocksDB backends, compared with plain-Python computations
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 from collections import Counter, defaultdict
@@ -39,8 +40,10 @@ from statebackend.spark.processor_runner import (
     KIND_COLUMN,
     SEQUENCE_COLUMN,
     SUBTASK_COLUMN,
+    YOUNG_COLLECTION_OBJECTS,
     KeyedFunctionProcessor,
     ProcessorSpec,
+    _row_maker,
     checkpointed_part,
     run_keyed_subtask,
 )
@@ -390,3 +393,98 @@ def test_the_checkpointed_part_of_a_processor_is_what_keeps_operator_state() -> 
     assert isinstance(adapter, ListCheckpointedAdapter) and adapter.function is function
     assert checkpointed_part(RowTotals()) is None
     assert checkpointed_part(KeyedFunctionProcessor(Totals())) is None
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["user", "amount"],
+        ["only"],
+        ["count", "index", "asDict", "__x", "a", "a", "my col", "Größe"],
+    ],
+)
+def test_input_rows_behave_as_plain_spark_rows(names: list[str]) -> None:
+    """The Rows the runner makes (fields also in their ``__dict__``) act like
+    ``Row(*names)(*values)`` in every way a processor can see, whatever the column names:
+    tuple and Row attributes (``count``, ``asDict``) stay methods, ``__x`` and unknown
+    names raise as on a plain Row, a duplicate name gives its first column."""
+    columns = [[f"{name}-{i}" for i in range(3)] for name in names]
+    fast = _row_maker(names)(columns)
+    plain = [Row(*names)(*values) for values in zip(*columns, strict=True)]
+    assert fast == plain
+    for made, expected in zip(fast, plain, strict=True):
+        assert type(made) is Row and repr(made) == repr(expected)
+        assert tuple(made.__fields__) == tuple(expected.__fields__)
+        assert made.asDict() == expected.asDict()
+        assert pickle.loads(pickle.dumps(made)) == expected
+        assert all(name in made for name in names) and "missing" not in made
+        for name in [*names, "missing"]:
+            outcomes = []
+            for row in (made, expected):
+                try:
+                    value = getattr(row, name)
+                except AttributeError as exc:
+                    outcomes.append(("raises", type(exc)))
+                else:
+                    outcomes.append(("method", name) if callable(value) else ("value", value))
+            assert outcomes[0] == outcomes[1], name
+        for name in names:
+            assert made[name] == expected[name]
+
+
+class ManyRows(StatefulProcessor):
+    """Emits ``amount`` rows per input row, so one key's output spans record batches."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Any]:
+        for row in rows:
+            for i in range(row.amount):
+                yield Row(user=key[0], total=i) if i % 2 else (key[0], i)
+
+
+def test_output_of_many_rows_per_key_is_complete_and_in_order(
+    backend: KeyedStateBackend,
+) -> None:
+    rows = [("a", 12_345), ("b", 3), ("a", 7)]
+    output = _rows(run_keyed_subtask(_spec(ManyRows()), backend, BatchTimes(0), _batches(rows)))
+    by_key: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for user, amount in rows:
+        by_key[user].extend((user, i) for i in range(amount))
+    assert sorted(output) == sorted(row for key_rows in by_key.values() for row in key_rows)
+    for user, expected in by_key.items():
+        assert [row for row in output if row[0] == user] == expected
+
+
+class ThresholdRecorder(RowTotals):
+    """Records the garbage collector's thresholds while it handles rows; fails on "boom"."""
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        self.during = gc.get_threshold()
+        if key == ("boom",):
+            raise ValueError("boom")
+        yield from super().handleInputRows(key, rows, timerValues)
+
+
+def test_a_batch_tunes_the_garbage_collector_and_restores_it(backend: KeyedStateBackend) -> None:
+    processor = ThresholdRecorder()
+    previous = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert _rows(
+            run_keyed_subtask(_spec(processor), backend, BatchTimes(0), _batches([("a", 1)]))
+        )
+        assert processor.during[0] == YOUNG_COLLECTION_OBJECTS
+        assert gc.get_threshold() == (700, 10, 10)
+        with pytest.raises(ValueError, match="boom"):
+            list(
+                run_keyed_subtask(_spec(processor), backend, BatchTimes(0), _batches([("boom", 1)]))
+            )
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*previous)
