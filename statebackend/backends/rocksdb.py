@@ -207,8 +207,7 @@ class RocksDBStateStore(StateStore):
         if not written:
             return 0
         handle = self._db.get_column_family_handle(self._name)
-        for key in sorted(written):
-            value = written[key]
+        for key, value in sorted(written.items()):
             if value is None:
                 batch.delete(key, handle)
             else:
