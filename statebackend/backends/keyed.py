@@ -203,8 +203,12 @@ class KeyedStateBackend(ABC):
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
         self._batching = False
-        self._batch_keys: dict[Any, tuple[Any, CurrentKey]] = {}
-        """Keys read ahead in the open batch: key -> (the key object, its record)."""
+        self._batch_keys: dict[Any, int] = {}
+        """Keys read ahead in the open batch: key -> its position in ``_batch_key_objects``
+        and ``_batch_records`` (positions, not pairs: a batch's keys then allocate no
+        tuples for the garbage collector to scan)."""
+        self._batch_key_objects: list[Any] = []
+        self._batch_records: list[CurrentKey] = []
         self._timer_service: KeyedTimerService | None = None
         self._timer_metas: dict[str, StateMetaInfo] = {}
         self._timer_clocks: TimerClocks | None = None
@@ -226,13 +230,13 @@ class KeyedStateBackend(ABC):
         known = self._batch_keys
         if known:
             try:
-                hit = known.get(key)
+                position = known.get(key)
             except TypeError:  # an unhashable key: never read ahead
-                hit = None
+                position = None
             # The very object read ahead: equal keys of other types (1, 1.0, True)
             # serialize differently.
-            if hit is not None and hit[0] is key:
-                keys.record = hit[1]
+            if position is not None and self._batch_key_objects[position] is key:
+                keys.record = self._batch_records[position]
                 keys.key = key
                 return
         keys.record = self._current_key_of(key)
@@ -280,12 +284,15 @@ class KeyedStateBackend(ABC):
         key objects does not compute them again."""
         keys = list(keys)
         records = self._current_keys_of(keys)
+        known, first = self._batch_keys, len(self._batch_records)
         try:
-            self._batch_keys.update(zip(keys, zip(keys, records, strict=True), strict=True))
+            known.update(zip(keys, range(first, first + len(keys)), strict=True))
         except TypeError:  # an unhashable key: it is computed again when it is set
-            for key, current in zip(keys, records, strict=True):
+            for position, key in enumerate(keys, first):
                 with suppress(TypeError):
-                    self._batch_keys[key] = (key, current)
+                    known[key] = position
+        self._batch_key_objects.extend(keys)
+        self._batch_records.extend(records)
         return records
 
     @property
@@ -329,7 +336,7 @@ class KeyedStateBackend(ABC):
             yield
         finally:
             self._batching = False
-            self._batch_keys = {}
+            self._batch_keys, self._batch_key_objects, self._batch_records = {}, [], []
             if not self._disposed:
                 self._end_batch()
 

@@ -326,4 +326,5 @@ def _assert_decodes_as_the_generic_path(
         with pytest.raises(SerializationError, match="row-tuple"):
             serializer.deserialize(data)
         return
-    assert serializer.decoder()(data) == serializer.deserialize(data) == expected
+    # By repr: damaged float bytes decode to NaN, which is not equal to itself.
+    assert repr(serializer.decoder()(data)) == repr(serializer.deserialize(data)) == repr(expected)
