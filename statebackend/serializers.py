@@ -12,6 +12,7 @@ import base64
 import calendar
 import datetime
 import decimal
+import functools
 import json
 import numbers
 import pickle
@@ -21,8 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from itertools import chain
-from typing import Any, ClassVar, Generic, TypeVar
+from types import CodeType
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from statebackend.errors import ConfigurationError, IncompatibleStateError, SerializationError
 
@@ -77,6 +78,18 @@ class Serializer(ABC, Generic[T]):
                 f"{self.identity} serializer cannot decode {len(data)} bytes: {exc}"
             ) from exc
 
+    def encoder(self) -> Callable[[T], bytes]:
+        """``serialize`` without its error-wrapping frame, for hot paths: a function that
+        gives ``serialize``'s bytes for every value ``serialize`` accepts and raises some
+        exception (not necessarily a SerializationError) for any other. Call it inside
+        ``try`` and, on an exception, call ``serialize`` for the value's clear error."""
+        return self._encode
+
+    def decoder(self) -> Callable[[bytes], T]:
+        """``deserialize`` without its error-wrapping frame, as ``encoder`` is to
+        ``serialize``: on an exception, call ``deserialize`` for the clear error."""
+        return self._decode
+
     @abstractmethod
     def _encode(self, value: T) -> bytes: ...
 
@@ -128,16 +141,28 @@ class StrSerializer(Serializer[str]):
     identity = "str"
 
     def _encode(self, value: str) -> bytes:
-        if not isinstance(value, str):
+        if type(value) is not str and not isinstance(value, str):
             raise TypeError("not a str")
-        return value.encode("utf-8")
+        return value.encode()
 
     def _decode(self, data: bytes) -> str:
-        return bytes(data).decode("utf-8")
+        return str(data, "utf-8")
+
+    def encoder(self) -> Callable[[str], bytes]:
+        # Native: str.encode takes exactly the str values (subclasses too), UTF-8.
+        return str.encode
 
 
 _INT = struct.Struct(">q")
 _FLOAT = struct.Struct(">d")
+
+
+def _encode_exact_int(value: int) -> bytes:
+    """``IntSerializer``'s encoder: the bytes of an exact int; struct.error out of range
+    and TypeError for anything else (int subclasses too: ``serialize`` takes those)."""
+    if type(value) is int:
+        return _INT.pack(value)
+    raise TypeError("not an exact int")
 
 
 class IntSerializer(Serializer[int]):
@@ -146,14 +171,17 @@ class IntSerializer(Serializer[int]):
     identity = "int"
 
     def _encode(self, value: int) -> bytes:
-        if not isinstance(value, int) or isinstance(value, bool):
+        if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
             raise TypeError("not an int")
         if not -(1 << 63) <= value < (1 << 63):
             raise OverflowError("outside the signed 64-bit range; use PickleSerializer")
         return _INT.pack(value)
 
     def _decode(self, data: bytes) -> int:
-        return int(_INT.unpack(data)[0])
+        return _INT.unpack(data)[0]  # "q" unpacks an int
+
+    def encoder(self) -> Callable[[int], bytes]:
+        return _encode_exact_int
 
 
 class FloatSerializer(Serializer[float]):
@@ -477,20 +505,94 @@ def _flat_struct(fields: list[dict[str, Any]]) -> tuple[struct.Struct, tuple[typ
     )
 
 
+@functools.cache
+def _flat_encoder_code(arity: int) -> CodeType:
+    """The compiled source of ``_flat_encoder``'s function for structs of ``arity``
+    fields (compiled once per arity: it names no types, only positions)."""
+    names = [f"v{i}" for i in range(arity)]
+    source = (
+        "def encode(value):\n"
+        f"    if type(value) is tuple and len(value) == {arity}:\n"
+        f"        {', '.join(names)}, = value\n"
+        f"        if {' and '.join(f'type({n}) is t{n}' for n in names)}:\n"
+        f"            return pack({', '.join(f'1, {n}' for n in names)})\n"
+        "    return fallback(value)\n"
+    )
+    return compile(source, f"<flat struct encoder of {arity} fields>", "exec")
+
+
+def _flat_encoder(
+    packer: struct.Struct, flat_types: tuple[type, ...], fallback: Callable[[Any], bytes]
+) -> Callable[[Any], bytes]:
+    """The bytes of a flat struct (``_flat_struct``) in one ``packer.pack`` call for a
+    tuple of exactly ``flat_types``, else ``fallback(value)`` (nulls, lists, dicts, Rows,
+    ints for floats, errors).
+
+    Generated code, as ``collections.namedtuple`` generates its methods: a call with its
+    arguments spelled out (``pack(1, v0, 1, v1)``) is about three times faster than one
+    building them per value, and this is the hot path of numeric keys and values. Only
+    field positions go into the source; the types and functions come in by name."""
+    namespace: dict[str, Any] = {"pack": packer.pack, "fallback": fallback}
+    namespace.update((f"tv{i}", kind) for i, kind in enumerate(flat_types))
+    exec(_flat_encoder_code(len(flat_types)), namespace)
+    return cast(Callable[[Any], bytes], namespace["encode"])
+
+
+def _flat_decoder(
+    packer: struct.Struct, flat_types: tuple[type, ...], fallback: Callable[[bytes], Any]
+) -> Callable[[bytes], Any]:
+    """The tuple of a flat struct's bytes in one ``unpack`` call when they are exactly
+    its fields, none null; else ``fallback(data)``."""
+    unpack, size, tags = packer.unpack, packer.size, (1,) * len(flat_types)
+
+    def decode(data: bytes) -> Any:
+        if len(data) == size:
+            unpacked = unpack(data)
+            if unpacked[0::2] == tags:
+                return unpacked[1::2]
+        return fallback(data)
+
+    return decode
+
+
+_TAG_LENGTH = struct.Struct(">BI")
+"""A not-null tag then a length prefix, packed in one call."""
+
+
+def _one_string_codec(
+    fallback_encode: Callable[[Any], bytes], fallback_decode: Callable[[bytes], Any]
+) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+    """The bytes of a struct of one string field (a string key) and back, in one call
+    each for a 1-tuple of a str; anything else through the fallbacks."""
+
+    def encode(value: Any) -> bytes:
+        if type(value) is tuple and len(value) == 1:
+            text = value[0]
+            if type(text) is str:
+                data = text.encode()
+                return _TAG_LENGTH.pack(1, len(data)) + data
+        return fallback_encode(value)
+
+    def decode(data: bytes) -> Any:
+        if (
+            len(data) >= _TAG_LENGTH.size
+            and data[0] == 1
+            and _TAG_LENGTH.unpack_from(data)[1] == len(data) - _TAG_LENGTH.size
+        ):
+            return (str(data[_TAG_LENGTH.size :], "utf-8"),)
+        return fallback_decode(data)
+
+    return encode, decode
+
+
 def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
     fields = struct_type.get("fields", [])
     names = [field["name"] for field in fields]
     codecs = [_nullable(_field_codec(field["type"])) for field in fields]
     flat = _flat_struct(fields)
-    # The field-by-field bytes of a tuple of exact ints/floats without nulls, in one call:
-    # the hot path of numeric keys and values.
-    packer, flat_types = flat if flat is not None else (None, ())
     tags = (1,) * len(fields)
 
-    def encode(value: Any, out: list[bytes]) -> None:
-        if packer is not None and type(value) is tuple and tuple(map(type, value)) == flat_types:
-            out.append(packer.pack(*chain.from_iterable(zip(tags, value, strict=True))))
-            return
+    def encode_fields(value: Any, out: list[bytes]) -> None:
         if isinstance(value, dict):
             value = tuple(value.get(name) for name in names)
         if not isinstance(value, (tuple, list)) or len(value) != len(codecs):
@@ -499,17 +601,59 @@ def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
             field_encode(item, out)
 
     def decode(view: memoryview, position: int) -> tuple[Any, int]:
-        if packer is not None and len(view) - position >= packer.size:
-            unpacked = packer.unpack_from(view, position)
+        if flat is not None and len(view) - position >= flat[0].size:
+            unpacked = flat[0].unpack_from(view, position)
             if unpacked[0::2] == tags:
-                return unpacked[1::2], position + packer.size
+                return unpacked[1::2], position + flat[0].size
         items = []
         for _, field_decode in codecs:
             item, position = field_decode(view, position)
             items.append(item)
         return tuple(items), position
 
+    if flat is None:
+        return encode_fields, decode
+
+    def fields_bytes(value: Any) -> bytes:
+        parts: list[bytes] = []
+        encode_fields(value, parts)
+        return b"".join(parts)
+
+    flat_bytes = _flat_encoder(*flat, fields_bytes)
+
+    def encode(value: Any, out: list[bytes]) -> None:
+        out.append(flat_bytes(value))
+
     return encode, decode
+
+
+def _struct_bytes_codec(
+    struct_type: dict[str, Any],
+) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+    """The bytes of a whole struct value and back (``RowTupleSerializer``'s), with one-call
+    fast paths for the common shapes of keys and values: every field a fixed-width
+    number, or one string field."""
+    encode_struct, decode_struct = _struct_codec(struct_type)
+
+    def to_bytes(value: Any) -> bytes:
+        parts: list[bytes] = []
+        encode_struct(value, parts)
+        return b"".join(parts)
+
+    def from_bytes(data: bytes) -> tuple[Any, ...]:
+        view = memoryview(data)
+        value, position = decode_struct(view, 0)
+        if position != len(view):
+            raise ValueError("trailing bytes after the last field")
+        return tuple(value)
+
+    fields = struct_type.get("fields", [])
+    flat = _flat_struct(fields)
+    if flat is not None:
+        return _flat_encoder(*flat, to_bytes), _flat_decoder(*flat, from_bytes)
+    if [field["type"] for field in fields] == ["string"]:
+        return _one_string_codec(to_bytes, from_bytes)
+    return to_bytes, from_bytes
 
 
 def _array_codec(element_type: Any) -> tuple[_Encoder, _Decoder]:
@@ -617,7 +761,7 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         self.schema_json = schema_json
         self.field_names = [field["name"] for field in schema.get("fields", [])]
         self._schema = _schema_identity(schema)
-        self._encode_struct, self._decode_struct = _struct_codec(schema)
+        self._to_bytes, self._from_bytes = _struct_bytes_codec(schema)
 
     def __reduce__(self) -> tuple[type[RowTupleSerializer], tuple[str]]:
         # Its codecs are closures over struct.Struct packers, which cannot be pickled:
@@ -625,16 +769,16 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         return (RowTupleSerializer, (self.schema_json,))
 
     def _encode(self, value: tuple[Any, ...]) -> bytes:
-        parts: list[bytes] = []
-        self._encode_struct(value, parts)
-        return b"".join(parts)
+        return self._to_bytes(value)
 
     def _decode(self, data: bytes) -> tuple[Any, ...]:
-        view = memoryview(data)
-        value, position = self._decode_struct(view, 0)
-        if position != len(view):
-            raise ValueError("trailing bytes after the last field")
-        return tuple(value)
+        return cast(tuple[Any, ...], self._from_bytes(data))
+
+    def encoder(self) -> Callable[[tuple[Any, ...]], bytes]:
+        return self._to_bytes
+
+    def decoder(self) -> Callable[[bytes], tuple[Any, ...]]:
+        return self._from_bytes
 
     def config(self) -> SerializerConfig:
         return {**super().config(), "schema": self._schema, "schema_json": self.schema_json}

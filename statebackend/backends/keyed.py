@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from statebackend.backends.changelog import Change, ChangeSet, LoggingStateStore, apply_change
 from statebackend.backends.keyed_states import (
     STATE_IMPLEMENTATIONS,
+    KeyContext,
     KeyedStateImpl,
     decode_list,
     encode_list,
@@ -193,17 +194,21 @@ class KeyedStateBackend(ABC):
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
         self.key_serializer: Serializer[Any] = key_serializer or StrSerializer()
+        self._encode_key = self.key_serializer.encoder()
         self.clock = clock
-        self._current: CurrentKey | None = None
-        self._current_object: Any = None
+        self._keys = KeyContext()
         self._stores: dict[str, StateStore] = {}
         self._states: dict[str, KeyedStateImpl] = {}
         self._restored: dict[str, StateMetaInfo] = {}
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
         self._batching = False
-        self._batch_keys: dict[Any, tuple[Any, CurrentKey]] = {}
-        """Keys read ahead in the open batch: key -> (the key object, its record)."""
+        self._batch_keys: dict[Any, int] = {}
+        """Keys read ahead in the open batch: key -> its position in ``_batch_key_objects``
+        and ``_batch_records`` (positions, not pairs: a batch's keys then allocate no
+        tuples for the garbage collector to scan)."""
+        self._batch_key_objects: list[Any] = []
+        self._batch_records: list[CurrentKey] = []
         self._timer_service: KeyedTimerService | None = None
         self._timer_metas: dict[str, StateMetaInfo] = {}
         self._timer_clocks: TimerClocks | None = None
@@ -221,26 +226,30 @@ class KeyedStateBackend(ABC):
         """
         if self._disposed:
             self._check_open()
+        keys = self._keys
         known = self._batch_keys
         if known:
             try:
-                hit = known.get(key)
+                position = known.get(key)
             except TypeError:  # an unhashable key: never read ahead
-                hit = None
+                position = None
             # The very object read ahead: equal keys of other types (1, 1.0, True)
             # serialize differently.
-            if hit is not None and hit[0] is key:
-                self._current = hit[1]
-                self._current_object = key
+            if position is not None and self._batch_key_objects[position] is key:
+                keys.record = self._batch_records[position]
+                keys.key = key
                 return
-        self._current = self._current_key_of(key)
-        self._current_object = key
+        keys.record = self._current_key_of(key)
+        keys.key = key
 
     def _current_key_of(self, key: Any) -> CurrentKey:
         """The current-key record of ``key``, with ``set_current_key``'s checks."""
         if key is None:
             raise StateAccessError("None cannot be a key: give every record a key")
-        encoded = self.key_serializer.serialize(key)
+        try:
+            encoded = self._encode_key(key)
+        except Exception:
+            encoded = self.key_serializer.serialize(key)
         key_group = assign_to_key_group(encoded, self.max_parallelism)
         owned = self.key_group_range
         if not owned.start <= key_group <= owned.end:
@@ -251,33 +260,54 @@ class KeyedStateBackend(ABC):
             )
         return CurrentKey.of(key_group, encoded)
 
+    def _current_keys_of(self, keys: list[Any]) -> list[CurrentKey]:
+        """The current-key records of ``keys``, as ``_current_key_of`` gives them: each
+        step over all keys at once (no Python frame per key where the key serializer's
+        encoder is native, as ``str.encode`` is), and key by key with its checks and
+        errors when a key fails one."""
+        max_parallelism, owned = self.max_parallelism, self.key_group_range
+        try:
+            encoded = list(map(self._encode_key, keys))
+            groups = [assign_to_key_group(data, max_parallelism) for data in encoded]
+            checked = None not in keys and (
+                not groups or owned.start <= min(groups) <= max(groups) <= owned.end
+            )
+        except Exception:
+            checked = False
+        if not checked:
+            return [self._current_key_of(key) for key in keys]
+        return CurrentKey.of_many(groups, encoded)
+
     def _read_ahead_keys(self, keys: Iterable[Any]) -> list[CurrentKey]:
         """The current-key records of ``keys`` (checked as ``set_current_key`` checks
         them), remembered until the batch ends so that ``set_current_key`` of the same
         key objects does not compute them again."""
         keys = list(keys)
-        records = [self._current_key_of(key) for key in keys]
+        records = self._current_keys_of(keys)
+        known, first = self._batch_keys, len(self._batch_records)
         try:
-            self._batch_keys.update(zip(keys, zip(keys, records, strict=True), strict=True))
+            known.update(zip(keys, range(first, first + len(keys)), strict=True))
         except TypeError:  # an unhashable key: it is computed again when it is set
-            for key, current in zip(keys, records, strict=True):
+            for position, key in enumerate(keys, first):
                 with suppress(TypeError):
-                    self._batch_keys[key] = (key, current)
+                    known[key] = position
+        self._batch_key_objects.extend(keys)
+        self._batch_records.extend(records)
         return records
 
     @property
     def current_key(self) -> Any:
         """The key set by ``set_current_key`` (None before the first)."""
-        return self._current_object
+        return self._keys.key
 
     def _set_current_record(self, current: CurrentKey) -> Any:
         """Make the serialized key ``current`` current (a timer's); returns the key."""
-        self._current = current
-        self._current_object = self.key_serializer.deserialize(current.key)
-        return self._current_object
+        key = self.key_serializer.deserialize(current.key)
+        self._keys.record, self._keys.key = current, key
+        return key
 
     def _require_current(self) -> CurrentKey:
-        current = self._current
+        current = self._keys.record
         if current is None or self._disposed:
             self._check_open()
             raise StateAccessError("no current key: call set_current_key(key) before using state")
@@ -306,7 +336,7 @@ class KeyedStateBackend(ABC):
             yield
         finally:
             self._batching = False
-            self._batch_keys = {}
+            self._batch_keys, self._batch_key_objects, self._batch_records = {}, [], []
             if not self._disposed:
                 self._end_batch()
 
@@ -356,7 +386,7 @@ class KeyedStateBackend(ABC):
             # Only once taken over: a failed attempt must not let a retry skip the checks.
             del self._restored[descriptor.name]
         impl = STATE_IMPLEMENTATIONS[descriptor.kind](
-            descriptor, store, self._require_current, self.clock
+            descriptor, store, self._keys, self._require_current, self.clock
         )
         self._states[descriptor.name] = impl
         return impl
@@ -690,6 +720,7 @@ class KeyedStateBackend(ABC):
         """Release everything the backend holds; it cannot be used afterwards."""
         if not self._disposed:
             self._disposed = True
+            self._keys.record = None  # states held elsewhere now fail as disposed
             self._states.clear()
             self._stores.clear()
             self._changelog = None

@@ -59,34 +59,68 @@ def stored_value_serializer(descriptor: StateDescriptor) -> Serializer[Any]:
     return TtlSerializer(descriptor.serializer)
 
 
+class KeyContext:
+    """The current key of a backend, shared with its states, which read it on every call
+    (an attribute read, where a call would cost a frame per state access)."""
+
+    __slots__ = ("key", "record")
+
+    def __init__(self) -> None:
+        self.record: CurrentKey | None = None
+        """The current key's record; None before the first key and once the backend is
+        disposed (a state then asks the backend's ``require_current`` for the error)."""
+        self.key: Any = None
+        """The key object the record is of."""
+
+
 class KeyedStateImpl(State):
-    """What all kinds share: the store, the current key, and TTL wrapping."""
+    """What all kinds share: the store, the current key, and TTL wrapping.
+
+    The store's methods and the serializer's ``encoder``/``decoder`` are resolved once
+    here; a failing fast call is retried through ``serialize``/``deserialize``, which
+    raise the SerializationError that names the value."""
 
     def __init__(
         self,
         descriptor: StateDescriptor,
         store: StateStore,
-        current_key: Callable[[], CurrentKey],
+        keys: KeyContext,
+        require_current: Callable[[], CurrentKey],
         clock: Clock,
     ) -> None:
         self.descriptor = descriptor
         self._store = store
-        self._current_key = current_key
+        self._keys = keys
+        self._require_current = require_current
         self._clock = clock
         self._ttl = descriptor.ttl
         self._serializer = stored_value_serializer(descriptor)
+        self._encode_stored = self._serializer.encoder()
+        self._decode_stored = self._serializer.decoder()
+        self._get = store.get
+        self._put = store.put
         self._refresh_on_read = (
             self._ttl is not None and self._ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE
         )
 
+    def _current_key(self) -> CurrentKey:
+        current = self._keys.record
+        return self._require_current() if current is None else current
+
     def _encode(self, value: Any) -> bytes:
         if self._ttl is not None:
             value = TtlValue(value, self._ttl.expiry_ms(self._clock()))
-        return self._serializer.serialize(value)
+        try:
+            return self._encode_stored(value)
+        except Exception:
+            return self._serializer.serialize(value)
 
     def _decode(self, data: bytes) -> tuple[bool, Any]:
         """``(alive, value)`` of stored bytes: alive is False for an expired value."""
-        value = self._serializer.deserialize(data)
+        try:
+            value = self._decode_stored(data)
+        except Exception:
+            value = self._serializer.deserialize(data)
         if self._ttl is None:
             return True, value
         return value.expires_at_ms > to_ms(self._clock()), value.value
@@ -112,23 +146,37 @@ class KeyedStateImpl(State):
 class ValueStateImpl(KeyedStateImpl, ValueState):
     """ValueState over a StateStore."""
 
+    # value() and update() are the hot path of keyed state: one frame each beside the
+    # store's and the codec's, without TTL bookkeeping when there is no TTL.
+
     def value(self) -> Any:
-        if self._ttl is None:  # the hot path, without TTL bookkeeping
-            data = self._store.get(self._current_key())
+        if self._ttl is None:
+            current = self._keys.record
+            data = self._get(self._require_current() if current is None else current)
             if data is None:
                 return self.descriptor.default
-            return self._serializer.deserialize(data)
+            try:
+                return self._decode_stored(data)
+            except Exception:
+                return self._serializer.deserialize(data)
         value = self._read_value()[1]
         return self.descriptor.default if value is None else value
 
     def update(self, value: Any) -> None:
-        current = self._current_key()
+        current = self._keys.record
+        if current is None:
+            current = self._require_current()
         if value is None:
             self._store.delete(current)
-        elif self._ttl is None:
-            self._store.put(current, self._serializer.serialize(value))
+            return
+        if self._ttl is None:
+            try:
+                data = self._encode_stored(value)
+            except Exception:
+                data = self._serializer.serialize(value)
         else:
-            self._store.put(current, self._encode(value))
+            data = self._encode(value)
+        self._put(current, data)
 
 
 class ListStateImpl(KeyedStateImpl, ListState):
@@ -221,10 +269,11 @@ class MapStateImpl(KeyedStateImpl, MapState):
         self,
         descriptor: StateDescriptor,
         store: StateStore,
-        current_key: Callable[[], CurrentKey],
+        keys: KeyContext,
+        require_current: Callable[[], CurrentKey],
         clock: Clock,
     ) -> None:
-        super().__init__(descriptor, store, current_key, clock)
+        super().__init__(descriptor, store, keys, require_current, clock)
         assert isinstance(descriptor, MapStateDescriptor)
         self._user_keys = descriptor.key_serializer
 
@@ -238,8 +287,6 @@ class MapStateImpl(KeyedStateImpl, MapState):
         data = self._store.map_get(current, encoded_key)
         if data is None:
             return None
-        if self._ttl is None:  # the hot path, without TTL bookkeeping
-            return self._serializer.deserialize(data)
         alive, value = self._decode(data)
         if not alive:
             self._store.map_remove(current, encoded_key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
 from struct import Struct
 from typing import NamedTuple
 
@@ -35,6 +36,15 @@ class CurrentKey(NamedTuple):
         """The current-key record of serialized ``key`` in ``key_group``."""
         # tuple.__new__ skips the generated __new__'s argument handling (hot path).
         return _new_tuple(cls, (key_group, key, _KEY_HEADER.pack(key_group, len(key)) + key))
+
+    @classmethod
+    def of_many(cls, key_groups: list[int], keys: list[bytes]) -> list[CurrentKey]:
+        """``of`` of each (key group, serialized key) pair, without a Python frame per
+        pair (a batch's read-ahead keys)."""
+        header = _KEY_HEADER.pack
+        pairs = zip(key_groups, keys, strict=True)
+        prefixes = [header(group, len(key)) + key for group, key in pairs]
+        return list(map(_new_tuple, repeat(cls), zip(key_groups, keys, prefixes, strict=True)))
 
 
 def split_composite_key(composite: bytes) -> tuple[int, bytes, bytes]:

@@ -1233,6 +1233,32 @@ def test_a_batch_keeps_equal_keys_of_other_types_and_unhashable_keys_apart(
     assert len(list(backend.keys("v"))) == len(keys)
 
 
+def test_a_batch_refuses_the_keys_set_current_key_refuses(backends: Backends) -> None:
+    """The read-ahead computes its keys' records all at once; a key that fails a check
+    fails as ``set_current_key`` fails on it, and the others' records are the ones
+    ``set_current_key`` computes."""
+    half = KeyGroupRange(0, M // 2 - 1)
+    backend = backends.make("rocksdb", key_group_range=half)
+    state = backend.get_state(ValueStateDescriptor("v", IntSerializer()))
+    assert isinstance(state, ValueState)
+    owned = [key for key in KEYS if key_group(key) in half]
+    outside = next(key for key in KEYS if key_group(key) not in half)
+    for bad, error, message in (
+        (None, StateAccessError, "None cannot be a key"),
+        (outside, StateAccessError, "outside this backend's key-group range"),
+        (5, SerializationError, "str serializer"),
+    ):
+        with pytest.raises(error, match=message), backend.batch([*owned[:3], bad]):
+            pass
+    with backend.batch(owned):
+        for number, key in enumerate(owned):
+            backend.set_current_key(key)
+            state.update(number)
+    for number, key in enumerate(owned):
+        backend.set_current_key(key)
+        assert state.value() == number
+
+
 def test_a_batch_writes_when_it_ends_and_before_cuts_and_drains(backends: Backends) -> None:
     backend = backends.make("rocksdb")
     backend.enable_changelog()

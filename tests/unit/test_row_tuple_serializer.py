@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import functools
+import struct
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql.types import (
     ArrayType,
@@ -198,3 +200,131 @@ def test_ships_to_executors_with_cloudpickle() -> None:
     shipped = cloudpickle.loads(cloudpickle.dumps(serializer))
     assert shipped.config() == serializer.config()
     assert shipped.deserialize(serializer.serialize((3, 40))) == (3, 40)
+
+
+def _reference_bytes(fields: list[tuple[str, Any]], row: tuple[Any, ...]) -> bytes:
+    """The row-tuple bytes of ``row``, computed field by field in plain Python: a tag
+    byte per field, then a number in its big-endian format or a length-prefixed string."""
+    parts = []
+    for (fmt, _), item in zip(fields, row, strict=True):
+        if item is None:
+            parts.append(b"\x00")
+        elif fmt == "string":
+            data = item.encode("utf-8")
+            parts.append(b"\x01" + len(data).to_bytes(4, "big") + data)
+        else:
+            parts.append(b"\x01" + struct.pack(">" + fmt, item))
+    return b"".join(parts)
+
+
+INT64S = st.integers(-(2**63), 2**63 - 1)
+
+FAST_SHAPES = {
+    "one long": ([("q", LongType())], st.tuples(INT64S)),
+    "two longs": ([("q", LongType()), ("q", LongType())], st.tuples(INT64S, INT64S)),
+    "numbers": (
+        [("b", ByteType()), ("h", ShortType()), ("i", IntegerType()), ("f", FloatType())]
+        + [("d", DoubleType())],
+        st.tuples(
+            st.integers(-(2**7), 2**7 - 1),
+            st.integers(-(2**15), 2**15 - 1),
+            st.integers(-(2**31), 2**31 - 1),
+            st.floats(width=32, allow_nan=False),
+            st.floats(allow_nan=False),
+        ),
+    ),
+    "one string": ([("string", StringType())], st.tuples(st.text())),
+}
+"""The shapes ``encoder``/``decoder`` take in one call: schema fields as (format, Spark
+type) and rows of exactly their types, none null."""
+
+NEAR_MISSES = st.sampled_from(
+    [None, True, 1.5, 2**63, -(2**63) - 1, 7, "x", b"x", "\ud800", [], {}]
+)
+"""Field values of other types or out of range: taken by the generic path (which
+converts or rejects them), never packed as they are by a fast one."""
+
+
+@functools.cache
+def _serializers(shape: str) -> tuple[RowTupleSerializer, RowTupleSerializer]:
+    """The row-tuple serializer of a fast shape, and one of a struct holding that struct
+    as its only field, whose decoding of it is the field-by-field one."""
+    fields, _ = FAST_SHAPES[shape]
+    schema = StructType([StructField(f"f{i}", t) for i, (_, t) in enumerate(fields)])
+    wrapped = StructType([StructField("inner", schema)])
+    return RowTupleSerializer(schema.json()), RowTupleSerializer(wrapped.json())
+
+
+def _generic_decode(wrapper: RowTupleSerializer, data: bytes) -> tuple[Any, ...]:
+    return tuple(wrapper.deserialize(b"\x01" + data)[0])
+
+
+@pytest.mark.parametrize("shape", sorted(FAST_SHAPES))
+@settings(deadline=None)  # a shared machine's pauses are no failure of the codec
+@given(data=st.data())
+def test_fast_paths_give_the_generic_bytes(shape: str, data: st.DataObject) -> None:
+    """``encoder()``/``decoder()`` of the common shapes (which ``serialize`` and
+    ``deserialize`` use too) give the bytes of the plain-Python reference and of the
+    field-by-field path (which a list takes), and round-trip; for near misses (a field of
+    another type, a null, a Row, another arity) they give what the field-by-field path
+    gives, or fail where it raises SerializationError; and they decode damaged bytes
+    (another tag than 1, a wrong length, bad UTF-8) as that path does."""
+    from pyspark.sql import Row
+
+    serializer, wrapper = _serializers(shape)
+    encode, decode = serializer.encoder(), serializer.decoder()
+    row = data.draw(FAST_SHAPES[shape][1])
+    expected = _reference_bytes(FAST_SHAPES[shape][0], row)
+    assert encode(row) == serializer.serialize(row) == serializer.serialize(list(row)) == expected
+    assert decode(expected) == serializer.deserialize(expected) == row
+    assert _generic_decode(wrapper, expected) == row
+    for damaged in (
+        expected[:-1],
+        expected + b"\x00",
+        b"\x00" + expected[1:],
+        b"\x02" + expected[1:],
+        expected[:-1] + b"\xff",
+    ):
+        _assert_decodes_as_the_generic_path(serializer, wrapper, damaged)
+    position = data.draw(st.integers(0, len(row) - 1))
+    near = data.draw(NEAR_MISSES)
+    for other in (
+        row[:position] + (near,) + row[position + 1 :],
+        Row(*row),
+        row + (1,),
+        row[:-1],
+    ):
+        try:
+            generic = serializer.serialize(list(other))
+        except SerializationError:
+            with pytest.raises(Exception):  # noqa: B017 - any error: the caller retries
+                encode(other)
+            with pytest.raises(SerializationError, match="row-tuple"):
+                serializer.serialize(other)
+            continue
+        assert encode(other) == serializer.serialize(other) == generic
+        assert decode(generic) == _generic_decode(wrapper, generic)
+
+
+@pytest.mark.parametrize("shape", sorted(FAST_SHAPES))
+@settings(deadline=None)
+@given(data=st.binary(max_size=40))
+def test_fast_decoders_read_any_bytes_as_the_generic_path(shape: str, data: bytes) -> None:
+    """On arbitrary bytes a fast decoder gives what the field-by-field decoding gives, or
+    fails where it fails (and ``deserialize`` raises SerializationError)."""
+    _assert_decodes_as_the_generic_path(*_serializers(shape), data)
+
+
+def _assert_decodes_as_the_generic_path(
+    serializer: RowTupleSerializer, wrapper: RowTupleSerializer, data: bytes
+) -> None:
+    try:
+        expected = _generic_decode(wrapper, data)
+    except SerializationError:
+        with pytest.raises(Exception):  # noqa: B017 - any error: the caller retries
+            serializer.decoder()(data)
+        with pytest.raises(SerializationError, match="row-tuple"):
+            serializer.deserialize(data)
+        return
+    # By repr: damaged float bytes decode to NaN, which is not equal to itself.
+    assert repr(serializer.decoder()(data)) == repr(serializer.deserialize(data)) == repr(expected)

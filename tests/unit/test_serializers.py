@@ -207,6 +207,31 @@ def test_undecodable_bytes_raise_serialization_error_naming_the_serializer(
     assert f"{serializer.identity} serializer" in str(info.value)
 
 
+@pytest.mark.parametrize(("serializer", "value", "named"), _UNENCODABLE)
+def test_encoder_fails_where_serialize_raises(
+    serializer: Serializer[Any], value: Any, named: str
+) -> None:
+    """The unwrapped ``encoder()`` that hot paths call raises too (any error: they then
+    call ``serialize`` for the SerializationError)."""
+    with pytest.raises(Exception):  # noqa: B017
+        serializer.encoder()(value)
+
+
+@given(st.one_of(INT64, st.integers(), st.booleans(), FINITE, st.text(), st.binary()))
+def test_encoder_and_decoder_match_serialize_and_deserialize(value: Any) -> None:
+    """For every value, ``encoder()`` gives ``serialize``'s bytes or fails where it
+    raises, and ``decoder()`` reads them back as ``deserialize`` does."""
+    for serializer in (IntSerializer(), StrSerializer(), FloatSerializer(), BytesSerializer()):
+        try:
+            expected = serializer.serialize(value)
+        except SerializationError:
+            with pytest.raises(Exception):  # noqa: B017
+                serializer.encoder()(value)
+            continue
+        assert serializer.encoder()(value) == expected
+        assert serializer.decoder()(expected) == serializer.deserialize(expected)
+
+
 def test_tuple_serializer_needs_fields() -> None:
     with pytest.raises(ValueError):
         TupleSerializer()
