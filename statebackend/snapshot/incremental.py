@@ -283,8 +283,7 @@ def upload_native_checkpoint(
         # A write that failed because the abort deleted the directory under it was
         # cancelled, not broken: ``should_stop`` only looks at the abort now and then.
         aborted = CheckpointCancelledError(
-            f"checkpoint {checkpoint_id} was aborted while {name} uploaded; "
-            "its files were deleted"
+            f"checkpoint {checkpoint_id} was aborted while {name} uploaded; its files were deleted"
         )
         aborted.__cause__ = failures[0] if failures else None
         failures.insert(0, aborted)

@@ -156,9 +156,7 @@ class SnapshotDirectory:
         aborted; a file finished after an abort is deleted (CheckpointCancelledError)."""
         path = f"{self.directory}/{relative}"
         try:
-            written = self.filesystem.write_file(
-                path, chunks, should_stop=self._stop(should_stop)
-            )
+            written = self.filesystem.write_file(path, chunks, should_stop=self._stop(should_stop))
         except CheckpointError as exc:
             # The abort deletes the directory under a write it has not stopped yet.
             if not isinstance(exc, CheckpointCancelledError) and self._abandoned():
