@@ -318,12 +318,12 @@ class CheckpointFileSystem:
         size = 0
         running = RunningChecksum(self.checksum_algorithm)
         try:
-            with _io_errors("open for writing", path):
-                f = self._fs.open(path, "wb")
-        except CheckpointError as exc:
+            f = self._fs.open(path, "wb")
+        except Exception as exc:
+            # Not _io_errors: a file being written is not "missing" when its directory is.
             if stopped():
-                raise cancelled(exc) from exc.__cause__
-            raise
+                raise cancelled(exc) from exc
+            raise CheckpointError(f"could not open for writing {path}: {exc}") from exc
         try:
             for chunk in chunks:
                 check_stop()
