@@ -112,6 +112,7 @@ from statebackend.spark.tasks import (
     KeyedResult,
     SourcePlan,
     StorageSpec,
+    keyed_subtask,
     keyed_task,
     output_directory,
     single_stage_input,
@@ -664,7 +665,9 @@ class StatefulJob:
             else:
                 stages = "source and keyed, one stage"
                 keyed = sc.parallelize(range(p), p).mapPartitionsWithIndex(
-                    lambda index, _: keyed_task(plan, index, single_stage_input(source_plan, index))
+                    lambda index, _: keyed_subtask(
+                        plan, index, single_stage_input(source_plan, index)
+                    )
                 )
         else:
             keyed = sc.parallelize([], p).mapPartitionsWithIndex(

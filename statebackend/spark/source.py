@@ -161,6 +161,13 @@ class LogSource:
         """Up to ``max_records`` complete lines of ``partition`` from ``offset``, keyed;
         with ``end``, only lines before byte ``end``."""
         path = partition_path(self.directory, partition)
+        if end is not None:
+            with path.open("rb") as f:
+                f.seek(offset)
+                data = f.read(end - offset)
+            whole = _read_whole(data, offset, max_records, key_of)
+            if whole is not None:
+                return whole
         records: list[tuple[Any, Any]] = []
         skipped = 0
         with path.open("rb") as f:
@@ -184,6 +191,39 @@ class LogSource:
                 records.append((key, record))
                 offset += len(line)
         return PartitionBatch(records, offset, skipped)
+
+
+def _read_whole(data: bytes, offset: int, max_records: int, key_of: KeyOf) -> PartitionBatch | None:
+    """What ``LogSource.read`` returns for the lines in ``data`` (read from byte
+    ``offset``), parsed in one pass over the decoded text: each line scanned as one JSON
+    value that must end right at its newline, as ``parse_line`` does in the usual case.
+    None at the first line that is not that usual case (bad UTF-8 anywhere, anything
+    ``parse_line`` would hand to ``json.loads``, a record without a key): the line-by-line
+    read then gives its exact value, error or skip."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None
+    records: list[tuple[Any, Any]] = []
+    append, find, scan = records.append, text.find, _SCAN
+    position, size = 0, len(text)
+    try:
+        while position < size and len(records) < max_records:
+            newline = find("\n", position)
+            if newline < 0:
+                break  # an incomplete last line: a later batch reads it
+            value, stop = scan(text, position)
+            if stop != newline:
+                return None
+            append((key_of(value), value))
+            position = newline + 1
+    except Exception:
+        return None
+    if position == size:
+        consumed = len(data)
+    else:
+        consumed = position if data.isascii() else len(text[:position].encode())
+    return PartitionBatch(records, offset + consumed, 0)
 
 
 def _lines(f: BinaryIO, limit: int | None) -> Iterator[bytes]:

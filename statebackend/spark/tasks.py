@@ -139,6 +139,17 @@ class KeyedPlan:
 
 
 @dataclass
+class KeyedInput:
+    """A keyed subtask's input of one batch: its records grouped by key, and the new
+    offsets and skipped lines of the source subtasks whose reading it carries."""
+
+    groups: dict[Any, list[Any]] = field(default_factory=dict)
+    records: int = 0
+    source_offsets: dict[int, Offsets] = field(default_factory=dict)
+    skipped: int = 0
+
+
+@dataclass
 class KeyedResult:
     """What a keyed subtask reports to the driver."""
 
@@ -179,50 +190,89 @@ class KeyedResult:
         )
 
 
-def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
-    """Read source subtask ``subtask``'s partitions; route records by key group."""
-    return _read_source(plan, subtask, None)
-
-
-def single_stage_input(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+def single_stage_input(plan: SourcePlan, subtask: int) -> KeyedInput:
     """The input of keyed subtask ``subtask`` in a single-stage batch (no shuffle): the
-    records of its key groups, read from every partition up to ``plan.ends``, and the
-    marker of source subtask ``subtask`` (its new offsets, what ``source_task`` sends)."""
-    return _read_source(plan, subtask, subtask)
-
-
-def _read_source(
-    plan: SourcePlan, subtask: int, only_for: int | None
-) -> Iterator[tuple[int, tuple[Any, ...]]]:
-    """Read source subtask ``subtask``'s partitions (with ``only_for``, every subtask's,
-    keeping the records of keyed subtask ``only_for``); route records by key group; end
-    with source subtask ``subtask``'s marker."""
-    new_offsets: Offsets = []
-    skipped = 0
-    parallelism, max_parallelism = plan.parallelism, plan.max_parallelism
-    serialize = plan.key_serializer.serialize
+    records of its key groups, read from every partition up to ``plan.ends`` and grouped
+    by key as they are read, and source subtask ``subtask``'s new offsets and skipped
+    lines (what its marker carries in the two-stage path)."""
+    keyed = KeyedInput()
+    groups = keyed.groups
+    targets = _Targets(plan)
+    known = targets.known
     ends = plan.ends or {}
-    targets: dict[Any, int] = {}  # key -> keyed subtask, computed once per key and batch
     for source_subtask, share in enumerate(plan.offsets):
-        if only_for is None and source_subtask != subtask:
-            continue
+        new_offsets: Offsets = []
         for partition, offset in share:
             batch = plan.source.read(
                 partition, offset, plan.batch_size, plan.key_of, ends.get(partition)
             )
             for key, record in batch.records:
-                target = targets.get(key)
+                target = known.get(key)
                 if target is None:
-                    key_group = assign_to_key_group(serialize(key), max_parallelism)
-                    target = targets[key] = compute_operator_index_for_key_group(
-                        max_parallelism, parallelism, key_group
-                    )
-                if only_for is None or target == only_for:
-                    yield target, (RECORD, key, record)
+                    target = targets.of(key)
+                if target == subtask:
+                    group = groups.get(key)
+                    if group is None:
+                        groups[key] = [record]
+                    else:
+                        group.append(record)
+            new_offsets.append((partition, batch.offset))
             if source_subtask == subtask:
-                new_offsets.append((partition, batch.offset))
-                skipped += batch.skipped
+                keyed.skipped += batch.skipped
+        if source_subtask == subtask:
+            keyed.source_offsets[subtask] = new_offsets
+    keyed.records = sum(map(len, groups.values()))
+    return keyed
+
+
+class _Targets:
+    """Key -> keyed subtask, computed once per key and batch."""
+
+    def __init__(self, plan: SourcePlan) -> None:
+        self._serialize = plan.key_serializer.serialize
+        self._max_parallelism, self._parallelism = plan.max_parallelism, plan.parallelism
+        self.known: dict[Any, int] = {}
+        """The keys met so far and their subtasks (a hot loop may look here first)."""
+
+    def of(self, key: Any) -> int:
+        """The keyed subtask of ``key``'s key group."""
+        target = self.known.get(key)
+        if target is None:
+            key_group = assign_to_key_group(self._serialize(key), self._max_parallelism)
+            target = self.known[key] = compute_operator_index_for_key_group(
+                self._max_parallelism, self._parallelism, key_group
+            )
+        return target
+
+
+def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+    """Read source subtask ``subtask``'s partitions; emit ``(keyed subtask, (RECORD, key,
+    record))`` per record and end with ``(subtask, (MARKER, subtask, new offsets,
+    skipped lines))``."""
+    new_offsets: Offsets = []
+    skipped = 0
+    targets = _Targets(plan)
+    for partition, offset in plan.offsets[subtask]:
+        batch = plan.source.read(partition, offset, plan.batch_size, plan.key_of)
+        for key, record in batch.records:
+            yield targets.of(key), (RECORD, key, record)
+        new_offsets.append((partition, batch.offset))
+        skipped += batch.skipped
     yield subtask, (MARKER, subtask, new_offsets, skipped)
+
+
+def group_input(items: Iterable[tuple[int, tuple[Any, ...]]]) -> KeyedInput:
+    """A keyed subtask's shuffled input (records and source markers) grouped by key."""
+    keyed = KeyedInput()
+    groups = keyed.groups
+    for _, item in items:
+        if item[0] == RECORD:
+            groups.setdefault(item[1], []).append(item[2])
+            keyed.records += 1
+        else:
+            keyed.source_offsets[item[1]] = item[2]
+            keyed.skipped += item[3]
+    return keyed
 
 
 def output_directory(output_dir: str, batch_id: int) -> Path:
@@ -331,16 +381,17 @@ def snapshot_subtask(
 def keyed_task(
     plan: KeyedPlan, subtask: int, items: Iterable[tuple[int, tuple[Any, ...]]]
 ) -> Iterator[KeyedResult]:
-    """Run keyed subtask ``subtask`` of one batch over its local state."""
-    result = KeyedResult(subtask)
-    groups: dict[Any, list[Any]] = {}
-    for _, item in items:
-        if item[0] == RECORD:
-            groups.setdefault(item[1], []).append(item[2])
-            result.records += 1
-        else:
-            result.source_offsets[item[1]] = item[2]
-            result.skipped += item[3]
+    """Run keyed subtask ``subtask`` of one batch over its shuffled input ``items``
+    (records and source markers, see ``source_task``)."""
+    return keyed_subtask(plan, subtask, group_input(items))
+
+
+def keyed_subtask(plan: KeyedPlan, subtask: int, keyed: KeyedInput) -> Iterator[KeyedResult]:
+    """Run keyed subtask ``subtask`` of one batch over its local state and its input
+    ``keyed``; yield its result."""
+    groups = keyed.groups
+    result = KeyedResult(subtask, records=keyed.records, skipped=keyed.skipped)
+    result.source_offsets = keyed.source_offsets
     result.keys = len(groups)
     root = Path(plan.local_dir) / plan.storage.job_id / plan.operator_id
     opening = time.perf_counter()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from statebackend.errors import ConfigurationError
+from statebackend.errors import ConfigurationError, SourceError
 from statebackend.spark.conf import DEFAULT_SINGLE_STAGE_BYTES, StateBackendConf
 from statebackend.spark.source import LogSource, partition_path
 
@@ -78,3 +78,61 @@ def test_single_stage_bytes_setting(text: str, expected: int) -> None:
 def test_single_stage_bytes_rejects_what_is_not_a_size(text: str) -> None:
     with pytest.raises(ConfigurationError, match="single-stage-bytes"):
         StateBackendConf.from_pairs([(KEY, text)])
+
+
+_LINES = [
+    '{"user": "a", "amount": 1}',
+    '{"user": "bé", "amount": -2.5}',  # not ASCII: byte offsets differ from characters
+    '{"user": "\\u00e9\\n", "amount": [1, {"x": null}]}',
+    '  {"user": "c"}',  # leading whitespace: json.loads takes it, the scanner does not
+    '{"user": "d"}  ',
+    '{"user": "e"}\r',
+    '{"amount": 3}',  # no key
+    '{"user": "f"',  # not JSON
+    '{"user": "g"} {"user": "h"}',  # two values
+    "[1, 2]",
+    "\ufeff" + '{"user": "i"}',  # a byte-order mark
+    '{"user": "j", "user": "k"}',  # the last duplicate wins, as in json.loads
+]
+
+
+def _expected_read(lines: list[str], on_malformed: str) -> tuple[list[tuple[str, object]], int]:
+    """Plain Python: json.loads of each line's bytes, the record's ``user`` as its key."""
+    records, skipped = [], 0
+    for line in lines:
+        try:
+            record = json.loads((line + "\n").encode())
+            records.append((record["user"], record))
+        except Exception:
+            if on_malformed == "fail":
+                raise
+            skipped += 1
+    return records, skipped
+
+
+@pytest.mark.parametrize("on_malformed", ["fail", "skip"])
+def test_read_to_an_end_parses_as_json_loads_per_line(tmp_path: Path, on_malformed: str) -> None:
+    """A batch read to its end in one pass (``_read_whole``) gives what json.loads of each
+    line gives, falling back line by line for anything unusual; the same as reading the
+    same lines without an end (the line-by-line path)."""
+    rng = random.Random(11)
+    source = LogSource(str(tmp_path), on_malformed=on_malformed)
+    for _ in range(300):
+        usual = rng.random() < 0.5
+        lines = [rng.choice(_LINES[:3] if usual else _LINES) for _ in range(rng.randint(0, 12))]
+        data = "".join(line + "\n" for line in lines).encode()
+        partition_path(tmp_path, 0).write_bytes(data + b'{"user": "z"')  # incomplete tail
+        end = source.batch_end(0, 0, len(lines) + 5, 1 << 20)
+        assert end == len(data)
+        try:
+            expected = _expected_read(lines, on_malformed)
+        except Exception:
+            with pytest.raises(SourceError, match="malformed record"):
+                source.read(0, 0, 1000, lambda r: r["user"], end)
+            continue
+        for batch in (
+            source.read(0, 0, 1000, lambda r: r["user"], end),
+            source.read(0, 0, 1000, lambda r: r["user"]),
+        ):
+            assert (batch.records, batch.skipped) == expected
+            assert batch.offset == len(data)
