@@ -142,32 +142,107 @@ class KeyedStateImpl(State):
     def clear(self) -> None:
         self._store.delete(self._current_key())
 
+    # -- batches (``KeyedStateBackend.batch``, on a backend that buffers writes) -------------
+
+    def start_batch(self) -> None:
+        """A batch of state accesses starts: the state may keep its writes until
+        ``write_pending`` and its decoded values until ``end_batch``."""
+
+    def write_pending(self) -> None:
+        """Hand the writes kept since ``start_batch`` to the store (before anything else
+        reads the store: a cut, a drain, the end of the batch)."""
+
+    def end_batch(self) -> None:
+        """The batch ends (after ``write_pending``): forget what it kept."""
+
+
+_UNKNOWN: Any = object()
+"""What a batch's dicts give for a key they know nothing of."""
+
 
 class ValueStateImpl(KeyedStateImpl, ValueState):
-    """ValueState over a StateStore."""
+    """ValueState over a StateStore.
+
+    In a batch, a value state without TTL keeps its writes (encoded at ``update``, so a
+    value that does not fit fails there) in ``_pending`` and hands them to the store in
+    one ``put_values`` when the backend writes its batch; the store then sees the
+    batch's last write of each key, which is all a buffered store writes and a changelog
+    records. If its serializer's decoded values are immutable, it also keeps the values it
+    decoded (``_decoded``), so that ``get`` after ``exists`` decodes once. Reads see the
+    batch's writes; every call gives what it gives outside a batch."""
 
     # value() and update() are the hot path of keyed state: one frame each beside the
     # store's and the codec's, without TTL bookkeeping when there is no TTL.
 
-    def value(self) -> Any:
+    def __init__(
+        self,
+        descriptor: StateDescriptor,
+        store: StateStore,
+        keys: KeyContext,
+        require_current: Callable[[], CurrentKey],
+        clock: Clock,
+    ) -> None:
+        super().__init__(descriptor, store, keys, require_current, clock)
+        self._pending: dict[bytes, bytes | None] | None = None
+        """The batch's writes by composite prefix (None: cleared); None outside a batch."""
+        self._decoded: dict[bytes, Any] | None = None
+        """The batch's decoded values by composite prefix (None: no value); None outside
+        a batch and for serializers whose decoded values may be mutable."""
+
+    def start_batch(self) -> None:
         if self._ttl is None:
-            current = self._keys.record
-            data = self._get(self._require_current() if current is None else current)
-            if data is None:
-                return self.descriptor.default
-            try:
-                return self._decode_stored(data)
-            except Exception:
-                return self._serializer.deserialize(data)
-        value = self._read_value()[1]
-        return self.descriptor.default if value is None else value
+            self._pending = {}
+            if self._serializer.decodes_immutable:
+                self._decoded = {}
+
+    def write_pending(self) -> None:
+        pending = self._pending
+        if pending:
+            self._store.put_values(pending)
+            self._pending = {}
+
+    def end_batch(self) -> None:
+        self.write_pending()
+        self._pending = self._decoded = None
+
+    def value(self) -> Any:
+        if self._ttl is not None:
+            value = self._read_value()[1]
+            return self.descriptor.default if value is None else value
+        current = self._keys.record
+        if current is None:
+            current = self._require_current()
+        pending = self._pending
+        if pending is None:
+            data = self._get(current)
+        else:
+            prefix = current.prefix
+            decoded = self._decoded
+            if decoded is not None:
+                value = decoded.get(prefix, _UNKNOWN)
+                if value is not _UNKNOWN:
+                    return self.descriptor.default if value is None else value
+            data = pending.get(prefix, _UNKNOWN)
+            if data is _UNKNOWN:
+                data = self._get(current)
+            if decoded is not None and data is None:
+                decoded[prefix] = None
+        if data is None:
+            return self.descriptor.default
+        try:
+            value = self._decode_stored(data)
+        except Exception:
+            value = self._serializer.deserialize(data)
+        if pending is not None and self._decoded is not None:
+            self._decoded[current.prefix] = value
+        return value
 
     def update(self, value: Any) -> None:
         current = self._keys.record
         if current is None:
             current = self._require_current()
         if value is None:
-            self._store.delete(current)
+            self._delete(current)
             return
         if self._ttl is None:
             try:
@@ -176,7 +251,25 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
                 data = self._serializer.serialize(value)
         else:
             data = self._encode(value)
-        self._put(current, data)
+        pending = self._pending
+        if pending is None:
+            self._put(current, data)
+            return
+        pending[current.prefix] = data
+        if self._decoded is not None:
+            self._decoded.pop(current.prefix, None)
+
+    def clear(self) -> None:
+        self._delete(self._current_key())
+
+    def _delete(self, current: CurrentKey) -> None:
+        pending = self._pending
+        if pending is None:
+            self._store.delete(current)
+            return
+        pending[current.prefix] = None
+        if self._decoded is not None:
+            self._decoded[current.prefix] = None
 
 
 class ListStateImpl(KeyedStateImpl, ListState):

@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
+from operator import ne
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Row
@@ -58,8 +60,10 @@ CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
 
 OUTPUT_BATCH_ROWS = 10_000
-YOUNG_COLLECTION_OBJECTS = 100_000
-"""New objects between two young collections of the garbage collector during a batch."""
+YOUNG_COLLECTION_OBJECTS = 500_000
+"""New objects between two young collections of the garbage collector during a batch:
+a 100k-row batch then runs at most one (at 100,000, two or three, each walking the
+young objects: ~3% of the subtask's CPU time)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,36 @@ _NO_KEY = object()
 """The key before the first row (equal to no key)."""
 
 
+def _changes(column: pa.Array) -> pa.Array | None:
+    """Per row but the first, whether it differs from the row before (nulls equal each
+    other only); None if Arrow cannot compare the column's type."""
+    after, before = column.slice(1), column.slice(0, len(column) - 1)
+    try:
+        differs = pc.not_equal(after, before)
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if column.null_count:
+        differs = pc.fill_null(differs, pc.xor(pc.is_null(after), pc.is_null(before)))
+    return differs
+
+
+def _run_starts(batch: pa.RecordBatch, columns: tuple[str, ...]) -> list[int]:
+    """The rows of ``batch`` that start a run of equal ``columns`` values, in order (row 0
+    first), compared by Arrow; by Python equality of the rows' values for a column of a
+    type Arrow cannot compare (lists, maps, structs)."""
+    size = batch.num_rows
+    changed = np.zeros(size - 1, dtype=bool)
+    for name in columns:
+        column = batch.column(name)
+        differs = _changes(column)
+        if differs is None:
+            values = column.to_pylist()
+            changed |= np.fromiter(map(ne, values[1:], values[:-1]), dtype=bool, count=size - 1)
+        else:
+            changed |= differs.to_numpy(zero_copy_only=False)
+    return [0, *(np.flatnonzero(changed) + 1).tolist()]
+
+
 def _keys(
     batches: Iterable[pa.RecordBatch],
     key_columns: tuple[str, ...],
@@ -127,7 +161,10 @@ def _keys(
 ) -> Iterator[tuple[tuple[Any, ...], list[Run], list[Run]]]:
     """(key, its initial-state runs, its input runs) for each key with such rows, in
     order; a key's rows may span record batches, control rows are left out. The keys of
-    each batch's initial-state and input rows go to ``prefetch`` before its first key."""
+    each batch's initial-state and input rows go to ``prefetch`` before its first key.
+
+    Runs (rows of one key and kind) are found by Arrow; only their first rows' keys
+    become Python tuples."""
     key: Any = _NO_KEY
     initial: list[Run] = []
     inputs: list[Run] = []
@@ -135,23 +172,22 @@ def _keys(
         size = batch.num_rows
         if size == 0:
             continue
-        keys = list(zip(*(batch.column(name).to_pylist() for name in key_columns), strict=True))
-        kinds = batch.column(KIND_COLUMN).to_pylist()
+        starts = _run_starts(batch, (*key_columns, KIND_COLUMN))
+        firsts = batch.take(pa.array(starts, pa.int64()))
+        keys = list(zip(*(firsts.column(name).to_pylist() for name in key_columns), strict=True))
+        kinds = firsts.column(KIND_COLUMN).to_pylist()
         prefetch(dict.fromkeys(k for k, kind in zip(keys, kinds, strict=True) if kind != CONTROL))
-        stops = [i for i in range(1, size) if keys[i] != keys[i - 1] or kinds[i] != kinds[i - 1]]
+        stops = starts[1:]
         stops.append(size)
-        start = 0
-        for stop in stops:
-            if keys[start] != key:
+        for run_key, kind, start, stop in zip(keys, kinds, starts, stops, strict=True):
+            if run_key != key:
                 if initial or inputs:
                     yield key, initial, inputs
-                key, initial, inputs = keys[start], [], []
-            kind = kinds[start]
+                key, initial, inputs = run_key, [], []
             if kind == INPUT:
                 inputs.append((batch, start, stop))
             elif kind == INITIAL:
                 initial.append((batch, start, stop))
-            start = stop
     if initial or inputs:
         yield key, initial, inputs
 
@@ -168,12 +204,14 @@ class OutputBuilder:
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
         self.names = [field.name for field in schema.fields]
         self._rows: list[tuple[Any, ...]] = []
+        """Row-mode output not in a record batch yet (``Row``s are tuples of the values)."""
         self.ready: list[pa.RecordBatch] = []
         """Full record batches not taken yet."""
 
     def take_ready(self) -> list[pa.RecordBatch]:
         """The full record batches collected so far (and forget them)."""
-        ready, self.ready = self.ready, []
+        ready = self.ready[:]
+        self.ready.clear()  # the same list stays ``ready``: the runner holds it
         return ready
 
     def add_rows(self, rows: Iterable[Any]) -> None:
@@ -182,7 +220,7 @@ class OutputBuilder:
         collected = self._rows
         for row in rows:
             if type(row) is Row and getattr(row, "__fields__", None) == names:
-                collected.append(tuple(row))  # the common case: Row(**fields) in order
+                collected.append(row)  # the common case: Row(**fields) in order, a tuple
             else:
                 collected.append(self._values(row))
             if len(collected) >= OUTPUT_BATCH_ROWS:
@@ -320,8 +358,10 @@ class _Inputs:
         if self._spec.use_pandas:
             names = self._input_names
             return (self._select(run, names, names).to_pandas() for run in runs)
-        if len(runs) == 1:
+        if len(runs) == 1:  # the common case, once per key: no _batch_rows frame
             batch, start, stop = runs[0]
+            if batch is self._rows_of:
+                return iter(self._rows[start:stop])
             return iter(self._batch_rows(batch)[start:stop])
         return chain.from_iterable(
             self._batch_rows(batch)[start:stop] for batch, start, stop in runs
@@ -408,17 +448,19 @@ def run_keyed_subtask(
         # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
         # and the writes go to the database at once when the keys and timers are done.
         with backend.batch():
+            # Bound once: this loop runs once per key.
+            set_current_key, handle_input_rows = backend.set_current_key, processor.handleInputRows
+            input_rows, ready = inputs.input_rows, output.ready
             for key, initial, input_runs in _keys(batches, spec.key_columns, backend.prefetch):
                 if counts is not None:
                     counts.keys += 1
-                backend.set_current_key(key)
+                set_current_key(key)
                 if initial:
                     for initial_state in inputs.initial_states(initial):
                         processor.handleInitialState(key, initial_state, timer_values)
                 if input_runs:
-                    rows = inputs.input_rows(input_runs)
-                    emit(processor.handleInputRows(key, rows, timer_values) or ())
-                    if output.ready:
+                    emit(handle_input_rows(key, input_rows(input_runs), timer_values) or ())
+                    if ready:
                         yield from output.take_ready()
 
             handle.phase = Phase.DATA_PROCESSED
