@@ -44,6 +44,7 @@ from statebackend.spark.processor_runner import (
     KeyedFunctionProcessor,
     ProcessorSpec,
     _row_maker,
+    _run_starts,
     checkpointed_part,
     run_keyed_subtask,
 )
@@ -488,3 +489,27 @@ def test_a_batch_tunes_the_garbage_collector_and_restores_it(backend: KeyedState
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*previous)
+
+
+def test_key_runs_found_by_arrow_match_python_equality() -> None:
+    """``_run_starts`` (Arrow comparisons; Python's for types Arrow cannot compare) gives
+    the rows where the tuple of the columns' values changes, as Python compares them."""
+    rng = random.Random(7)
+
+    def pick(choices: list[Any]) -> list[Any]:
+        values = [rng.choice(choices) for _ in range(300)]
+        return sorted(values, key=repr)[:150] + values[150:]  # runs, then noise
+
+    columns = {
+        "id": pa.array(pick([None, 1, 2, 3]), pa.int64()),
+        "name": pa.array(pick([None, "", "a", "b"]), pa.string()),
+        "score": pa.array(pick([None, 0.0, -0.0, 1.5, float("nan")]), pa.float64()),
+        "tags": pa.array(pick([None, [], [1], [1, 2]]), pa.list_(pa.int64())),
+        KIND_COLUMN: pa.array(pick([CONTROL, INITIAL, INPUT]), pa.int8()),
+    }
+    batch = pa.RecordBatch.from_pydict(columns)
+    for names in [("id",), ("name", KIND_COLUMN), ("score",), ("tags", "id"), tuple(columns)]:
+        rows = list(zip(*(batch.column(name).to_pylist() for name in names), strict=True))
+        expected = [0] + [i for i in range(1, len(rows)) if rows[i] != rows[i - 1]]
+        assert _run_starts(batch, names) == expected, names
+    assert _run_starts(batch.slice(0, 1), ("id",)) == [0]
