@@ -160,7 +160,7 @@ class HeapKeyedStateBackend(KeyedStateBackend):
         pass
 
     def _prefetch(self, keys: Iterable[Any]) -> None:
-        pass
+        return None
 
     def _write_batch(self) -> None:
         if self._timer_service is not None:

@@ -206,10 +206,10 @@ class KeyedStateBackend(ABC):
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
         self._batching = False
-        self._batch_keys: dict[Any, int] = {}
+        self._batch_keys: dict[Any, int] | None = None
         """Keys read ahead in the open batch: key -> its position in ``_batch_key_objects``
         and ``_batch_records`` (positions, not pairs: a batch's keys then allocate no
-        tuples for the garbage collector to scan)."""
+        tuples for the garbage collector to scan); None until first needed."""
         self._batch_key_objects: list[Any] = []
         self._batch_records: list[CurrentKey] = []
         self._timer_service: KeyedTimerService | None = None
@@ -221,8 +221,11 @@ class KeyedStateBackend(ABC):
 
     # -- keys ---------------------------------------------------------------------------
 
-    def set_current_key(self, key: Any) -> None:
+    def set_current_key(self, key: Any, record: CurrentKey | None = None) -> None:
         """Make ``key`` the key that state calls act on.
+
+        ``record``, if given, is the one ``read_ahead`` returned for ``key`` in the open
+        batch: the key is then neither encoded nor looked up again.
 
         Raises StateAccessError for None or a key outside the owned key-group range,
         SerializationError for a key the key serializer cannot encode.
@@ -230,7 +233,13 @@ class KeyedStateBackend(ABC):
         if self._disposed:
             self._check_open()
         keys = self._keys
+        if record is not None:
+            keys.record = record
+            keys.key = key
+            return
         known = self._batch_keys
+        if known is None and self._batch_key_objects:
+            known = self._index_batch_keys()
         if known:
             try:
                 position = known.get(key)
@@ -287,16 +296,28 @@ class KeyedStateBackend(ABC):
         key objects does not compute them again."""
         keys = list(keys)
         records = self._current_keys_of(keys)
-        known, first = self._batch_keys, len(self._batch_records)
+        if self._batch_keys is not None:
+            self._index_keys(keys, len(self._batch_records))
+        self._batch_key_objects.extend(keys)
+        self._batch_records.extend(records)
+        return records
+
+    def _index_batch_keys(self) -> dict[Any, int]:
+        """``_batch_keys`` of the keys read ahead so far, built when ``set_current_key``
+        first looks a key up (a caller that passes records never needs it)."""
+        self._batch_keys = {}
+        self._index_keys(self._batch_key_objects, 0)
+        return self._batch_keys
+
+    def _index_keys(self, keys: list[Any], first: int) -> None:
+        known = self._batch_keys
+        assert known is not None
         try:
             known.update(zip(keys, range(first, first + len(keys)), strict=True))
         except TypeError:  # an unhashable key: it is computed again when it is set
             for position, key in enumerate(keys, first):
                 with suppress(TypeError):
                     known[key] = position
-        self._batch_key_objects.extend(keys)
-        self._batch_records.extend(records)
-        return records
 
     @property
     def current_key(self) -> Any:
@@ -342,7 +363,7 @@ class KeyedStateBackend(ABC):
             yield
         finally:
             self._batching = False
-            self._batch_keys, self._batch_key_objects, self._batch_records = {}, [], []
+            self._batch_keys, self._batch_key_objects, self._batch_records = None, [], []
             if not self._disposed:
                 self._end_batch()
                 for state in self._states.values():
@@ -359,6 +380,14 @@ class KeyedStateBackend(ABC):
         multi-get per state, on the state's next read). Outside a batch it does nothing."""
         if self._batching:
             self._prefetch(keys)
+
+    def read_ahead(self, keys: list[Any]) -> list[CurrentKey] | None:
+        """``prefetch`` of ``keys`` that also returns their current-key records, in
+        order, for ``set_current_key(key, record)``; None where there are none (outside
+        a batch, or a backend that reads nothing ahead)."""
+        if not self._batching:
+            return None
+        return self._prefetch(keys)
 
     def estimated_entries(self) -> int:
         """How many entries the backend's states (timers included) hold, as the stores
@@ -768,9 +797,9 @@ class KeyedStateBackend(ABC):
         """Start buffering writes (``batch``)."""
 
     @abstractmethod
-    def _prefetch(self, keys: Iterable[Any]) -> None:
+    def _prefetch(self, keys: Iterable[Any]) -> list[CurrentKey] | None:
         """Read ahead the state of ``keys`` in the open batch (checked as
-        ``_current_key_of`` checks them)."""
+        ``_current_key_of`` checks them); their records, or None if it computes none."""
 
     @abstractmethod
     def _write_batch(self) -> None:

@@ -552,10 +552,11 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         for store in self._batch_stores():
             store.start_batch(self._read_ahead)
 
-    def _prefetch(self, keys: Iterable[Any]) -> None:
+    def _prefetch(self, keys: Iterable[Any]) -> list[CurrentKey]:
         assert self._read_ahead is not None
         records = self._read_ahead_keys(keys)
         self._read_ahead.prefixes.extend(map(_PREFIX_OF, records))
+        return records
 
     def _write_batch(self) -> None:
         self._write_state_batches()

@@ -40,6 +40,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulP
 from pyspark.sql.types import StructType
 
 from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.stores import CurrentKey
 from statebackend.errors import OutputSchemaError
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.processor_handle import (
@@ -157,15 +158,18 @@ def _run_starts(batch: pa.RecordBatch, columns: tuple[str, ...]) -> list[int]:
 def _keys(
     batches: Iterable[pa.RecordBatch],
     key_columns: tuple[str, ...],
-    prefetch: Callable[[Iterable[tuple[Any, ...]]], None],
-) -> Iterator[tuple[tuple[Any, ...], list[Run], list[Run]]]:
-    """(key, its initial-state runs, its input runs) for each key with such rows, in
-    order; a key's rows may span record batches, control rows are left out. The keys of
-    each batch's initial-state and input rows go to ``prefetch`` before its first key.
+    read_ahead: Callable[[list[tuple[Any, ...]]], list[CurrentKey] | None],
+) -> Iterator[tuple[tuple[Any, ...], CurrentKey | None, list[Run], list[Run]]]:
+    """(key, its current-key record or None, its initial-state runs, its input runs) for
+    each key with such rows, in order; a key's rows may span record batches, control rows
+    are left out. The keys of each batch's initial-state and input runs go to
+    ``read_ahead`` before its first key, which gives their records (or None).
 
     Runs (rows of one key and kind) are found by Arrow; only their first rows' keys
-    become Python tuples."""
+    become Python tuples. A key's record is the one read ahead for that very key object
+    (equal keys may be encoded differently: 0.0 and -0.0)."""
     key: Any = _NO_KEY
+    record: CurrentKey | None = None
     initial: list[Run] = []
     inputs: list[Run] = []
     for batch in batches:
@@ -176,20 +180,39 @@ def _keys(
         firsts = batch.take(pa.array(starts, pa.int64()))
         keys = list(zip(*(firsts.column(name).to_pylist() for name in key_columns), strict=True))
         kinds = firsts.column(KIND_COLUMN).to_pylist()
-        prefetch(dict.fromkeys(k for k, kind in zip(keys, kinds, strict=True) if kind != CONTROL))
+        records = _run_records(keys, kinds, read_ahead)
         stops = starts[1:]
         stops.append(size)
-        for run_key, kind, start, stop in zip(keys, kinds, starts, stops, strict=True):
+        runs = zip(keys, records, kinds, starts, stops, strict=True)
+        for run_key, run_record, kind, start, stop in runs:
             if run_key != key:
                 if initial or inputs:
-                    yield key, initial, inputs
-                key, initial, inputs = run_key, [], []
+                    yield key, record, initial, inputs
+                key, record, initial, inputs = run_key, run_record, [], []
             if kind == INPUT:
                 inputs.append((batch, start, stop))
             elif kind == INITIAL:
                 initial.append((batch, start, stop))
     if initial or inputs:
-        yield key, initial, inputs
+        yield key, record, initial, inputs
+
+
+def _run_records(
+    keys: list[tuple[Any, ...]],
+    kinds: list[int],
+    read_ahead: Callable[[list[tuple[Any, ...]]], list[CurrentKey] | None],
+) -> list[CurrentKey | None]:
+    """Per run, the record ``read_ahead`` gives for its key (None for control runs, and
+    for all runs where it gives none)."""
+    if CONTROL not in kinds:
+        records = read_ahead(keys)
+        return [None] * len(keys) if records is None else list(records)
+    wanted = [run_key for run_key, kind in zip(keys, kinds, strict=True) if kind != CONTROL]
+    found = read_ahead(wanted)
+    if found is None:
+        return [None] * len(keys)
+    given = iter(found)
+    return [None if kind == CONTROL else next(given) for kind in kinds]
 
 
 class OutputBuilder:
@@ -451,10 +474,11 @@ def run_keyed_subtask(
             # Bound once: this loop runs once per key.
             set_current_key, handle_input_rows = backend.set_current_key, processor.handleInputRows
             input_rows, ready = inputs.input_rows, output.ready
-            for key, initial, input_runs in _keys(batches, spec.key_columns, backend.prefetch):
+            runs = _keys(batches, spec.key_columns, backend.read_ahead)
+            for key, record, initial, input_runs in runs:
                 if counts is not None:
                     counts.keys += 1
-                set_current_key(key)
+                set_current_key(key, record)
                 if initial:
                     for initial_state in inputs.initial_states(initial):
                         processor.handleInitialState(key, initial_state, timer_values)

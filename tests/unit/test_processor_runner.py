@@ -23,11 +23,12 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
 from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.errors import OutputSchemaError
-from statebackend.keygroups import assign_to_key_group
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.processor_handle import BatchClock, BatchTimes, SchemaCatalog
@@ -513,3 +514,53 @@ def test_key_runs_found_by_arrow_match_python_equality() -> None:
         expected = [0] + [i for i in range(1, len(rows)) if rows[i] != rows[i - 1]]
         assert _run_starts(batch, names) == expected, names
     assert _run_starts(batch.slice(0, 1), ("id",)) == [0]
+
+
+def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> None:
+    """0.0 and -0.0 are equal but encode (and hash to key groups) differently: each run's
+    key gets the record read ahead for that very key, as ``set_current_key`` of it would."""
+    key_schema = StructType([StructField("user", DoubleType())])
+    output = StructType([StructField("user", DoubleType()), StructField("total", LongType())])
+    serializer = RowTupleSerializer(key_schema.json())
+    backend = RocksDBKeyedStateBackend(
+        tmp_path / "db",
+        max_parallelism=MAX_PARALLELISM,
+        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
+        key_serializer=serializer,
+        clock=BatchClock(0),
+    )
+    events = [(0.0, 1), (-0.0, 10), (0.0, 100), (-0.0, 1000), (4.0, 5)]
+    group = {
+        repr(u): assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM) for u, _ in events
+    }
+    assert group["-0.0"] < group["4.0"] < group["0.0"]  # 0.0 and -0.0 runs apart
+    ordered = sorted(events, key=lambda event: group[repr(event[0])])
+    table = pa.table(
+        {
+            "user": pa.array([None] + [u for u, _ in ordered], pa.float64()),
+            "amount": pa.array([None] + [a for _, a in ordered], pa.int64()),
+            KIND_COLUMN: pa.array([CONTROL] + [INPUT] * len(ordered), pa.int8()),
+        }
+    )
+    expected: dict[str, int] = defaultdict(int)
+    for user, amount in events:
+        expected[repr(user)] += amount
+    try:
+        spec = _spec(RowTotals(), output_schema_json=output.json())
+        # The keys in a record batch without and with the control row, and a key's rows
+        # across two record batches: the totals add up.
+        splits = [
+            [*table.slice(0, 1).to_batches(), *table.slice(1).to_batches()],
+            table.to_batches(),
+            table.to_batches(2),
+        ]
+        for runs, batches in enumerate(splits, start=1):
+            out = list(run_keyed_subtask(spec, backend, BatchTimes(0), batches))
+            got = {repr(u): t for b in out for u, t in zip(*b.to_pydict().values(), strict=True)}
+            assert got == {user: total * runs for user, total in expected.items()}
+        state = backend.get_state(ValueStateDescriptor("total", RowTupleSerializer(TOTAL.json())))
+        for user in (0.0, -0.0, 4.0):
+            backend.set_current_key((user,))
+            assert state.value() == (expected[repr(user)] * len(splits),)
+    finally:
+        backend.dispose()
