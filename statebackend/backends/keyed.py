@@ -95,6 +95,9 @@ class NativeCheckpoint:
     records: Path
 
 
+SerializedKeys = tuple[list[bytes], list[int]]
+"""Keys' serialized bytes and key groups, in the keys' order (``read_ahead``)."""
+
 Release = Callable[[], None]
 """Frees what a snapshot's synchronous cut holds (copies, RocksDB hard links)."""
 
@@ -272,15 +275,23 @@ class KeyedStateBackend(ABC):
             )
         return CurrentKey.of(key_group, encoded)
 
-    def _current_keys_of(self, keys: list[Any]) -> list[CurrentKey]:
+    def _current_keys_of(
+        self, keys: list[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
         """The current-key records of ``keys``, as ``_current_key_of`` gives them: each
         step over all keys at once (no Python frame per key where the key serializer's
-        encoder is native, as ``str.encode`` is), and key by key with its checks and
-        errors when a key fails one."""
+        encoder is native, as ``str.encode`` is, or where ``serialized`` gives the keys'
+        bytes and key groups), and key by key with its checks and errors when a key
+        fails one."""
         max_parallelism, owned = self.max_parallelism, self.key_group_range
         try:
-            encoded = list(map(self._encode_key, keys))
-            groups = [assign_to_key_group(data, max_parallelism) for data in encoded]
+            if serialized is None:
+                encoded = list(map(self._encode_key, keys))
+                groups = [assign_to_key_group(data, max_parallelism) for data in encoded]
+            else:
+                encoded, groups = serialized
+                if len(encoded) != len(keys) or len(groups) != len(keys):
+                    raise ValueError("serialized keys do not match the keys")
             checked = None not in keys and (
                 not groups or owned.start <= min(groups) <= max(groups) <= owned.end
             )
@@ -290,12 +301,14 @@ class KeyedStateBackend(ABC):
             return [self._current_key_of(key) for key in keys]
         return CurrentKey.of_many(groups, encoded)
 
-    def _read_ahead_keys(self, keys: Iterable[Any]) -> list[CurrentKey]:
+    def _read_ahead_keys(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
         """The current-key records of ``keys`` (checked as ``set_current_key`` checks
-        them), remembered until the batch ends so that ``set_current_key`` of the same
-        key objects does not compute them again."""
+        them; ``serialized`` as ``read_ahead`` takes it), remembered until the batch ends
+        so that ``set_current_key`` of the same key objects does not compute them again."""
         keys = list(keys)
-        records = self._current_keys_of(keys)
+        records = self._current_keys_of(keys, serialized)
         if self._batch_keys is not None:
             self._index_keys(keys, len(self._batch_records))
         self._batch_key_objects.extend(keys)
@@ -381,13 +394,20 @@ class KeyedStateBackend(ABC):
         if self._batching:
             self._prefetch(keys)
 
-    def read_ahead(self, keys: list[Any]) -> list[CurrentKey] | None:
+    def read_ahead(
+        self, keys: list[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey] | None:
         """``prefetch`` of ``keys`` that also returns their current-key records, in
         order, for ``set_current_key(key, record)``; None where there are none (outside
-        a batch, or a backend that reads nothing ahead)."""
+        a batch, or a backend that reads nothing ahead).
+
+        ``serialized``, if given, is each key's bytes (as the key serializer encodes it)
+        and key group (``assign_to_key_group`` of those bytes), computed by the caller
+        for all keys at once (``spark/arrow_keys.py``): the backend then computes
+        neither and checks only that the key groups are its own."""
         if not self._batching:
             return None
-        return self._prefetch(keys)
+        return self._prefetch(keys, serialized)
 
     def estimated_entries(self) -> int:
         """How many entries the backend's states (timers included) hold, as the stores
@@ -797,7 +817,9 @@ class KeyedStateBackend(ABC):
         """Start buffering writes (``batch``)."""
 
     @abstractmethod
-    def _prefetch(self, keys: Iterable[Any]) -> list[CurrentKey] | None:
+    def _prefetch(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey] | None:
         """Read ahead the state of ``keys`` in the open batch (checked as
         ``_current_key_of`` checks them); their records, or None if it computes none."""
 

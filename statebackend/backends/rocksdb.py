@@ -42,6 +42,7 @@ from statebackend.backends.keyed import (
     FrozenState,
     KeyedStateBackend,
     NativeCheckpoint,
+    SerializedKeys,
     StateMetaInfo,
 )
 from statebackend.backends.stores import (
@@ -552,9 +553,11 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         for store in self._batch_stores():
             store.start_batch(self._read_ahead)
 
-    def _prefetch(self, keys: Iterable[Any]) -> list[CurrentKey]:
+    def _prefetch(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
         assert self._read_ahead is not None
-        records = self._read_ahead_keys(keys)
+        records = self._read_ahead_keys(keys, serialized)
         self._read_ahead.prefixes.extend(map(_PREFIX_OF, records))
         return records
 

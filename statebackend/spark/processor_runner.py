@@ -42,7 +42,9 @@ from pyspark.sql.types import StructType
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.stores import CurrentKey
 from statebackend.errors import OutputSchemaError
+from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
 from statebackend.spark.processor_handle import (
     BatchTimes,
     Phase,
@@ -155,10 +157,29 @@ def _run_starts(batch: pa.RecordBatch, columns: tuple[str, ...]) -> list[int]:
     return [0, *(np.flatnonzero(changed) + 1).tolist()]
 
 
+ReadAhead = Callable[[list[tuple[Any, ...]], pa.RecordBatch], "list[CurrentKey] | None"]
+"""Reads ahead keys (with the rows they come from): their records, or None."""
+
+
+def _read_ahead_of(backend: KeyedStateBackend, key_columns: tuple[str, ...]) -> ReadAhead:
+    """``backend.read_ahead`` of keys, given their serialized bytes and key groups
+    computed from their Arrow rows at once (``arrow_keys``) where the backend's key
+    serializer is a ``RowTupleSerializer`` (the one ``transform_with_state`` keys by)."""
+    serializer = backend.key_serializer
+    if not isinstance(serializer, RowTupleSerializer):
+        return lambda keys, rows: backend.read_ahead(keys)
+    schema_json, max_parallelism = serializer.schema_json, backend.max_parallelism
+
+    def read_ahead(keys: list[tuple[Any, ...]], rows: pa.RecordBatch) -> list[CurrentKey] | None:
+        encoded = serialized_keys(rows, key_columns, schema_json)
+        groups = murmur3_32(encoded).astype(np.int64) % max_parallelism
+        return backend.read_ahead(keys, (encoded.to_pylist(), groups.tolist()))
+
+    return read_ahead
+
+
 def _keys(
-    batches: Iterable[pa.RecordBatch],
-    key_columns: tuple[str, ...],
-    read_ahead: Callable[[list[tuple[Any, ...]]], list[CurrentKey] | None],
+    batches: Iterable[pa.RecordBatch], key_columns: tuple[str, ...], read_ahead: ReadAhead
 ) -> Iterator[tuple[tuple[Any, ...], CurrentKey | None, list[Run], list[Run]]]:
     """(key, its current-key record or None, its initial-state runs, its input runs) for
     each key with such rows, in order; a key's rows may span record batches, control rows
@@ -180,7 +201,7 @@ def _keys(
         firsts = batch.take(pa.array(starts, pa.int64()))
         keys = list(zip(*(firsts.column(name).to_pylist() for name in key_columns), strict=True))
         kinds = firsts.column(KIND_COLUMN).to_pylist()
-        records = _run_records(keys, kinds, read_ahead)
+        records = _run_records(firsts, keys, kinds, read_ahead)
         stops = starts[1:]
         stops.append(size)
         runs = zip(keys, records, kinds, starts, stops, strict=True)
@@ -198,17 +219,18 @@ def _keys(
 
 
 def _run_records(
+    firsts: pa.RecordBatch,
     keys: list[tuple[Any, ...]],
     kinds: list[int],
-    read_ahead: Callable[[list[tuple[Any, ...]]], list[CurrentKey] | None],
+    read_ahead: ReadAhead,
 ) -> list[CurrentKey | None]:
-    """Per run, the record ``read_ahead`` gives for its key (None for control runs, and
-    for all runs where it gives none)."""
+    """Per run (``firsts``: each run's first row), the record ``read_ahead`` gives for
+    its key (None for control runs, and for all runs where it gives none)."""
     if CONTROL not in kinds:
-        records = read_ahead(keys)
+        records = read_ahead(keys, firsts)
         return [None] * len(keys) if records is None else list(records)
     wanted = [run_key for run_key, kind in zip(keys, kinds, strict=True) if kind != CONTROL]
-    found = read_ahead(wanted)
+    found = read_ahead(wanted, firsts.filter(pc.not_equal(firsts.column(KIND_COLUMN), CONTROL)))
     if found is None:
         return [None] * len(keys)
     given = iter(found)
@@ -474,7 +496,8 @@ def run_keyed_subtask(
             # Bound once: this loop runs once per key.
             set_current_key, handle_input_rows = backend.set_current_key, processor.handleInputRows
             input_rows, ready = inputs.input_rows, output.ready
-            runs = _keys(batches, spec.key_columns, backend.read_ahead)
+            read_ahead = _read_ahead_of(backend, spec.key_columns)
+            runs = _keys(batches, spec.key_columns, read_ahead)
             for key, record, initial, input_runs in runs:
                 if counts is not None:
                     counts.keys += 1

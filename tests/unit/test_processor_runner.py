@@ -3,6 +3,7 @@ JVM, over the heap and RocksDB backends, compared with plain-Python computations
 
 from __future__ import annotations
 
+import datetime
 import gc
 import pickle
 import random
@@ -23,7 +24,16 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    DateType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
@@ -44,6 +54,7 @@ from statebackend.spark.processor_runner import (
     YOUNG_COLLECTION_OBJECTS,
     KeyedFunctionProcessor,
     ProcessorSpec,
+    _read_ahead_of,
     _row_maker,
     _run_starts,
     checkpointed_part,
@@ -562,5 +573,48 @@ def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> 
         for user in (0.0, -0.0, 4.0):
             backend.set_current_key((user,))
             assert state.value() == (expected[repr(user)] * len(splits),)
+    finally:
+        backend.dispose()
+
+
+KEY_CASES = {
+    "string": ([("user", StringType())], [("a",), ("",), ("é",), (None,)]),
+    "long": ([("id", LongType())], [(0,), (-1,), (2**62,), (None,)]),
+    "double": ([("x", DoubleType())], [(0.0,), (-0.0,), (float("nan"),), (1e300,), (None,)]),
+    "date": ([("day", DateType())], [(datetime.date(1970, 1, 1),), (datetime.date(2026, 11, 23),)]),
+    "composite": (
+        [("user", StringType()), ("n", IntegerType())],
+        [("a", 1), ("a", None), ("b", 1)],
+    ),
+    "timestamp": ([("at", TimestampType())], [(datetime.datetime(2026, 1, 1, 12, 0, 1),)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_CASES))
+def test_keys_read_ahead_from_arrow_get_the_records_of_the_general_path(
+    tmp_path: Path, case: str
+) -> None:
+    """The runner's read-ahead serializes and hashes keys from their Arrow rows at once;
+    the records it gets equal those the backend computes key by key."""
+    fields, keys = KEY_CASES[case]
+    schema = StructType([StructField(name, data_type) for name, data_type in fields])
+    names = tuple(name for name, _ in fields)
+    rows = pa.RecordBatch.from_pylist(
+        [dict(zip(names, key, strict=True)) for key in keys],
+        schema=to_arrow_schema(schema, timezone="UTC"),
+    )
+    keys = list(zip(*(rows.column(name).to_pylist() for name in names), strict=True))
+    backend = RocksDBKeyedStateBackend(
+        tmp_path / "db",
+        max_parallelism=MAX_PARALLELISM,
+        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
+        key_serializer=RowTupleSerializer(schema.json()),
+    )
+    try:
+        with backend.batch():
+            from_arrow = _read_ahead_of(backend, names)(keys, rows)
+        with backend.batch():
+            general = backend.read_ahead(keys)
+        assert from_arrow == general and len(general) == len(keys)
     finally:
         backend.dispose()
