@@ -97,7 +97,7 @@ class KeyedStateImpl(State):
         self._serializer = stored_value_serializer(descriptor)
         self._encode_stored = self._serializer.encoder()
         self._decode_stored = self._serializer.decoder()
-        self._get = store.get
+        self._get = store.getter()
         self._put = store.put
         self._refresh_on_read = (
             self._ttl is not None and self._ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE
@@ -158,6 +158,8 @@ class KeyedStateImpl(State):
 
 _UNKNOWN: Any = object()
 """What a batch's dicts give for a key they know nothing of."""
+_WRITTEN: Any = object()
+"""A batch's decoded value of a key written since: decode its pending bytes."""
 
 
 class ValueStateImpl(KeyedStateImpl, ValueState):
@@ -186,8 +188,9 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         self._pending: dict[bytes, bytes | None] | None = None
         """The batch's writes by composite prefix (None: cleared); None outside a batch."""
         self._decoded: dict[bytes, Any] | None = None
-        """The batch's decoded values by composite prefix (None: no value); None outside
-        a batch and for serializers whose decoded values may be mutable."""
+        """The batch's decoded values by composite prefix (None: no value; ``_WRITTEN``:
+        in ``_pending``, not decoded yet); None outside a batch and for serializers
+        whose decoded values may be mutable."""
 
     def start_batch(self) -> None:
         if self._ttl is None:
@@ -196,13 +199,18 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
                 self._decoded = {}
 
     def write_pending(self) -> None:
-        pending = self._pending
+        pending, decoded = self._pending, self._decoded
         if pending:
             self._store.put_values(pending)
             self._pending = {}
+            if decoded is not None:  # the values are read from the store again
+                for prefix in pending:
+                    if decoded.get(prefix) is _WRITTEN:
+                        del decoded[prefix]
 
     def end_batch(self) -> None:
-        self.write_pending()
+        if self._pending:
+            self._store.put_values(self._pending)
         self._pending = self._decoded = None
 
     def value(self) -> Any:
@@ -213,28 +221,31 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         if current is None:
             current = self._require_current()
         pending = self._pending
+        decoded = self._decoded
         if pending is None:
             data = self._get(current)
-        else:
-            prefix = current.prefix
-            decoded = self._decoded
-            if decoded is not None:
-                value = decoded.get(prefix, _UNKNOWN)
-                if value is not _UNKNOWN:
-                    return self.descriptor.default if value is None else value
-            data = pending.get(prefix, _UNKNOWN)
+        elif decoded is None:
+            data = pending.get(current.prefix, _UNKNOWN)
             if data is _UNKNOWN:
                 data = self._get(current)
-            if decoded is not None and data is None:
-                decoded[prefix] = None
+        else:
+            value = decoded.get(current.prefix, _UNKNOWN)
+            if value is _UNKNOWN:
+                data = self._get(current)
+                if data is None:
+                    decoded[current.prefix] = None
+            elif value is _WRITTEN:
+                data = pending[current.prefix]
+            else:
+                return self.descriptor.default if value is None else value
         if data is None:
             return self.descriptor.default
         try:
             value = self._decode_stored(data)
         except Exception:
             value = self._serializer.deserialize(data)
-        if pending is not None and self._decoded is not None:
-            self._decoded[current.prefix] = value
+        if decoded is not None:
+            decoded[current.prefix] = value
         return value
 
     def update(self, value: Any) -> None:
@@ -257,7 +268,7 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
             return
         pending[current.prefix] = data
         if self._decoded is not None:
-            self._decoded.pop(current.prefix, None)
+            self._decoded[current.prefix] = _WRITTEN
 
     def clear(self) -> None:
         self._delete(self._current_key())
