@@ -90,10 +90,6 @@ class LoggingStateStore(StateStore):
         self.inner.put(current, value)
         self.values[current.prefix] = value
 
-    def put_values(self, values: dict[bytes, bytes | None]) -> None:
-        self.inner.put_values(values)
-        self.values.update(values)  # value-kind only: a None is a delete of one value
-
     def delete(self, current: CurrentKey) -> None:
         self.inner.delete(current)
         if self.is_map:

@@ -180,9 +180,6 @@ class KeyedStateBackend(ABC):
 
     _timer_cache_entries: int | None = 128
     """Timers per key group the timer service keeps in memory (None: all of them)."""
-    _batches_state_writes = False
-    """Whether states keep their writes in a batch (``KeyedStateImpl.start_batch``): for a
-    backend that buffers writes anyway (RocksDB), not one whose stores are dicts (heap)."""
 
     def __init__(
         self,
@@ -368,9 +365,6 @@ class KeyedStateBackend(ABC):
             raise StateAccessError("a batch is already open on this backend: end it first")
         self._batching = True
         self._begin_batch()
-        if self._batches_state_writes:
-            for state in self._states.values():
-                state.start_batch()
         try:
             self.prefetch(keys)
             yield
@@ -379,14 +373,6 @@ class KeyedStateBackend(ABC):
             self._batch_keys, self._batch_key_objects, self._batch_records = None, [], []
             if not self._disposed:
                 self._end_batch()
-                for state in self._states.values():
-                    state.end_batch()
-
-    def _write_state_batches(self) -> None:
-        """Hand the writes states keep in the open batch to their stores (a backend's
-        ``_write_batch`` starts with it)."""
-        for state in self._states.values():
-            state.write_pending()
 
     def prefetch(self, keys: Iterable[Any]) -> None:
         """Inside ``batch``: add ``keys`` to the keys whose state is read ahead (by one
@@ -423,7 +409,6 @@ class KeyedStateBackend(ABC):
         store = self._stores.get(state_name)
         if store is None:
             raise StateAccessError(f"state {state_name!r} is not registered in this backend")
-        self._write_state_batches()
         return (self.key_serializer.deserialize(k) for k in store.keys())
 
     # -- states -------------------------------------------------------------------------
@@ -453,8 +438,6 @@ class KeyedStateBackend(ABC):
             descriptor, store, self._keys, self._require_current, self.clock
         )
         self._states[descriptor.name] = impl
-        if self._batching and self._batches_state_writes:
-            impl.start_batch()
         return impl
 
     def _take_over(

@@ -142,36 +142,16 @@ class KeyedStateImpl(State):
     def clear(self) -> None:
         self._store.delete(self._current_key())
 
-    # -- batches (``KeyedStateBackend.batch``, on a backend that buffers writes) -------------
-
-    def start_batch(self) -> None:
-        """A batch of state accesses starts: the state may keep its writes until
-        ``write_pending`` and its decoded values until ``end_batch``."""
-
-    def write_pending(self) -> None:
-        """Hand the writes kept since ``start_batch`` to the store (before anything else
-        reads the store: a cut, a drain, the end of the batch)."""
-
-    def end_batch(self) -> None:
-        """The batch ends (after ``write_pending``): forget what it kept."""
-
-
-_UNKNOWN: Any = object()
-"""What a batch's dicts give for a key they know nothing of."""
-_WRITTEN: Any = object()
-"""A batch's decoded value of a key written since: decode its pending bytes."""
-
 
 class ValueStateImpl(KeyedStateImpl, ValueState):
     """ValueState over a StateStore.
 
-    In a batch, a value state without TTL keeps its writes (encoded at ``update``, so a
-    value that does not fit fails there) in ``_pending`` and hands them to the store in
-    one ``put_values`` when the backend writes its batch; the store then sees the
-    batch's last write of each key, which is all a buffered store writes and a changelog
-    records. If its serializer's decoded values are immutable, it also keeps the values it
-    decoded (``_decoded``), so that ``get`` after ``exists`` decodes once. Reads see the
-    batch's writes; every call gives what it gives outside a batch."""
+    Without TTL, and with a serializer whose decoded values are immutable
+    (``Serializer.decodes_immutable``), it remembers the last value it read and the
+    current-key record it read it for: reading the same record again, with no write in
+    between, gives that value without reading and decoding again (``exists()`` then
+    ``get()`` of a StatefulProcessor). Only this state writes its store while it is
+    registered, so the value cannot have changed."""
 
     # value() and update() are the hot path of keyed state: one frame each beside the
     # store's and the codec's, without TTL bookkeeping when there is no TTL.
@@ -185,33 +165,10 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         clock: Clock,
     ) -> None:
         super().__init__(descriptor, store, keys, require_current, clock)
-        self._pending: dict[bytes, bytes | None] | None = None
-        """The batch's writes by composite prefix (None: cleared); None outside a batch."""
-        self._decoded: dict[bytes, Any] | None = None
-        """The batch's decoded values by composite prefix (None: no value; ``_WRITTEN``:
-        in ``_pending``, not decoded yet); None outside a batch and for serializers
-        whose decoded values may be mutable."""
-
-    def start_batch(self) -> None:
-        if self._ttl is None:
-            self._pending = {}
-            if self._serializer.decodes_immutable:
-                self._decoded = {}
-
-    def write_pending(self) -> None:
-        pending, decoded = self._pending, self._decoded
-        if pending:
-            self._store.put_values(pending)
-            self._pending = {}
-            if decoded is not None:  # the values are read from the store again
-                for prefix in pending:
-                    if decoded.get(prefix) is _WRITTEN:
-                        del decoded[prefix]
-
-    def end_batch(self) -> None:
-        if self._pending:
-            self._store.put_values(self._pending)
-        self._pending = self._decoded = None
+        self._remembers = self._ttl is None and self._serializer.decodes_immutable
+        self._last_record: CurrentKey | None = None
+        """The record of the last read (None: nothing remembered)."""
+        self._last_value: Any = None
 
     def value(self) -> Any:
         if self._ttl is not None:
@@ -220,40 +177,27 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         current = self._keys.record
         if current is None:
             current = self._require_current()
-        pending = self._pending
-        decoded = self._decoded
-        if pending is None:
-            data = self._get(current)
-        elif decoded is None:
-            data = pending.get(current.prefix, _UNKNOWN)
-            if data is _UNKNOWN:
-                data = self._get(current)
-        else:
-            value = decoded.get(current.prefix, _UNKNOWN)
-            if value is _UNKNOWN:
-                data = self._get(current)
-                if data is None:
-                    decoded[current.prefix] = None
-            elif value is _WRITTEN:
-                data = pending[current.prefix]
-            else:
-                return self.descriptor.default if value is None else value
+        elif current is self._last_record:
+            return self._last_value
+        data = self._get(current)
         if data is None:
-            return self.descriptor.default
-        try:
-            value = self._decode_stored(data)
-        except Exception:
-            value = self._serializer.deserialize(data)
-        if decoded is not None:
-            decoded[current.prefix] = value
+            value = self.descriptor.default
+        else:
+            try:
+                value = self._decode_stored(data)
+            except Exception:
+                value = self._serializer.deserialize(data)
+        if self._remembers:
+            self._last_record, self._last_value = current, value
         return value
 
     def update(self, value: Any) -> None:
+        self._last_record = None
         current = self._keys.record
         if current is None:
             current = self._require_current()
         if value is None:
-            self._delete(current)
+            self._store.delete(current)
             return
         if self._ttl is None:
             try:
@@ -262,25 +206,11 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
                 data = self._serializer.serialize(value)
         else:
             data = self._encode(value)
-        pending = self._pending
-        if pending is None:
-            self._put(current, data)
-            return
-        pending[current.prefix] = data
-        if self._decoded is not None:
-            self._decoded[current.prefix] = _WRITTEN
+        self._put(current, data)
 
     def clear(self) -> None:
-        self._delete(self._current_key())
-
-    def _delete(self, current: CurrentKey) -> None:
-        pending = self._pending
-        if pending is None:
-            self._store.delete(current)
-            return
-        pending[current.prefix] = None
-        if self._decoded is not None:
-            self._decoded[current.prefix] = None
+        self._last_record = None
+        self._store.delete(self._current_key())
 
 
 class ListStateImpl(KeyedStateImpl, ListState):

@@ -283,13 +283,6 @@ class RocksDBStateStore(StateStore):
         else:
             self._cache[current.prefix] = self._written[current.prefix] = value
 
-    def put_values(self, values: dict[bytes, bytes | None]) -> None:
-        if self._read_ahead is None:  # not in a batch (or a map-kind store): one by one
-            super().put_values(values)
-        else:
-            self._cache.update(values)
-            self._written.update(values)
-
     def delete(self, current: CurrentKey) -> None:
         if self.is_map:
             self._flush()
@@ -440,8 +433,6 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
     serializer must be the ones given, else IncompatibleStateError.
     """
 
-    _batches_state_writes = True
-
     def __init__(
         self, local_dir: str | Path, *, open_existing: bool = False, **kwargs: Any
     ) -> None:
@@ -562,7 +553,6 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         return records
 
     def _write_batch(self) -> None:
-        self._write_state_batches()
         if self._timer_service is not None:
             self._timer_service.settle()  # its waiting changes are written with the rest
         if self._read_ahead is None:

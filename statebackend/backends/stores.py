@@ -79,18 +79,6 @@ class StateStore(ABC):
     def delete(self, current: CurrentKey) -> None:
         """Remove the current key's value (map state: every entry of the key)."""
 
-    def put_values(self, values: dict[bytes, bytes | None]) -> None:
-        """``put`` (``delete`` for None) each value under its key's composite prefix
-        (``CurrentKey.prefix``), as those calls one by one would: value-kind states only.
-        A store that buffers writes takes them all at once."""
-        for prefix, value in values.items():
-            key_group, key, _ = split_composite_key(prefix)
-            current = _new_tuple(CurrentKey, (key_group, key, prefix))
-            if value is None:
-                self.delete(current)
-            else:
-                self.put(current, value)
-
     @abstractmethod
     def map_get(self, current: CurrentKey, user_key: bytes) -> bytes | None:
         """The value bytes under ``user_key`` of the current key's map."""

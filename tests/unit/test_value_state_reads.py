@@ -1,7 +1,7 @@
-"""A value state in a batch keeps its writes and decoded values (``ValueStateImpl``) and
-hands the writes to its store at once (``StateStore.put_values``): the same operations
-on a RocksDB backend with and without batches give the same reads, the same changelog
-records and the same bytes in a cut; and both match a plain-Python model."""
+"""A value state remembers its last read (``ValueStateImpl``, serializers with immutable
+decoded values): the same operations, with reads repeated, writes, clears, drains, cuts
+and batches in between, give the same reads, changelog records and cut bytes on a RocksDB
+backend with and without batches and on the heap backend, as a plain-Python model does."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType
 
-from statebackend.backends.heap import HeapStateStore
+from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.backends.stores import CurrentKey
@@ -53,13 +53,17 @@ SERIALIZERS: dict[str, tuple[Serializer[Any], Any]] = {
 }
 
 
-def make(tmp_path: Path, name: str) -> RocksDBKeyedStateBackend:
-    backend = RocksDBKeyedStateBackend(
-        tmp_path / name,
-        max_parallelism=M,
-        key_group_range=KeyGroupRange(0, M - 1),
-        key_serializer=StrSerializer(),
-    )
+def make(tmp_path: Path, name: str) -> KeyedStateBackend:
+    options: dict[str, Any] = {
+        "max_parallelism": M,
+        "key_group_range": KeyGroupRange(0, M - 1),
+        "key_serializer": StrSerializer(),
+    }
+    backend: KeyedStateBackend
+    if name == "heap":
+        backend = HeapKeyedStateBackend(**options)
+    else:
+        backend = RocksDBKeyedStateBackend(tmp_path / name, **options)
     backend.enable_changelog()
     return backend
 
@@ -145,16 +149,22 @@ def run(
 def test_batched_value_state_matches_unbatched(tmp_path: Path, name: str, seed: int) -> None:
     serializer, make_value = SERIALIZERS[name]
     ops = random_ops(seed, make_value)
-    plain, batched = make(tmp_path, "plain"), make(tmp_path, "batched")
+    plain, batched, heap = (
+        make(tmp_path, "plain"),
+        make(tmp_path, "batched"),
+        make(tmp_path, "heap"),
+    )
     try:
         expected = run(plain, serializer, ops, batched=False)
         assert run(batched, serializer, ops, batched=True) == expected
+        assert run(heap, serializer, ops, batched=False) == expected
     finally:
         plain.dispose()
         batched.dispose()
+        heap.dispose()
 
 
-def test_a_batch_shares_decoded_values_only_of_immutable_serializers(tmp_path: Path) -> None:
+def test_a_state_remembers_decoded_values_only_of_immutable_serializers(tmp_path: Path) -> None:
     assert PLAIN.decodes_immutable and IntSerializer().decodes_immutable
     assert not WITH_LIST.decodes_immutable and not PickleSerializer().decodes_immutable
     backend = make(tmp_path, "b")
@@ -166,7 +176,7 @@ def test_a_batch_shares_decoded_values_only_of_immutable_serializers(tmp_path: P
         mutable.update(([1], 2))
         with backend.batch(["a"]):
             backend.set_current_key("a")
-            assert plain.value() is plain.value()  # decoded once in the batch
+            assert plain.value() is plain.value()  # decoded once
             first = mutable.value()
             first[0].append(7)
             assert mutable.value() == ([1], 2) and mutable.value() is not first
@@ -174,7 +184,7 @@ def test_a_batch_shares_decoded_values_only_of_immutable_serializers(tmp_path: P
         backend.dispose()
 
 
-def test_a_value_that_does_not_fit_fails_at_update_in_a_batch(tmp_path: Path) -> None:
+def test_a_value_that_does_not_fit_fails_at_update_and_changes_nothing(tmp_path: Path) -> None:
     backend = make(tmp_path, "b")
     try:
         state = backend.get_state(ValueStateDescriptor("v", PLAIN))
@@ -195,18 +205,22 @@ def group(key: str) -> int:
     return assign_to_key_group(key.encode(), M)
 
 
-def test_put_values_is_put_and_delete_one_by_one(tmp_path: Path) -> None:
-    currents = [CurrentKey.of(group(k), k.encode()) for k in KEYS]
-    values = {c.prefix: (None if i % 3 == 0 else f"v{i}".encode()) for i, c in enumerate(currents)}
-    one_by_one, at_once = HeapStateStore(is_map=False), HeapStateStore(is_map=False)
-    for current in currents:
-        one_by_one.put(current, b"old")
-        at_once.put(current, b"old")
-    for current in currents:
-        value = values[current.prefix]
-        if value is None:
-            one_by_one.delete(current)
-        else:
-            one_by_one.put(current, value)
-    at_once.put_values(values)
-    assert at_once.groups == one_by_one.groups
+@pytest.mark.parametrize("name", ["rocksdb", "heap"])
+def test_a_remembered_read_is_forgotten_by_a_write(tmp_path: Path, name: str) -> None:
+    backend = make(tmp_path, name)
+    try:
+        state = backend.get_state(ValueStateDescriptor("v", PLAIN))
+        with backend.batch(["a"]):
+            backend.set_current_key("a")  # one record for all the calls below
+            assert state.value() is None
+            state.update((1, "x"))
+            assert state.value() == (1, "x") == state.value()
+            state.update((2, "y"))
+            assert state.value() == (2, "y")
+            state.clear()
+            assert state.value() is None
+            state.update((3, "z"))
+            state.update(None)
+            assert state.value() is None
+    finally:
+        backend.dispose()
