@@ -352,8 +352,8 @@ class KeyedStateBackend(ABC):
     @contextmanager
     def batch(self, keys: Iterable[Any] = ()) -> Iterator[None]:
         """Run the block as one batch of state accesses: the state of ``keys`` (and of
-        the keys given to ``prefetch`` inside the block) is read with one multi-get per
-        state, on the state's first read, and writes are buffered and written at once
+        the keys given to ``prefetch`` inside the block) is read by multi-get per state,
+        on the state's first read, and writes are buffered and written at once
         when the block ends (whether it ends normally or by an exception), before a
         ``sync_cut`` and before ``drain_changelog``. Reads see the block's own writes;
         every state call gives exactly what it gives outside a batch. A backend whose
@@ -375,7 +375,7 @@ class KeyedStateBackend(ABC):
                 self._end_batch()
 
     def prefetch(self, keys: Iterable[Any]) -> None:
-        """Inside ``batch``: add ``keys`` to the keys whose state is read ahead (by one
+        """Inside ``batch``: add ``keys`` to the keys whose state is read ahead (by
         multi-get per state, on the state's next read). Outside a batch it does nothing."""
         if self._batching:
             self._prefetch(keys)

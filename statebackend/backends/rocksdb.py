@@ -170,7 +170,7 @@ _UNKNOWN: Any = object()
 class ReadAhead:
     """The composite prefixes whose state a RocksDB backend's open batch reads ahead
     (``KeyedStateBackend.prefetch``), shared by its stores: each fetches the ones it
-    has not fetched yet with one multi-get on its next read that misses its cache."""
+    has not fetched yet by multi-get on its next read that misses its cache."""
 
     def __init__(self) -> None:
         self.prefixes: list[bytes] = []
@@ -248,7 +248,8 @@ class RocksDBStateStore(StateStore):
 
     def _fetch(self, prefix: bytes) -> bytes | None:
         """The value of ``prefix`` when the cache does not know it: the read-ahead
-        prefixes not fetched yet come in one multi-get; any other prefix by itself."""
+        prefixes not fetched yet come by multi-get (``_MULTI_GET_KEYS`` at a time); any
+        other prefix by itself."""
         assert self._read_ahead is not None
         pending = self._read_ahead.prefixes[self._fetched :]
         if pending:
