@@ -171,8 +171,11 @@ def _read_ahead_of(backend: KeyedStateBackend, key_columns: tuple[str, ...]) -> 
     schema_json, max_parallelism = serializer.schema_json, backend.max_parallelism
 
     def read_ahead(keys: list[tuple[Any, ...]], rows: pa.RecordBatch) -> list[CurrentKey] | None:
-        encoded = serialized_keys(rows, key_columns, schema_json)
-        groups = murmur3_32(encoded).astype(np.int64) % max_parallelism
+        try:
+            encoded = serialized_keys(rows, key_columns, schema_json)
+            groups = murmur3_32(encoded).astype(np.int64) % max_parallelism
+        except Exception:  # the backend encodes the keys itself, raising its clear errors
+            return backend.read_ahead(keys)
         return backend.read_ahead(keys, (encoded.to_pylist(), groups.tolist()))
 
     return read_ahead
