@@ -145,8 +145,10 @@ def run(
 
 
 @pytest.mark.parametrize("name", sorted(SERIALIZERS))
-@pytest.mark.parametrize("seed", [1, 2])
-def test_batched_value_state_matches_unbatched(tmp_path: Path, name: str, seed: int) -> None:
+@pytest.mark.parametrize("seed", [1])
+def test_value_state_reads_match_with_and_without_batches_and_on_heap(
+    tmp_path: Path, name: str, seed: int
+) -> None:
     serializer, make_value = SERIALIZERS[name]
     ops = random_ops(seed, make_value)
     plain, batched, heap = (
