@@ -56,6 +56,10 @@ class Serializer(ABC, Generic[T]):
     migratable_by_any: ClassVar[bool] = True
     """Whether a serializer that takes over any stored state (pickle) may take over this
     one's bytes: False for envelopes such as TTL, whose decoded values are not the user's."""
+    decodes_immutable: bool = False
+    """Whether every value ``deserialize`` returns is immutable all the way down (numbers,
+    strings, bytes, tuples of such), so that one decoded value may be handed out more
+    than once: a batch then decodes a value once (``keyed_states.ValueStateImpl``)."""
 
     def serialize(self, value: T) -> bytes:
         """The bytes of ``value``; SerializationError if this serializer cannot encode it."""
@@ -139,6 +143,7 @@ class StrSerializer(Serializer[str]):
     """UTF-8 text."""
 
     identity = "str"
+    decodes_immutable = True
 
     def _encode(self, value: str) -> bytes:
         if type(value) is not str and not isinstance(value, str):
@@ -169,6 +174,7 @@ class IntSerializer(Serializer[int]):
     """Signed 64-bit integers, 8 bytes big-endian."""
 
     identity = "int"
+    decodes_immutable = True
 
     def _encode(self, value: int) -> bytes:
         if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
@@ -189,6 +195,7 @@ class FloatSerializer(Serializer[float]):
 
     identity = "float"
     migrates_from = frozenset({"int"})
+    decodes_immutable = True
 
     def _encode(self, value: float) -> bytes:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -203,6 +210,7 @@ class BoolSerializer(Serializer[bool]):
     """One byte, 0 or 1."""
 
     identity = "bool"
+    decodes_immutable = True
 
     def _encode(self, value: bool) -> bytes:
         if not isinstance(value, bool):
@@ -219,6 +227,7 @@ class BytesSerializer(Serializer[bytes]):
     """Bytes as they are."""
 
     identity = "bytes"
+    decodes_immutable = True
 
     def _encode(self, value: bytes) -> bytes:
         if not isinstance(value, (bytes, bytearray, memoryview)):
@@ -274,6 +283,7 @@ class TupleSerializer(Serializer[tuple[Any, ...]]):
         if not fields:
             raise ValueError("a TupleSerializer needs at least one field serializer")
         self.fields = fields
+        self.decodes_immutable = all(field.decodes_immutable for field in fields)
 
     def _encode(self, value: tuple[Any, ...]) -> bytes:
         if not isinstance(value, tuple) or len(value) != len(self.fields):
@@ -743,6 +753,16 @@ def _schema_identity(schema: dict[str, Any]) -> list[Any]:
     ]
 
 
+def _decodes_immutable(data_type: Any) -> bool:
+    """Whether the row-tuple decoding of a Spark data type (JSON form) is immutable: every
+    type but arrays (lists) and maps (dicts), structs if all their fields are."""
+    if not isinstance(data_type, dict):
+        return True
+    if data_type.get("type") == "struct":
+        return all(_decodes_immutable(field["type"]) for field in data_type.get("fields", []))
+    return False
+
+
 class RowTupleSerializer(Serializer[tuple[Any, ...]]):
     """Tuples of a Spark schema's fields (``StructType.json()``), compactly, without pickle.
 
@@ -762,6 +782,7 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         self.field_names = [field["name"] for field in schema.get("fields", [])]
         self._schema = _schema_identity(schema)
         self._to_bytes, self._from_bytes = _struct_bytes_codec(schema)
+        self.decodes_immutable = _decodes_immutable(schema)
 
     def __reduce__(self) -> tuple[type[RowTupleSerializer], tuple[str]]:
         # Its codecs are closures over struct.Struct packers, which cannot be pickled:

@@ -80,6 +80,9 @@ class LoggingStateStore(StateStore):
     def get(self, current: CurrentKey) -> bytes | None:
         return self.inner.get(current)
 
+    def getter(self) -> Callable[[CurrentKey], bytes | None]:
+        return self.inner.getter()  # reads are not logged: no frame of ours
+
     def estimated_entries(self) -> int:
         return self.inner.estimated_entries()
 

@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from statebackend.backends.keyed import FrozenState, KeyedStateBackend
+from statebackend.backends.keyed import FrozenState, KeyedStateBackend, SerializedKeys
 from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
 
 _Groups = dict[int, dict[bytes, Any]]
@@ -159,8 +159,8 @@ class HeapKeyedStateBackend(KeyedStateBackend):
     def _begin_batch(self) -> None:
         pass
 
-    def _prefetch(self, keys: Iterable[Any]) -> None:
-        pass
+    def _prefetch(self, keys: Iterable[Any], serialized: SerializedKeys | None = None) -> None:
+        return None
 
     def _write_batch(self) -> None:
         if self._timer_service is not None:

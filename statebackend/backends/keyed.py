@@ -95,6 +95,9 @@ class NativeCheckpoint:
     records: Path
 
 
+SerializedKeys = tuple[list[bytes], list[int]]
+"""Keys' serialized bytes and key groups, in the keys' order (``read_ahead``)."""
+
 Release = Callable[[], None]
 """Frees what a snapshot's synchronous cut holds (copies, RocksDB hard links)."""
 
@@ -203,10 +206,10 @@ class KeyedStateBackend(ABC):
         self._changelog: dict[str, LoggingStateStore] | None = None
         self._disposed = False
         self._batching = False
-        self._batch_keys: dict[Any, int] = {}
+        self._batch_keys: dict[Any, int] | None = None
         """Keys read ahead in the open batch: key -> its position in ``_batch_key_objects``
         and ``_batch_records`` (positions, not pairs: a batch's keys then allocate no
-        tuples for the garbage collector to scan)."""
+        tuples for the garbage collector to scan); None until first needed."""
         self._batch_key_objects: list[Any] = []
         self._batch_records: list[CurrentKey] = []
         self._timer_service: KeyedTimerService | None = None
@@ -218,8 +221,11 @@ class KeyedStateBackend(ABC):
 
     # -- keys ---------------------------------------------------------------------------
 
-    def set_current_key(self, key: Any) -> None:
+    def set_current_key(self, key: Any, record: CurrentKey | None = None) -> None:
         """Make ``key`` the key that state calls act on.
+
+        ``record``, if given, is the one ``read_ahead`` returned for ``key`` in the open
+        batch: the key is then neither encoded nor looked up again.
 
         Raises StateAccessError for None or a key outside the owned key-group range,
         SerializationError for a key the key serializer cannot encode.
@@ -227,7 +233,13 @@ class KeyedStateBackend(ABC):
         if self._disposed:
             self._check_open()
         keys = self._keys
+        if record is not None:
+            keys.record = record
+            keys.key = key
+            return
         known = self._batch_keys
+        if known is None and self._batch_key_objects:
+            known = self._index_batch_keys()
         if known:
             try:
                 position = known.get(key)
@@ -260,15 +272,23 @@ class KeyedStateBackend(ABC):
             )
         return CurrentKey.of(key_group, encoded)
 
-    def _current_keys_of(self, keys: list[Any]) -> list[CurrentKey]:
+    def _current_keys_of(
+        self, keys: list[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
         """The current-key records of ``keys``, as ``_current_key_of`` gives them: each
         step over all keys at once (no Python frame per key where the key serializer's
-        encoder is native, as ``str.encode`` is), and key by key with its checks and
-        errors when a key fails one."""
+        encoder is native, as ``str.encode`` is, or where ``serialized`` gives the keys'
+        bytes and key groups), and key by key with its checks and errors when a key
+        fails one."""
         max_parallelism, owned = self.max_parallelism, self.key_group_range
         try:
-            encoded = list(map(self._encode_key, keys))
-            groups = [assign_to_key_group(data, max_parallelism) for data in encoded]
+            if serialized is None:
+                encoded = list(map(self._encode_key, keys))
+                groups = [assign_to_key_group(data, max_parallelism) for data in encoded]
+            else:
+                encoded, groups = serialized
+                if len(encoded) != len(keys) or len(groups) != len(keys):
+                    raise ValueError("serialized keys do not match the keys")
             checked = None not in keys and (
                 not groups or owned.start <= min(groups) <= max(groups) <= owned.end
             )
@@ -278,22 +298,36 @@ class KeyedStateBackend(ABC):
             return [self._current_key_of(key) for key in keys]
         return CurrentKey.of_many(groups, encoded)
 
-    def _read_ahead_keys(self, keys: Iterable[Any]) -> list[CurrentKey]:
+    def _read_ahead_keys(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
         """The current-key records of ``keys`` (checked as ``set_current_key`` checks
-        them), remembered until the batch ends so that ``set_current_key`` of the same
-        key objects does not compute them again."""
+        them; ``serialized`` as ``read_ahead`` takes it), remembered until the batch ends
+        so that ``set_current_key`` of the same key objects does not compute them again."""
         keys = list(keys)
-        records = self._current_keys_of(keys)
-        known, first = self._batch_keys, len(self._batch_records)
+        records = self._current_keys_of(keys, serialized)
+        if self._batch_keys is not None:
+            self._index_keys(keys, len(self._batch_records))
+        self._batch_key_objects.extend(keys)
+        self._batch_records.extend(records)
+        return records
+
+    def _index_batch_keys(self) -> dict[Any, int]:
+        """``_batch_keys`` of the keys read ahead so far, built when ``set_current_key``
+        first looks a key up (a caller that passes records never needs it)."""
+        self._batch_keys = {}
+        self._index_keys(self._batch_key_objects, 0)
+        return self._batch_keys
+
+    def _index_keys(self, keys: list[Any], first: int) -> None:
+        known = self._batch_keys
+        assert known is not None
         try:
             known.update(zip(keys, range(first, first + len(keys)), strict=True))
         except TypeError:  # an unhashable key: it is computed again when it is set
             for position, key in enumerate(keys, first):
                 with suppress(TypeError):
                     known[key] = position
-        self._batch_key_objects.extend(keys)
-        self._batch_records.extend(records)
-        return records
 
     @property
     def current_key(self) -> Any:
@@ -318,8 +352,8 @@ class KeyedStateBackend(ABC):
     @contextmanager
     def batch(self, keys: Iterable[Any] = ()) -> Iterator[None]:
         """Run the block as one batch of state accesses: the state of ``keys`` (and of
-        the keys given to ``prefetch`` inside the block) is read with one multi-get per
-        state, on the state's first read, and writes are buffered and written at once
+        the keys given to ``prefetch`` inside the block) is read by multi-get per state,
+        on the state's first read, and writes are buffered and written at once
         when the block ends (whether it ends normally or by an exception), before a
         ``sync_cut`` and before ``drain_changelog``. Reads see the block's own writes;
         every state call gives exactly what it gives outside a batch. A backend whose
@@ -336,15 +370,30 @@ class KeyedStateBackend(ABC):
             yield
         finally:
             self._batching = False
-            self._batch_keys, self._batch_key_objects, self._batch_records = {}, [], []
+            self._batch_keys, self._batch_key_objects, self._batch_records = None, [], []
             if not self._disposed:
                 self._end_batch()
 
     def prefetch(self, keys: Iterable[Any]) -> None:
-        """Inside ``batch``: add ``keys`` to the keys whose state is read ahead (by one
+        """Inside ``batch``: add ``keys`` to the keys whose state is read ahead (by
         multi-get per state, on the state's next read). Outside a batch it does nothing."""
         if self._batching:
             self._prefetch(keys)
+
+    def read_ahead(
+        self, keys: list[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey] | None:
+        """``prefetch`` of ``keys`` that also returns their current-key records, in
+        order, for ``set_current_key(key, record)``; None where there are none (outside
+        a batch, or a backend that reads nothing ahead).
+
+        ``serialized``, if given, is each key's bytes (as the key serializer encodes it)
+        and key group (``assign_to_key_group`` of those bytes), computed by the caller
+        for all keys at once (``spark/arrow_keys.py``): the backend then computes
+        neither and checks only that the key groups are its own."""
+        if not self._batching:
+            return None
+        return self._prefetch(keys, serialized)
 
     def estimated_entries(self) -> int:
         """How many entries the backend's states (timers included) hold, as the stores
@@ -751,9 +800,11 @@ class KeyedStateBackend(ABC):
         """Start buffering writes (``batch``)."""
 
     @abstractmethod
-    def _prefetch(self, keys: Iterable[Any]) -> None:
+    def _prefetch(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey] | None:
         """Read ahead the state of ``keys`` in the open batch (checked as
-        ``_current_key_of`` checks them)."""
+        ``_current_key_of`` checks them); their records, or None if it computes none."""
 
     @abstractmethod
     def _write_batch(self) -> None:

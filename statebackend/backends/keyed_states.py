@@ -97,7 +97,7 @@ class KeyedStateImpl(State):
         self._serializer = stored_value_serializer(descriptor)
         self._encode_stored = self._serializer.encoder()
         self._decode_stored = self._serializer.decoder()
-        self._get = store.get
+        self._get = store.getter()
         self._put = store.put
         self._refresh_on_read = (
             self._ttl is not None and self._ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE
@@ -144,25 +144,55 @@ class KeyedStateImpl(State):
 
 
 class ValueStateImpl(KeyedStateImpl, ValueState):
-    """ValueState over a StateStore."""
+    """ValueState over a StateStore.
+
+    Without TTL, and with a serializer whose decoded values are immutable
+    (``Serializer.decodes_immutable``), it remembers the last value it read and the
+    current-key record it read it for: reading the same record again, with no write in
+    between, gives that value without reading and decoding again (``exists()`` then
+    ``get()`` of a StatefulProcessor). Only this state writes its store while it is
+    registered, so the value cannot have changed."""
 
     # value() and update() are the hot path of keyed state: one frame each beside the
     # store's and the codec's, without TTL bookkeeping when there is no TTL.
 
+    def __init__(
+        self,
+        descriptor: StateDescriptor,
+        store: StateStore,
+        keys: KeyContext,
+        require_current: Callable[[], CurrentKey],
+        clock: Clock,
+    ) -> None:
+        super().__init__(descriptor, store, keys, require_current, clock)
+        self._remembers = self._ttl is None and self._serializer.decodes_immutable
+        self._last_record: CurrentKey | None = None
+        """The record of the last read (None: nothing remembered)."""
+        self._last_value: Any = None
+
     def value(self) -> Any:
-        if self._ttl is None:
-            current = self._keys.record
-            data = self._get(self._require_current() if current is None else current)
-            if data is None:
-                return self.descriptor.default
+        if self._ttl is not None:
+            value = self._read_value()[1]
+            return self.descriptor.default if value is None else value
+        current = self._keys.record
+        if current is None:
+            current = self._require_current()
+        elif current is self._last_record:
+            return self._last_value
+        data = self._get(current)
+        if data is None:
+            value = self.descriptor.default
+        else:
             try:
-                return self._decode_stored(data)
+                value = self._decode_stored(data)
             except Exception:
-                return self._serializer.deserialize(data)
-        value = self._read_value()[1]
-        return self.descriptor.default if value is None else value
+                value = self._serializer.deserialize(data)
+        if self._remembers:
+            self._last_record, self._last_value = current, value
+        return value
 
     def update(self, value: Any) -> None:
+        self._last_record = None
         current = self._keys.record
         if current is None:
             current = self._require_current()
@@ -177,6 +207,10 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         else:
             data = self._encode(value)
         self._put(current, data)
+
+    def clear(self) -> None:
+        self._last_record = None
+        self._store.delete(self._current_key())
 
 
 class ListStateImpl(KeyedStateImpl, ListState):

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice, starmap
+from itertools import islice, repeat, starmap
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -42,6 +42,7 @@ from statebackend.backends.keyed import (
     FrozenState,
     KeyedStateBackend,
     NativeCheckpoint,
+    SerializedKeys,
     StateMetaInfo,
 )
 from statebackend.backends.stores import (
@@ -63,6 +64,9 @@ from statebackend.serializers import Compatibility, SerializerConfig
 from statebackend.state.descriptors import StateKind
 
 _WRITE_BATCH_ENTRIES = 10_000
+_MULTI_GET_KEYS = 1024
+"""Keys per multi-get: rocksdict's multi-get of 6,000 keys costs ~20% more CPU per key
+than of 1,000 (measured in scripts/bench/keyed_subtask.py's shape)."""
 _META_KEY = b"statebackend.meta"
 """Key of the backend's meta info in the default column family (no state may use it)."""
 _ABOVE_EVERY_KEY_GROUP = b"\xff"
@@ -166,7 +170,7 @@ _UNKNOWN: Any = object()
 class ReadAhead:
     """The composite prefixes whose state a RocksDB backend's open batch reads ahead
     (``KeyedStateBackend.prefetch``), shared by its stores: each fetches the ones it
-    has not fetched yet with one multi-get on its next read that misses its cache."""
+    has not fetched yet by multi-get on its next read that misses its cache."""
 
     def __init__(self) -> None:
         self.prefixes: list[bytes] = []
@@ -211,12 +215,16 @@ class RocksDBStateStore(StateStore):
         if not written:
             return 0
         handle = self._db.get_column_family_handle(self._name)
-        for key in sorted(written):  # keys only: comparing (key, value) pairs is slower
-            value = written[key]
-            if value is None:
-                batch.delete(key, handle)
-            else:
-                batch.put(key, value, handle)
+        keys = sorted(written)  # keys only: comparing (key, value) pairs is slower
+        if None in written.values():
+            for key in keys:
+                value = written[key]
+                if value is None:
+                    batch.delete(key, handle)
+                else:
+                    batch.put(key, value, handle)
+        else:  # puts only (the common case): no Python frame per key
+            deque(map(batch.put, keys, map(written.__getitem__, keys), repeat(handle)), maxlen=0)
         self._written = {}
         return len(written)
 
@@ -240,15 +248,21 @@ class RocksDBStateStore(StateStore):
 
     def _fetch(self, prefix: bytes) -> bytes | None:
         """The value of ``prefix`` when the cache does not know it: the read-ahead
-        prefixes not fetched yet come in one multi-get; any other prefix by itself."""
+        prefixes not fetched yet come by multi-get (``_MULTI_GET_KEYS`` at a time); any
+        other prefix by itself."""
         assert self._read_ahead is not None
         pending = self._read_ahead.prefixes[self._fetched :]
         if pending:
             self._fetched += len(pending)
             cache = self._cache
-            fetched = cast(list["bytes | None"], self._column.get(pending))  # type: ignore[arg-type]
+            fetched: list[bytes | None] = []
+            for start in range(0, len(pending), _MULTI_GET_KEYS):
+                chunk = pending[start : start + _MULTI_GET_KEYS]
+                fetched += self._column.get(chunk)  # type: ignore[arg-type]
             cache.update(zip(pending, fetched, strict=True))
-            cache.update(self._written)  # the batch's own writes stay the newest
+            written = self._written
+            if written:  # the batch's own writes stay the newest (only those fetched again)
+                cache.update((key, written[key]) for key in written.keys() & pending)
             value = cache.get(prefix, _UNKNOWN)
             if value is not _UNKNOWN:
                 return cast("bytes | None", value)
@@ -531,10 +545,13 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         for store in self._batch_stores():
             store.start_batch(self._read_ahead)
 
-    def _prefetch(self, keys: Iterable[Any]) -> None:
+    def _prefetch(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
         assert self._read_ahead is not None
-        records = self._read_ahead_keys(keys)
+        records = self._read_ahead_keys(keys, serialized)
         self._read_ahead.prefixes.extend(map(_PREFIX_OF, records))
+        return records
 
     def _write_batch(self) -> None:
         if self._timer_service is not None:

@@ -196,7 +196,10 @@ class ProcessorValueState(_StateVariable, SparkValueState):
         """Set the current key's tuple."""
         if not self._handle.serving:
             raise self._refused("update")
-        self._state.update(_row_tuple(newValue))
+        if type(newValue) is tuple and _PLAIN_TYPES.issuperset(map(type, newValue)):
+            self._state.update(newValue)  # _row_tuple's first case, without its frame
+        else:
+            self._state.update(_row_tuple(newValue))
 
     def clear(self) -> None:
         """Remove the current key's value."""

@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
+from operator import ne
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Row
@@ -38,8 +40,11 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulP
 from pyspark.sql.types import StructType
 
 from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.stores import CurrentKey
 from statebackend.errors import OutputSchemaError
+from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
 from statebackend.spark.processor_handle import (
     BatchTimes,
     Phase,
@@ -58,8 +63,10 @@ CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
 
 OUTPUT_BATCH_ROWS = 10_000
-YOUNG_COLLECTION_OBJECTS = 100_000
-"""New objects between two young collections of the garbage collector during a batch."""
+YOUNG_COLLECTION_OBJECTS = 500_000
+"""New objects between two young collections of the garbage collector during a batch:
+a 100k-row batch then runs at most one (at 100,000, two or three, each walking the
+young objects: ~3% of the subtask's CPU time)."""
 
 
 @dataclass(frozen=True)
@@ -120,40 +127,117 @@ _NO_KEY = object()
 """The key before the first row (equal to no key)."""
 
 
+def _changes(column: pa.Array) -> pa.Array | None:
+    """Per row but the first, whether it differs from the row before (nulls equal each
+    other only); None if Arrow cannot compare the column's type."""
+    after, before = column.slice(1), column.slice(0, len(column) - 1)
+    try:
+        differs = pc.not_equal(after, before)
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if column.null_count:
+        differs = pc.fill_null(differs, pc.xor(pc.is_null(after), pc.is_null(before)))
+    return differs
+
+
+def _run_starts(batch: pa.RecordBatch, columns: tuple[str, ...]) -> list[int]:
+    """The rows of ``batch`` that start a run of equal ``columns`` values, in order (row 0
+    first), compared by Arrow; by Python equality of the rows' values for a column of a
+    type Arrow cannot compare (lists, maps, structs)."""
+    size = batch.num_rows
+    changed = np.zeros(size - 1, dtype=bool)
+    for name in columns:
+        column = batch.column(name)
+        differs = _changes(column)
+        if differs is None:
+            values = column.to_pylist()
+            changed |= np.fromiter(map(ne, values[1:], values[:-1]), dtype=bool, count=size - 1)
+        else:
+            changed |= differs.to_numpy(zero_copy_only=False)
+    return [0, *(np.flatnonzero(changed) + 1).tolist()]
+
+
+ReadAhead = Callable[[list[tuple[Any, ...]], pa.RecordBatch], "list[CurrentKey] | None"]
+"""Reads ahead keys (with the rows they come from): their records, or None."""
+
+
+def _read_ahead_of(backend: KeyedStateBackend, key_columns: tuple[str, ...]) -> ReadAhead:
+    """``backend.read_ahead`` of keys, given their serialized bytes and key groups
+    computed from their Arrow rows at once (``arrow_keys``) where the backend's key
+    serializer is a ``RowTupleSerializer`` (the one ``transform_with_state`` keys by)."""
+    serializer = backend.key_serializer
+    if not isinstance(serializer, RowTupleSerializer):
+        return lambda keys, rows: backend.read_ahead(keys)
+    schema_json, max_parallelism = serializer.schema_json, backend.max_parallelism
+
+    def read_ahead(keys: list[tuple[Any, ...]], rows: pa.RecordBatch) -> list[CurrentKey] | None:
+        try:
+            encoded = serialized_keys(rows, key_columns, schema_json)
+            groups = murmur3_32(encoded).astype(np.int64) % max_parallelism
+        except Exception:  # the backend encodes the keys itself, raising its clear errors
+            return backend.read_ahead(keys)
+        return backend.read_ahead(keys, (encoded.to_pylist(), groups.tolist()))
+
+    return read_ahead
+
+
 def _keys(
-    batches: Iterable[pa.RecordBatch],
-    key_columns: tuple[str, ...],
-    prefetch: Callable[[Iterable[tuple[Any, ...]]], None],
-) -> Iterator[tuple[tuple[Any, ...], list[Run], list[Run]]]:
-    """(key, its initial-state runs, its input runs) for each key with such rows, in
-    order; a key's rows may span record batches, control rows are left out. The keys of
-    each batch's initial-state and input rows go to ``prefetch`` before its first key."""
+    batches: Iterable[pa.RecordBatch], key_columns: tuple[str, ...], read_ahead: ReadAhead
+) -> Iterator[tuple[tuple[Any, ...], CurrentKey | None, list[Run], list[Run]]]:
+    """(key, its current-key record or None, its initial-state runs, its input runs) for
+    each key with such rows, in order; a key's rows may span record batches, control rows
+    are left out. The keys of each batch's initial-state and input runs go to
+    ``read_ahead`` before its first key, which gives their records (or None).
+
+    Runs (rows of one key and kind) are found by Arrow; only their first rows' keys
+    become Python tuples. A key's record is the one read ahead for that very key object
+    (equal keys may be encoded differently: 0.0 and -0.0)."""
     key: Any = _NO_KEY
+    record: CurrentKey | None = None
     initial: list[Run] = []
     inputs: list[Run] = []
     for batch in batches:
         size = batch.num_rows
         if size == 0:
             continue
-        keys = list(zip(*(batch.column(name).to_pylist() for name in key_columns), strict=True))
-        kinds = batch.column(KIND_COLUMN).to_pylist()
-        prefetch(dict.fromkeys(k for k, kind in zip(keys, kinds, strict=True) if kind != CONTROL))
-        stops = [i for i in range(1, size) if keys[i] != keys[i - 1] or kinds[i] != kinds[i - 1]]
+        starts = _run_starts(batch, (*key_columns, KIND_COLUMN))
+        firsts = batch.take(pa.array(starts, pa.int64()))
+        keys = list(zip(*(firsts.column(name).to_pylist() for name in key_columns), strict=True))
+        kinds = firsts.column(KIND_COLUMN).to_pylist()
+        records = _run_records(firsts, keys, kinds, read_ahead)
+        stops = starts[1:]
         stops.append(size)
-        start = 0
-        for stop in stops:
-            if keys[start] != key:
+        runs = zip(keys, records, kinds, starts, stops, strict=True)
+        for run_key, run_record, kind, start, stop in runs:
+            if run_key != key:
                 if initial or inputs:
-                    yield key, initial, inputs
-                key, initial, inputs = keys[start], [], []
-            kind = kinds[start]
+                    yield key, record, initial, inputs
+                key, record, initial, inputs = run_key, run_record, [], []
             if kind == INPUT:
                 inputs.append((batch, start, stop))
             elif kind == INITIAL:
                 initial.append((batch, start, stop))
-            start = stop
     if initial or inputs:
-        yield key, initial, inputs
+        yield key, record, initial, inputs
+
+
+def _run_records(
+    firsts: pa.RecordBatch,
+    keys: list[tuple[Any, ...]],
+    kinds: list[int],
+    read_ahead: ReadAhead,
+) -> list[CurrentKey | None]:
+    """Per run (``firsts``: each run's first row), the record ``read_ahead`` gives for
+    its key (None for control runs, and for all runs where it gives none)."""
+    if CONTROL not in kinds:
+        records = read_ahead(keys, firsts)
+        return [None] * len(keys) if records is None else list(records)
+    wanted = [run_key for run_key, kind in zip(keys, kinds, strict=True) if kind != CONTROL]
+    found = read_ahead(wanted, firsts.filter(pc.not_equal(firsts.column(KIND_COLUMN), CONTROL)))
+    if found is None:
+        return [None] * len(keys)
+    given = iter(found)
+    return [None if kind == CONTROL else next(given) for kind in kinds]
 
 
 class OutputBuilder:
@@ -168,12 +252,14 @@ class OutputBuilder:
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
         self.names = [field.name for field in schema.fields]
         self._rows: list[tuple[Any, ...]] = []
+        """Row-mode output not in a record batch yet (``Row``s are tuples of the values)."""
         self.ready: list[pa.RecordBatch] = []
         """Full record batches not taken yet."""
 
     def take_ready(self) -> list[pa.RecordBatch]:
         """The full record batches collected so far (and forget them)."""
-        ready, self.ready = self.ready, []
+        ready = self.ready[:]
+        self.ready.clear()  # the same list stays ``ready``: the runner holds it
         return ready
 
     def add_rows(self, rows: Iterable[Any]) -> None:
@@ -182,7 +268,7 @@ class OutputBuilder:
         collected = self._rows
         for row in rows:
             if type(row) is Row and getattr(row, "__fields__", None) == names:
-                collected.append(tuple(row))  # the common case: Row(**fields) in order
+                collected.append(row)  # the common case: Row(**fields) in order, a tuple
             else:
                 collected.append(self._values(row))
             if len(collected) >= OUTPUT_BATCH_ROWS:
@@ -320,8 +406,10 @@ class _Inputs:
         if self._spec.use_pandas:
             names = self._input_names
             return (self._select(run, names, names).to_pandas() for run in runs)
-        if len(runs) == 1:
+        if len(runs) == 1:  # the common case, once per key: no _batch_rows frame
             batch, start, stop = runs[0]
+            if batch is self._rows_of:
+                return iter(self._rows[start:stop])
             return iter(self._batch_rows(batch)[start:stop])
         return chain.from_iterable(
             self._batch_rows(batch)[start:stop] for batch, start, stop in runs
@@ -408,17 +496,21 @@ def run_keyed_subtask(
         # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
         # and the writes go to the database at once when the keys and timers are done.
         with backend.batch():
-            for key, initial, input_runs in _keys(batches, spec.key_columns, backend.prefetch):
+            # Bound once: this loop runs once per key.
+            set_current_key, handle_input_rows = backend.set_current_key, processor.handleInputRows
+            input_rows, ready = inputs.input_rows, output.ready
+            read_ahead = _read_ahead_of(backend, spec.key_columns)
+            runs = _keys(batches, spec.key_columns, read_ahead)
+            for key, record, initial, input_runs in runs:
                 if counts is not None:
                     counts.keys += 1
-                backend.set_current_key(key)
+                set_current_key(key, record)
                 if initial:
                     for initial_state in inputs.initial_states(initial):
                         processor.handleInitialState(key, initial_state, timer_values)
                 if input_runs:
-                    rows = inputs.input_rows(input_runs)
-                    emit(processor.handleInputRows(key, rows, timer_values) or ())
-                    if output.ready:
+                    emit(handle_input_rows(key, input_rows(input_runs), timer_values) or ())
+                    if ready:
                         yield from output.take_ready()
 
             handle.phase = Phase.DATA_PROCESSED

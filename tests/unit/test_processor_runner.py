@@ -3,6 +3,7 @@ JVM, over the heap and RocksDB backends, compared with plain-Python computations
 
 from __future__ import annotations
 
+import datetime
 import gc
 import pickle
 import random
@@ -23,11 +24,21 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    DateType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.errors import OutputSchemaError
-from statebackend.keygroups import assign_to_key_group
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.processor_handle import BatchClock, BatchTimes, SchemaCatalog
@@ -43,7 +54,9 @@ from statebackend.spark.processor_runner import (
     YOUNG_COLLECTION_OBJECTS,
     KeyedFunctionProcessor,
     ProcessorSpec,
+    _read_ahead_of,
     _row_maker,
+    _run_starts,
     checkpointed_part,
     run_keyed_subtask,
 )
@@ -488,3 +501,120 @@ def test_a_batch_tunes_the_garbage_collector_and_restores_it(backend: KeyedState
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*previous)
+
+
+def test_key_runs_found_by_arrow_match_python_equality() -> None:
+    """``_run_starts`` (Arrow comparisons; Python's for types Arrow cannot compare) gives
+    the rows where the tuple of the columns' values changes, as Python compares them."""
+    rng = random.Random(7)
+
+    def pick(choices: list[Any]) -> list[Any]:
+        values = [rng.choice(choices) for _ in range(300)]
+        return sorted(values, key=repr)[:150] + values[150:]  # runs, then noise
+
+    columns = {
+        "id": pa.array(pick([None, 1, 2, 3]), pa.int64()),
+        "name": pa.array(pick([None, "", "a", "b"]), pa.string()),
+        "score": pa.array(pick([None, 0.0, -0.0, 1.5, float("nan")]), pa.float64()),
+        "tags": pa.array(pick([None, [], [1], [1, 2]]), pa.list_(pa.int64())),
+        KIND_COLUMN: pa.array(pick([CONTROL, INITIAL, INPUT]), pa.int8()),
+    }
+    batch = pa.RecordBatch.from_pydict(columns)
+    for names in [("id",), ("name", KIND_COLUMN), ("score",), ("tags", "id"), tuple(columns)]:
+        rows = list(zip(*(batch.column(name).to_pylist() for name in names), strict=True))
+        expected = [0] + [i for i in range(1, len(rows)) if rows[i] != rows[i - 1]]
+        assert _run_starts(batch, names) == expected, names
+    assert _run_starts(batch.slice(0, 1), ("id",)) == [0]
+
+
+def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> None:
+    """0.0 and -0.0 are equal but encode (and hash to key groups) differently: each run's
+    key gets the record read ahead for that very key, as ``set_current_key`` of it would."""
+    key_schema = StructType([StructField("user", DoubleType())])
+    output = StructType([StructField("user", DoubleType()), StructField("total", LongType())])
+    serializer = RowTupleSerializer(key_schema.json())
+    backend = RocksDBKeyedStateBackend(
+        tmp_path / "db",
+        max_parallelism=MAX_PARALLELISM,
+        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
+        key_serializer=serializer,
+        clock=BatchClock(0),
+    )
+    events = [(0.0, 1), (-0.0, 10), (0.0, 100), (-0.0, 1000), (4.0, 5)]
+    group = {
+        repr(u): assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM) for u, _ in events
+    }
+    assert group["-0.0"] < group["4.0"] < group["0.0"]  # 0.0 and -0.0 runs apart
+    ordered = sorted(events, key=lambda event: group[repr(event[0])])
+    table = pa.table(
+        {
+            "user": pa.array([None] + [u for u, _ in ordered], pa.float64()),
+            "amount": pa.array([None] + [a for _, a in ordered], pa.int64()),
+            KIND_COLUMN: pa.array([CONTROL] + [INPUT] * len(ordered), pa.int8()),
+        }
+    )
+    expected: dict[str, int] = defaultdict(int)
+    for user, amount in events:
+        expected[repr(user)] += amount
+    try:
+        spec = _spec(RowTotals(), output_schema_json=output.json())
+        # The keys in a record batch without and with the control row, and a key's rows
+        # across two record batches: the totals add up.
+        splits = [
+            [*table.slice(0, 1).to_batches(), *table.slice(1).to_batches()],
+            table.to_batches(),
+            table.to_batches(2),
+        ]
+        for runs, batches in enumerate(splits, start=1):
+            out = list(run_keyed_subtask(spec, backend, BatchTimes(0), batches))
+            got = {repr(u): t for b in out for u, t in zip(*b.to_pydict().values(), strict=True)}
+            assert got == {user: total * runs for user, total in expected.items()}
+        state = backend.get_state(ValueStateDescriptor("total", RowTupleSerializer(TOTAL.json())))
+        for user in (0.0, -0.0, 4.0):
+            backend.set_current_key((user,))
+            assert state.value() == (expected[repr(user)] * len(splits),)
+    finally:
+        backend.dispose()
+
+
+KEY_CASES = {
+    "string": ([("user", StringType())], [("a",), ("",), ("é",), (None,)]),
+    "long": ([("id", LongType())], [(0,), (-1,), (2**62,), (None,)]),
+    "double": ([("x", DoubleType())], [(0.0,), (-0.0,), (float("nan"),), (1e300,), (None,)]),
+    "date": ([("day", DateType())], [(datetime.date(1970, 1, 1),), (datetime.date(2026, 11, 23),)]),
+    "composite": (
+        [("user", StringType()), ("n", IntegerType())],
+        [("a", 1), ("a", None), ("b", 1)],
+    ),
+    "timestamp": ([("at", TimestampType())], [(datetime.datetime(2026, 1, 1, 12, 0, 1),)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_CASES))
+def test_keys_read_ahead_from_arrow_get_the_records_of_the_general_path(
+    tmp_path: Path, case: str
+) -> None:
+    """The runner's read-ahead serializes and hashes keys from their Arrow rows at once;
+    the records it gets equal those the backend computes key by key."""
+    fields, keys = KEY_CASES[case]
+    schema = StructType([StructField(name, data_type) for name, data_type in fields])
+    names = tuple(name for name, _ in fields)
+    rows = pa.RecordBatch.from_pylist(
+        [dict(zip(names, key, strict=True)) for key in keys],
+        schema=to_arrow_schema(schema, timezone="UTC"),
+    )
+    keys = list(zip(*(rows.column(name).to_pylist() for name in names), strict=True))
+    backend = RocksDBKeyedStateBackend(
+        tmp_path / "db",
+        max_parallelism=MAX_PARALLELISM,
+        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
+        key_serializer=RowTupleSerializer(schema.json()),
+    )
+    try:
+        with backend.batch():
+            from_arrow = _read_ahead_of(backend, names)(keys, rows)
+        with backend.batch():
+            general = backend.read_ahead(keys)
+        assert from_arrow == general and len(general) == len(keys)
+    finally:
+        backend.dispose()
