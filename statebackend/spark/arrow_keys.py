@@ -52,7 +52,7 @@ def _encoded_field(column: pa.Array, spark_type: Any) -> pa.Array | None:
         lengths = pc.fill_null(pc.binary_length(data), 0).to_numpy(zero_copy_only=False)
         prefix = _fixed_width_binary(lengths.astype(">u4"))
         value = pc.binary_join_element_wise(prefix, pc.fill_null(data, b""), b"")
-    elif spark_type in _FIXED:
+    elif isinstance(spark_type, str) and spark_type in _FIXED:
         if spark_type == "date":
             column = column.cast(pa.int32())
         elif spark_type == "boolean":

@@ -11,8 +11,9 @@ processor, one metadata row per keyed subtask:
 3. one control row per subtask is added, so that a subtask without input still runs
    (its timers fire);
 4. ``repartitionById(P, subtask)`` (Spark >= 4.1): partition id == subtask;
-   ``sortWithinPartitions`` by (key group, key, kind, sequence);
-5. ``mapInArrow(keyed task)``: the subtask opens its local RocksDB (rebuilt from the
+5. ``mapInArrow(keyed task)``: the subtask sorts its rows by (key group, key, kind,
+   sequence) with Arrow (``sorted_by_key``: it holds its batch's input in memory, as
+   it holds its output), opens its local RocksDB (rebuilt from the
    newest batch manifest unless its marker says it is at batch N-1), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
    (``changelog/N/<op>-<i>-<attempt>``, with the operator state of a processor that is
@@ -35,11 +36,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
@@ -53,7 +54,7 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import checksum
 from statebackend.errors import ProcessorFailedError, StateBackendError
 from statebackend.serializers import RowTupleSerializer
-from statebackend.spark.arrow_keys import key_groups
+from statebackend.spark.arrow_keys import key_groups, serialized_keys
 from statebackend.spark.function_state import (
     keep_function,
     restore_function_state,
@@ -121,6 +122,53 @@ def _key_groups(
             )
 
     return assign
+
+
+SORTED_BATCH_ROWS = 10_000
+"""Rows per record batch handed to the processor after the subtask sorted its input."""
+KEY_BYTES_COLUMN = "__sb_key_bytes"
+"""The serialized key, as a sort column for keys Arrow cannot sort by their columns."""
+
+
+def _arrow_sortable(data_type: pa.DataType) -> bool:
+    """Whether Arrow's ``sort_indices`` orders a column of this type (lists and maps it
+    does not)."""
+    if pa.types.is_struct(data_type):
+        return all(_arrow_sortable(data_type.field(i).type) for i in range(data_type.num_fields))
+    return not (
+        pa.types.is_list(data_type)
+        or pa.types.is_large_list(data_type)
+        or pa.types.is_fixed_size_list(data_type)
+        or pa.types.is_map(data_type)
+    )
+
+
+def sorted_by_key(
+    batches: list[pa.RecordBatch], key_columns: tuple[str, ...], key_schema_json: str
+) -> list[pa.RecordBatch]:
+    """The subtask's rows ordered by (key group, key, kind, sequence): each key's rows
+    together, its initial state before its input, each in arrival order (a total order,
+    so a retried task sees the same). Sorted here, in memory by Arrow, and not by
+    Spark before the rows reach Python: Spark's sort must take in the whole partition
+    before it gives the first row and costs several times more. Keys Arrow cannot
+    order by their columns (arrays, maps) are ordered by their serialized bytes: equal
+    exactly when the backend's keys are."""
+    table = pa.Table.from_batches(batches).combine_chunks()
+    if all(_arrow_sortable(table.schema.field(name).type) for name in key_columns):
+        key_names = list(key_columns)
+    else:
+        keys = pa.chunked_array(
+            [serialized_keys(batch, key_columns, key_schema_json) for batch in batches],
+            pa.binary(),
+        )
+        table = table.append_column(KEY_BYTES_COLUMN, keys)
+        key_names = [KEY_BYTES_COLUMN]
+    order = [KEY_GROUP_COLUMN, *key_names, KIND_COLUMN, SEQUENCE_COLUMN]
+    indices = pc.sort_indices(table.select(order), [(name, "ascending") for name in order])
+    ordered = table.take(indices)
+    if KEY_BYTES_COLUMN in ordered.column_names:
+        ordered = ordered.drop_columns([KEY_BYTES_COLUMN])
+    return ordered.to_batches(max_chunksize=SORTED_BATCH_ROWS)
 
 
 def _local_root(plan: KeyedBatchPlan) -> Path:
@@ -202,13 +250,12 @@ def _keyed_task(
     and output rows durably, yield one metadata row (``METADATA_SCHEMA``)."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        batches = (batch for batch in batches if batch.num_rows)
-        first = next(batches, None)
-        if first is None:
+        received = [batch for batch in batches if batch.num_rows]
+        if not received:
             raise StateBackendError(
                 "a keyed subtask got no control row: the shuffle lost rows; retry the batch"
             )
-        subtask = int(first.column(SUBTASK_COLUMN)[0].as_py())
+        subtask = int(received[0].column(SUBTASK_COLUMN)[0].as_py())
         context = TaskContext.get()
         if context is not None and context.partitionId() != subtask:
             raise StateBackendError(
@@ -217,13 +264,8 @@ def _keyed_task(
             )
         attempt = str(context.taskAttemptId()) if context is not None else "0"
         storage = plan.storage.open()
-        records_in = -1  # the control row is not a record
-
-        def counted(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-            nonlocal records_in
-            for batch in batches:
-                records_in += batch.num_rows
-                yield batch
+        records_in = sum(batch.num_rows for batch in received) - 1  # not the control row
+        ordered = sorted_by_key(received, plan.spec.key_columns, plan.key_schema_json)
 
         counts = SubtaskCounts()
         opening = time.perf_counter()
@@ -253,7 +295,7 @@ def _keyed_task(
                         replace(plan.spec, processor=function_run.function),
                         backend,
                         plan.times,
-                        counted(chain([first], batches)),
+                        ordered,
                         timers,
                         counts,
                     )
@@ -359,20 +401,24 @@ def combined_input(
 
 class KeyedBatches:
     """Builds the keyed plan of each batch of one query (``plan``), keeping what is the
-    same from batch to batch: the control rows, per session and input schema."""
+    same from batch to batch: the control rows, per input schema and Spark session."""
 
     def __init__(self) -> None:
-        self._control: dict[tuple[int, str, int], DataFrame] = {}
+        self._control: dict[tuple[str, int], DataFrame] = {}
 
-    def _control_rows(
+    def control_rows(
         self, session: SparkSession, schema: StructType, parallelism: int
     ) -> DataFrame:
-        """One control row per keyed subtask, in the columns of ``schema`` (the combined
-        input's) plus key group and subtask."""
-        cache_key = (id(session), schema.json(), parallelism)
+        """One control row per keyed subtask, in one partition (one task), in the columns
+        of ``schema`` (the combined input's) plus key group and subtask. Built once per
+        JVM session: ``foreachBatch`` hands every batch a new Python session object
+        around the stream's same JVM session, and building them costs ~100 py4j calls."""
+        cache_key = (schema.json(), parallelism)
         control = self._control.get(cache_key)
-        if control is None or control.sparkSession is not session:
-            control = session.range(parallelism).select(
+        if control is None or not control.sparkSession._jsparkSession.equals(
+            session._jsparkSession
+        ):
+            control = session.range(0, parallelism, 1, 1).select(
                 *[
                     F.lit(None).cast(field.dataType).alias(field.name)
                     for field in schema.fields
@@ -404,14 +450,8 @@ class KeyedBatches:
             ),
             with_groups_schema,
         )
-        shuffled = (
-            routed.unionByName(self._control_rows(combined.sparkSession, schema, plan.parallelism))
-            .repartitionById(plan.parallelism, F.col(SUBTASK_COLUMN))
-            .sortWithinPartitions(
-                KEY_GROUP_COLUMN,
-                *[F.col(_quoted(name)) for name in spec.key_columns],
-                KIND_COLUMN,
-                SEQUENCE_COLUMN,
-            )
-        )
+        shuffled = routed.unionByName(
+            self.control_rows(combined.sparkSession, schema, plan.parallelism)
+        ).repartitionById(plan.parallelism, SUBTASK_COLUMN)
+
         return shuffled.mapInArrow(_keyed_task(plan), METADATA_SCHEMA)

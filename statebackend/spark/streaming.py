@@ -44,12 +44,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pyspark.sql import DataFrame, GroupedData, Row, SparkSession
+from pyspark.sql import DataFrame, GroupedData, Row
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.metrics import (
@@ -83,6 +85,7 @@ from statebackend.spark.streaming_commit import (
     BatchCommitter,
     batch_output,
     bind,
+    location_filesystem,
     publish_once,
     publish_parquet,
 )
@@ -177,35 +180,40 @@ def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
     )
 
 
-def read_batch_times(spark: SparkSession, checkpoint_location: str, batch_id: int) -> BatchTimes:
+class BatchTimesReader:
     """Batch N's timestamp and watermarks from Spark's ``offsets/N`` (and ``offsets/N-1``
-    for the late-events watermark), read through Hadoop's file system as Spark wrote them."""
+    for the late-events watermark) in the query's checkpointLocation, read through the
+    file system its binding file is written with (no py4j round trips); batch N's entry
+    is kept for batch N+1, which reads it again (Spark never rewrites an offsets entry)."""
 
-    def metadata(n: int) -> dict[str, Any]:
-        jvm = spark.sparkContext._jvm
-        assert jvm is not None
-        path = jvm.org.apache.hadoop.fs.Path(f"{checkpoint_location.rstrip('/')}/offsets/{n}")
-        fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-        if not fs.exists(path):
+    def __init__(self, fs: CheckpointFileSystem, checkpoint_location: str) -> None:
+        self._fs = fs
+        self._location = checkpoint_location.rstrip("/")
+        self._kept: tuple[int, dict[str, Any]] | None = None
+
+    def _metadata(self, batch_id: int) -> dict[str, Any]:
+        if self._kept is not None and self._kept[0] == batch_id:
+            return self._kept[1]
+        path = join(self._location, "offsets", str(batch_id))
+        if not self._fs.exists(path):
             raise ConfigurationError(
-                f"{path.toString()} does not exist: checkpointLocation must be the query's "
-                f"own checkpoint directory"
+                f"{path} does not exist: checkpointLocation must be the query's own "
+                f"checkpoint directory"
             )
-        stream = fs.open(path)
-        try:
-            reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
-            reader.readLine()  # the log version, "v1"
-            return dict(json.loads(reader.readLine()))
-        finally:
-            stream.close()
+        lines = self._fs.read_file(path).decode("utf-8").splitlines()
+        return dict(json.loads(lines[1]))  # lines[0] is the log version, "v1"
 
-    current = metadata(batch_id)
-    late = metadata(batch_id - 1).get("batchWatermarkMs", 0) if batch_id > 0 else 0
-    return BatchTimes(
-        int(current.get("batchTimestampMs", 0)),
-        int(late),
-        int(current.get("batchWatermarkMs", 0)),
-    )
+    def read(self, batch_id: int) -> BatchTimes:
+        """The times of batch ``batch_id``; ConfigurationError if its offsets entry (or
+        the previous batch's) is missing."""
+        current = self._metadata(batch_id)
+        late = self._metadata(batch_id - 1).get("batchWatermarkMs", 0) if batch_id > 0 else 0
+        self._kept = (batch_id, current)
+        return BatchTimes(
+            int(current.get("batchTimestampMs", 0)),
+            int(late),
+            int(current.get("batchWatermarkMs", 0)),
+        )
 
 
 class StatefulStream:
@@ -541,11 +549,12 @@ class StatefulStreamWriter:
                 f"trigger {trigger} ends the query, so {TICK_INTERVAL_KEY} has nothing to "
                 f"tick: use trigger(processingTime=...) or unset {TICK_INTERVAL_KEY}"
             )
-        spark = stream.df.sparkSession
-        stream.binding_id = bind(stream.committer.storage, checkpoint, stream.conf.storage_options)
+        storage, options = stream.committer.storage, stream.conf.storage_options
+        stream.binding_id = bind(storage, checkpoint, options)
+        offsets = BatchTimesReader(location_filesystem(checkpoint, storage, options), checkpoint)
 
         def run(batch_df: DataFrame, batch_id: int) -> None:
-            times = read_batch_times(spark, checkpoint, batch_id)
+            times = offsets.read(batch_id)
             if tick is not None:
                 batch_df = without_ticks(batch_df)
             self._publish(stream.run_batch(batch_df, batch_id, times), table)

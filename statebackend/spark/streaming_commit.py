@@ -96,10 +96,11 @@ def _write_json(fs: CheckpointFileSystem, path: str, document: dict[str, Any]) -
     fs.write_atomic(path, json.dumps(document, sort_keys=True).encode("utf-8"))
 
 
-def _sink_filesystem(
+def location_filesystem(
     url: str, storage: CheckpointStorage, options: dict[str, Any]
 ) -> CheckpointFileSystem:
-    """The file system of ``url``; our storage options apply if it is the same protocol."""
+    """The file system of ``url`` (a sink, or Spark's checkpointLocation); our storage
+    options apply if it is the same protocol as our checkpoints'."""
     same = get_protocol(url) == get_protocol(storage.layout.checkpoint_dir)
     return open_filesystem(url, options if same else None)
 
@@ -113,7 +114,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     checkpoint would re-run batches the job has committed).
     """
     location = checkpoint_location.rstrip("/")
-    spark_fs = _sink_filesystem(location, storage, options)
+    spark_fs = location_filesystem(location, storage, options)
     spark_path = join(location, SPARK_BINDING_FILE)
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
     theirs = _read_json(spark_fs, spark_path)

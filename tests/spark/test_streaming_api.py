@@ -19,6 +19,8 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 from statebackend.errors import ConfigurationError
+from statebackend.spark.arrow_path import KeyedBatches
+from statebackend.spark.processor_runner import SUBTASK_COLUMN
 from statebackend.spark.streaming import transform_with_state
 from tests.spark.jobs import streaming_session
 from tests.spark.streaming_parity import write_batches
@@ -121,6 +123,21 @@ def test_batch_dataframe_is_one_batch_with_initial_state(
     assert second == sorted((u, starts.get(u, 0) + 2 * t) for u, t in totals.items())
     with pytest.raises(ConfigurationError, match="streaming DataFrame"):
         stateful.writeStream  # noqa: B018
+
+
+def test_control_rows_are_one_partition_built_once_per_jvm_session(
+    spark: SparkSession,
+) -> None:
+    """foreachBatch wraps the stream's JVM session in a new Python session every batch:
+    the control rows are not rebuilt for it (~100 py4j calls), and take one task."""
+    schema = spark.createDataFrame([], "user string, amount long").schema
+    keyed = KeyedBatches()
+    control = keyed.control_rows(spark, schema, 3)
+    wrapper = SparkSession(spark.sparkContext, spark._jsparkSession)
+    assert keyed.control_rows(wrapper, schema, 3) is control
+    assert control.rdd.getNumPartitions() == 1
+    assert sorted(row[SUBTASK_COLUMN] for row in control.collect()) == [0, 1, 2]
+    assert keyed.control_rows(spark.newSession(), schema, 3) is not control
 
 
 def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     BooleanType,
     DateType,
@@ -79,4 +80,30 @@ def test_key_groups_equal_the_backends(names: tuple[str, ...], data: Any) -> Non
     max_parallelism = random.Random(len(rows)).choice([1, 7, 128, 32768])
     assert key_groups(batch, names, schema.json(), max_parallelism).tolist() == [
         assign_to_key_group(key, max_parallelism) for key in expected_bytes
+    ]
+
+
+def test_key_groups_of_array_and_struct_keys_equal_the_backends() -> None:
+    """Key types without a vectorised encoding (a JSON object in the schema, not a
+    name) are serialized row by row, to the same bytes."""
+    schema = StructType(
+        [
+            StructField("tags", ArrayType(LongType())),
+            StructField("point", StructType([StructField("x", LongType())])),
+        ]
+    )
+    tags = [[1, 2], [], None, [None, 3]]
+    points = [{"x": 1}, None, {"x": None}, {"x": -5}]
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array(tags, pa.list_(pa.int64())), pa.array(points, pa.struct([("x", pa.int64())]))],
+        names=["tags", "point"],
+    )
+    serializer = RowTupleSerializer(schema.json())
+    expected = [
+        serializer.serialize((tag, None if point is None else (point["x"],)))
+        for tag, point in zip(tags, points, strict=True)
+    ]
+    assert serialized_keys(batch, ("tags", "point"), schema.json()).to_pylist() == expected
+    assert key_groups(batch, ("tags", "point"), schema.json(), 128).tolist() == [
+        assign_to_key_group(key, 128) for key in expected
     ]
