@@ -25,6 +25,7 @@ from pyspark.sql.streaming.stateful_processor import (
     TimerValues,
 )
 from pyspark.sql.types import (
+    ArrayType,
     DateType,
     DoubleType,
     IntegerType,
@@ -41,6 +42,7 @@ from statebackend.errors import OutputSchemaError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
+from statebackend.spark.arrow_path import sorted_by_key
 from statebackend.spark.processor_handle import BatchClock, BatchTimes, SchemaCatalog
 from statebackend.spark.processor_runner import (
     CONTROL,
@@ -573,6 +575,56 @@ def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> 
         for user in (0.0, -0.0, 4.0):
             backend.set_current_key((user,))
             assert state.value() == (expected[repr(user)] * len(splits),)
+    finally:
+        backend.dispose()
+
+
+def test_array_keys_keep_their_totals_across_batches(tmp_path: Path) -> None:
+    """A key column of array type (unhashable in Python, unsortable by Arrow): the rows
+    reach the processor grouped by key, and each key's total is the plain-Python one."""
+    key_schema = StructType([StructField("user", ArrayType(LongType()))])
+    output = StructType(
+        [StructField("user", ArrayType(LongType())), StructField("total", LongType())]
+    )
+    serializer = RowTupleSerializer(key_schema.json())
+    backend = RocksDBKeyedStateBackend(
+        tmp_path / "db",
+        max_parallelism=MAX_PARALLELISM,
+        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
+        key_serializer=serializer,
+        clock=BatchClock(0),
+    )
+    rng = random.Random(11)
+    users: list[list[int] | None] = [[], [1], [1, 2], [2, 1], [3, None], None]
+    totals: Counter[str] = Counter()
+    spec = _spec(RowTotals(), output_schema_json=output.json())
+    try:
+        for _ in range(3):
+            events = [(rng.choice(users), rng.randrange(100)) for _ in range(40)]
+            table = pa.table(
+                {
+                    "user": pa.array([None] + [u for u, _ in events], pa.list_(pa.int64())),
+                    "amount": pa.array([None] + [a for _, a in events], pa.int64()),
+                    KIND_COLUMN: pa.array([CONTROL] + [INPUT] * len(events), pa.int8()),
+                    SEQUENCE_COLUMN: pa.array(range(len(events) + 1), pa.int64()),
+                    KEY_GROUP_COLUMN: pa.array(
+                        [-1]
+                        + [
+                            assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM)
+                            for u, _ in events
+                        ],
+                        pa.int32(),
+                    ),
+                }
+            )
+            batches = sorted_by_key(table.to_batches(7), ("user",), key_schema.json())
+            out = list(run_keyed_subtask(spec, backend, BatchTimes(0), batches))
+            expected = {}
+            for user, amount in events:
+                totals[repr(user)] += amount
+                expected[repr(user)] = totals[repr(user)]
+            got = [(repr(u), t) for b in out for u, t in zip(*b.to_pydict().values(), strict=True)]
+            assert sorted(got) == sorted(expected.items())  # one output row per key
     finally:
         backend.dispose()
 
