@@ -529,11 +529,10 @@ def test_key_runs_found_by_arrow_match_python_equality() -> None:
     assert _run_starts(batch.slice(0, 1), ("id",)) == [0]
 
 
-def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> None:
-    """0.0 and -0.0 are equal but encode (and hash to key groups) differently: each run's
-    key gets the record read ahead for that very key, as ``set_current_key`` of it would."""
-    key_schema = StructType([StructField("user", DoubleType())])
-    output = StructType([StructField("user", DoubleType()), StructField("total", LongType())])
+def _keyed_by(
+    key_schema: StructType, tmp_path: Path
+) -> tuple[RowTupleSerializer, RocksDBKeyedStateBackend]:
+    """A RocksDB backend owning every key group, keyed by rows of ``key_schema``."""
     serializer = RowTupleSerializer(key_schema.json())
     backend = RocksDBKeyedStateBackend(
         tmp_path / "db",
@@ -542,6 +541,15 @@ def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> 
         key_serializer=serializer,
         clock=BatchClock(0),
     )
+    return serializer, backend
+
+
+def test_equal_keys_encoded_differently_keep_their_own_state(tmp_path: Path) -> None:
+    """0.0 and -0.0 are equal but encode (and hash to key groups) differently: each run's
+    key gets the record read ahead for that very key, as ``set_current_key`` of it would."""
+    key_schema = StructType([StructField("user", DoubleType())])
+    output = StructType([StructField("user", DoubleType()), StructField("total", LongType())])
+    serializer, backend = _keyed_by(key_schema, tmp_path)
     events = [(0.0, 1), (-0.0, 10), (0.0, 100), (-0.0, 1000), (4.0, 5)]
     group = {
         repr(u): assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM) for u, _ in events
@@ -586,14 +594,7 @@ def test_array_keys_keep_their_totals_across_batches(tmp_path: Path) -> None:
     output = StructType(
         [StructField("user", ArrayType(LongType())), StructField("total", LongType())]
     )
-    serializer = RowTupleSerializer(key_schema.json())
-    backend = RocksDBKeyedStateBackend(
-        tmp_path / "db",
-        max_parallelism=MAX_PARALLELISM,
-        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
-        key_serializer=serializer,
-        clock=BatchClock(0),
-    )
+    serializer, backend = _keyed_by(key_schema, tmp_path)
     rng = random.Random(11)
     users: list[list[int] | None] = [[], [1], [1, 2], [2, 1], [3, None], None]
     totals: Counter[str] = Counter()
