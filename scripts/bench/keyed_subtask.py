@@ -100,7 +100,6 @@ def run(rows: int, keys: int, batches: int, batched: bool, workdir: Path) -> lis
     )
     if not batched:  # as before batches: every access goes to RocksDB by itself
         backend.batch = lambda keys=(): nullcontext()  # type: ignore[method-assign]
-        backend.prefetch = lambda keys: None  # type: ignore[method-assign]
     backend.enable_changelog()
     expected: Counter[int] = Counter()
     counts: Counter[int] = Counter()
