@@ -337,7 +337,7 @@ class StatefulStream:
         try:
             with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
                 combined = combined_input(batch_df, self.spec, initial)
-                rows = self._keyed_batches.plan(combined, plan).collect()
+                rows = self._keyed_batches.run(combined, plan)
             manifest = self.committer.commit(
                 batch_id, rows, self.parallelism, self.max_parallelism, times
             )
