@@ -1,20 +1,24 @@
 """The Arrow data path of one micro-batch, from Spark to our keyed subtasks and back.
 
-``KeyedBatches.plan`` runs a batch's input (and, in batch 0, the initial state) through the
+``KeyedBatches.run`` runs a batch's input (and, in batch 0, the initial state) through the
 processor, one metadata row per keyed subtask:
 
-1. input and initial-state rows share one schema (initial-state columns prefixed
-   ``__sb_init_``) with a kind and an arrival sequence number;
-2. ``mapInArrow`` adds each row's key group and keyed subtask: the key group is
+1. ``KeyedBatches.with_key_groups`` adds each row's key group and keyed subtask, once to
+   the stream's DataFrame (so that Spark analyses it once per query): the key group is
    ``assign_to_key_group`` of the key serializer's (``RowTupleSerializer`` of the key
-   columns) bytes, exactly as the backend computes it, vectorised (``arrow_keys``);
+   columns) bytes, exactly as the backend computes it, as Spark SQL expressions for keys
+   of fixed-width columns (``sql_key_groups``: no Python worker) and else vectorised
+   in ``mapInArrow`` (``arrow_keys``);
+2. input and initial-state rows share one schema (initial-state columns prefixed
+   ``__sb_init_``) with a kind and an arrival sequence number;
 3. one control row per subtask is added, so that a subtask without input still runs
    (its timers fire);
 4. ``repartitionById(P, subtask)`` (Spark >= 4.1): partition id == subtask;
-5. ``mapInArrow(keyed task)``: the subtask sorts its rows by (key group, key, kind,
-   sequence) with Arrow (``sorted_by_key``: it holds its batch's input in memory, as
-   it holds its output), opens its local RocksDB (rebuilt from the
-   newest batch manifest unless its marker says it is at batch N-1), runs the processor
+5. ``mapInArrow(keyed task)`` (its UDF made once per stream; the batch's own part of the
+   plan travels in the ``BATCH_PROPERTY`` local property): the subtask sorts its rows
+   by (key group, key, kind, sequence) with Arrow (``sorted_by_key``: it holds its
+   batch's input in memory, as it holds its output), opens its local RocksDB (rebuilt
+   from the newest batch manifest unless its marker says it is at batch N-1), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
    (``changelog/N/<op>-<i>-<attempt>``, with the operator state of a processor that is
    a ``CheckpointedFunction``: ``function_state`` initializes it when the subtask
@@ -449,15 +453,20 @@ def combined_input(
     batch_df: DataFrame,
     spec: ProcessorSpec,
     initial_state: DataFrame | None,
+    with_key_groups: Callable[[DataFrame], DataFrame],
 ) -> DataFrame:
-    """Input rows (and initial-state rows) in one schema with kind and sequence columns;
-    the initial-state columns exist only in a batch that has initial state (batch 0)."""
+    """Input rows (and initial-state rows) in one schema with kind and sequence columns
+    and their key group and subtask (``batch_df`` has them already, from the stream's
+    plan; ``with_key_groups`` adds them to the initial-state rows); the initial-state
+    columns exist only in a batch that has initial state (batch 0)."""
+    routing = [_quoted(KEY_GROUP_COLUMN), _quoted(SUBTASK_COLUMN)]
     if initial_state is None:
         # SQL expressions: one JVM call, where Column objects take several per column.
         return batch_df.selectExpr(
             *[_quoted(name) for name in spec.input_columns],
             f"CAST({INPUT} AS TINYINT) AS {_quoted(KIND_COLUMN)}",
             f"monotonically_increasing_id() AS {_quoted(SEQUENCE_COLUMN)}",
+            *routing,
         )
     input_schema = batch_df.schema
     inputs = batch_df.select(
@@ -465,6 +474,7 @@ def combined_input(
         *_typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX),
         F.lit(INPUT).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
+        *[F.col(name) for name in routing],
     )
     key_types = {field.name: field.dataType for field in input_schema.fields}
     others = [name for name in spec.input_columns if name not in spec.key_columns]
@@ -475,7 +485,7 @@ def combined_input(
         F.lit(INITIAL).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
     )
-    return inputs.unionByName(initial)
+    return inputs.unionByName(with_key_groups(initial))
 
 
 class KeyedBatches:
@@ -493,7 +503,7 @@ class KeyedBatches:
         self, session: SparkSession, schema: StructType, parallelism: int
     ) -> DataFrame:
         """One control row per keyed subtask, in one partition (one task), in the columns
-        of ``schema`` (the combined input's) plus key group and subtask. Built once per
+        of ``schema`` (the combined input's, with key group and subtask). Built once per
         JVM session: ``foreachBatch`` hands every batch a new Python session object
         around the stream's same JVM session, and building them costs ~100 py4j calls."""
         cache_key = (schema.json(), parallelism)
@@ -505,7 +515,8 @@ class KeyedBatches:
                 *[
                     F.lit(None).cast(field.dataType).alias(field.name)
                     for field in schema.fields
-                    if field.name not in (KIND_COLUMN, SEQUENCE_COLUMN)
+                    if field.name
+                    not in (KIND_COLUMN, SEQUENCE_COLUMN, KEY_GROUP_COLUMN, SUBTASK_COLUMN)
                 ],
                 F.lit(CONTROL).cast(ByteType()).alias(KIND_COLUMN),
                 F.lit(0).cast(LongType()).alias(SEQUENCE_COLUMN),
@@ -523,10 +534,12 @@ class KeyedBatches:
         parallelism: int,
         max_parallelism: int,
     ) -> DataFrame:
-        """``combined`` with each row's key group and keyed subtask (``KEY_GROUP_COLUMN``,
-        ``SUBTASK_COLUMN``): SQL expressions (``sql_key_groups``) where the key's types
-        allow, so the stage runs no Python worker; else the vectorised Python of
-        ``arrow_keys`` in ``mapInArrow``."""
+        """``combined`` (a streaming or a batch DataFrame) with each row's key group and
+        keyed subtask (``KEY_GROUP_COLUMN``, ``SUBTASK_COLUMN``): SQL expressions
+        (``sql_key_groups``) where the key's types allow, so the stage runs no Python
+        worker; else the vectorised Python of ``arrow_keys`` in ``mapInArrow``. Applied
+        once to a stream's DataFrame, Spark analyses the expressions once per query, not
+        once per batch."""
         if sql_encodable(key_schema_json):
             cache_key = (key_schema_json, parallelism, max_parallelism)
             levels = self._key_group_columns.get(cache_key)
@@ -556,21 +569,10 @@ class KeyedBatches:
         return _map_in_arrow(combined, assign)
 
     def run(self, combined: DataFrame, plan: KeyedBatchPlan) -> list[Row]:
-        """Run the batch: one metadata row per keyed subtask (``METADATA_SCHEMA``), once
-        the batch has run (see the module docstring)."""
-        shuffled = (
-            self.with_key_groups(
-                combined,
-                plan.spec.key_columns,
-                plan.key_schema_json,
-                plan.parallelism,
-                plan.max_parallelism,
-            )
-            .unionByName(
-                self.control_rows(combined.sparkSession, combined.schema, plan.parallelism)
-            )
-            .repartitionById(plan.parallelism, SUBTASK_COLUMN)
-        )
+        """Run the batch (``combined_input``'s rows): one metadata row per keyed subtask
+        (``METADATA_SCHEMA``), once the batch has run (see the module docstring)."""
+        control = self.control_rows(combined.sparkSession, combined.schema, plan.parallelism)
+        shuffled = combined.unionByName(control).repartitionById(plan.parallelism, SUBTASK_COLUMN)
         stream = stream_part(plan)
         if self._keyed is None or self._keyed[0] != stream:
             self._keyed = (stream, _map_arrow_udf(_keyed_task(stream), METADATA_SCHEMA))
