@@ -11,11 +11,11 @@ goes through ``foreachBatch``, where ``arrow_path.KeyedBatches`` shuffles its ro
 group to P keyed subtasks over Arrow and runs the processor there. Each row's key group
 is part of the streaming query's own plan (``with_key_groups``: SQL expressions for
 fixed-width keys), so Spark analyses it once per query and the stage that reads the
-source runs no Python worker for it. Arguments are checked
-up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
-PRE_INIT) to parse the states' DDL schemas. A processor (or KeyedFunction) that is also
-a ``CheckpointedFunction`` (or ``ListCheckpointed``) keeps operator state per keyed
-subtask, as StatefulJob's functions do (``function_state``).
+source runs no Python worker for it. Arguments are checked up front, one clear
+ConfigurationError each; ``init`` runs once on the driver (Spark's PRE_INIT) to parse the
+states' DDL schemas. A processor (or KeyedFunction) that is also a ``CheckpointedFunction``
+(or ``ListCheckpointed``) keeps operator state per keyed subtask, as StatefulJob's
+functions do (``function_state``).
 
 Exactly-once (``streaming_commit``): the query's Spark ``checkpointLocation`` is bound
 to the job's state directory; each keyed subtask writes its state changes and output rows
