@@ -1,20 +1,24 @@
 """The Arrow data path of one micro-batch, from Spark to our keyed subtasks and back.
 
-``KeyedBatches.plan`` runs a batch's input (and, in batch 0, the initial state) through the
+``KeyedBatches.run`` runs a batch's input (and, in batch 0, the initial state) through the
 processor, one metadata row per keyed subtask:
 
-1. input and initial-state rows share one schema (initial-state columns prefixed
-   ``__sb_init_``) with a kind and an arrival sequence number;
-2. ``mapInArrow`` adds each row's key group and keyed subtask: the key group is
+1. ``KeyedBatches.with_key_groups`` adds each row's key group and keyed subtask, once to
+   the stream's DataFrame (so that Spark analyses it once per query): the key group is
    ``assign_to_key_group`` of the key serializer's (``RowTupleSerializer`` of the key
-   columns) bytes, exactly as the backend computes it, vectorised (``arrow_keys``);
+   columns) bytes, exactly as the backend computes it, as Spark SQL expressions for keys
+   of fixed-width columns (``sql_key_groups``: no Python worker) and else vectorised
+   in ``mapInArrow`` (``arrow_keys``);
+2. input and initial-state rows share one schema (initial-state columns prefixed
+   ``__sb_init_``) with a kind and an arrival sequence number;
 3. one control row per subtask is added, so that a subtask without input still runs
    (its timers fire);
 4. ``repartitionById(P, subtask)`` (Spark >= 4.1): partition id == subtask;
-5. ``mapInArrow(keyed task)``: the subtask sorts its rows by (key group, key, kind,
-   sequence) with Arrow (``sorted_by_key``: it holds its batch's input in memory, as
-   it holds its output), opens its local RocksDB (rebuilt from the
-   newest batch manifest unless its marker says it is at batch N-1), runs the processor
+5. ``mapInArrow(keyed task)`` (its UDF made once per stream; the batch's own part of the
+   plan travels in the ``BATCH_PROPERTY`` local property): the subtask sorts its rows
+   by (key group, key, kind, sequence) with Arrow (``sorted_by_key``: it holds its
+   batch's input in memory, as it holds its output), opens its local RocksDB (rebuilt
+   from the newest batch manifest unless its marker says it is at batch N-1), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
    (``changelog/N/<op>-<i>-<attempt>``, with the operator state of a processor that is
    a ``CheckpointedFunction``: ``function_state`` initializes it when the subtask
@@ -35,7 +39,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +47,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark import TaskContext
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.functions import pandas_udf
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
+from pyspark.sql.udf import UserDefinedFunction
+from pyspark.util import PythonEvalType
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
@@ -76,6 +83,7 @@ from statebackend.spark.processor_runner import (
     checkpointed_part,
     run_keyed_subtask,
 )
+from statebackend.spark.sql_key_groups import key_group_projections, sql_encodable
 from statebackend.spark.streaming_commit import METADATA_SCHEMA
 from statebackend.spark.tasks import StorageSpec, snapshot_subtask
 
@@ -104,6 +112,73 @@ class KeyedBatchPlan:
     """The coordinator run that triggered ``checkpoint_id``: named in its files and acks."""
     wait_for_upload: bool = False
     """Upload the materialization before the task returns (no Python worker reuse)."""
+
+
+BATCH_PROPERTY = "statebackend.keyed.batch"
+"""The Spark local property that carries a batch's own part of its ``KeyedBatchPlan``
+(``batch_fields``) to the keyed subtasks: the keyed task's UDF holds the rest, the same
+for every batch of a stream, and is pickled once per stream, not once per batch."""
+
+
+def batch_fields(plan: KeyedBatchPlan) -> str:
+    """The part of ``plan`` that is the batch's own (its id, times, local version,
+    restore batch, materialization), as JSON."""
+    return json.dumps(
+        {
+            "batch_id": plan.batch_id,
+            "times": asdict(plan.times),
+            "version": asdict(plan.version),
+            "restore_batch": plan.restore_batch,
+            "checkpoint_id": plan.checkpoint_id,
+            "run_id": plan.run_id,
+        }
+    )
+
+
+def with_batch_fields(plan: KeyedBatchPlan, fields: str) -> KeyedBatchPlan:
+    """``plan`` with the batch's own part read from ``batch_fields``' JSON."""
+    decoded = json.loads(fields)
+    return replace(
+        plan,
+        batch_id=decoded["batch_id"],
+        times=BatchTimes(**decoded["times"]),
+        version=LocalVersion(**decoded["version"]),
+        restore_batch=decoded["restore_batch"],
+        checkpoint_id=decoded["checkpoint_id"],
+        run_id=decoded["run_id"],
+    )
+
+
+def stream_part(plan: KeyedBatchPlan) -> KeyedBatchPlan:
+    """``plan`` without the batch's own part (placeholders): the same for every batch
+    of a stream."""
+    return replace(
+        plan,
+        batch_id=-1,
+        times=BatchTimes(0),
+        version=LocalVersion("", None, None, plan.parallelism, plan.max_parallelism),
+        restore_batch=None,
+        checkpoint_id=None,
+        run_id="",
+    )
+
+
+def _map_arrow_udf(
+    function: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]],
+    schema: StructType,
+) -> UserDefinedFunction:
+    """The UDF ``DataFrame.mapInArrow(function, schema)`` makes: made once and applied
+    with ``_map_in_arrow``, its closure is pickled once, where mapInArrow pickles it at
+    every call."""
+    return pandas_udf(  # type: ignore[call-overload]
+        function, returnType=schema, functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF
+    )
+
+
+def _map_in_arrow(df: DataFrame, udf: UserDefinedFunction) -> DataFrame:
+    """``df.mapInArrow`` of the function of ``udf`` (``_map_arrow_udf``)."""
+    column = udf(*[df[name] for name in df.columns])
+    return DataFrame(df._jdf.mapInArrow(column._jc, False, None), df.sparkSession)
 
 
 def _key_groups(
@@ -244,19 +319,27 @@ def _processor_failed(plan: KeyedBatchPlan, subtask: int, exc: Exception) -> Pro
 
 
 def _keyed_task(
-    plan: KeyedBatchPlan,
+    stream: KeyedBatchPlan,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The mapInArrow function of the keyed subtasks: run the batch, write its changes
+    """The mapInArrow function of the keyed subtasks of a stream (``stream_part`` of its
+    plans): run the batch (its own part read from ``BATCH_PROPERTY``), write its changes
     and output rows durably, yield one metadata row (``METADATA_SCHEMA``)."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        context = TaskContext.get()
+        fields = None if context is None else context.getLocalProperty(BATCH_PROPERTY)
+        if fields is None:
+            raise StateBackendError(
+                f"a keyed subtask found no {BATCH_PROPERTY} property: run the keyed "
+                f"subtasks through KeyedBatches.run"
+            )
+        plan = with_batch_fields(stream, fields)
         received = [batch for batch in batches if batch.num_rows]
         if not received:
             raise StateBackendError(
                 "a keyed subtask got no control row: the shuffle lost rows; retry the batch"
             )
         subtask = int(received[0].column(SUBTASK_COLUMN)[0].as_py())
-        context = TaskContext.get()
         if context is not None and context.partitionId() != subtask:
             raise StateBackendError(
                 f"partition {context.partitionId()} got the rows of subtask {subtask}: "
@@ -370,15 +453,20 @@ def combined_input(
     batch_df: DataFrame,
     spec: ProcessorSpec,
     initial_state: DataFrame | None,
+    with_key_groups: Callable[[DataFrame], DataFrame],
 ) -> DataFrame:
-    """Input rows (and initial-state rows) in one schema with kind and sequence columns;
-    the initial-state columns exist only in a batch that has initial state (batch 0)."""
+    """Input rows (and initial-state rows) in one schema with kind and sequence columns
+    and their key group and subtask (``batch_df`` has them already, from the stream's
+    plan; ``with_key_groups`` adds them to the initial-state rows); the initial-state
+    columns exist only in a batch that has initial state (batch 0)."""
+    routing = [_quoted(KEY_GROUP_COLUMN), _quoted(SUBTASK_COLUMN)]
     if initial_state is None:
         # SQL expressions: one JVM call, where Column objects take several per column.
         return batch_df.selectExpr(
             *[_quoted(name) for name in spec.input_columns],
             f"CAST({INPUT} AS TINYINT) AS {_quoted(KIND_COLUMN)}",
             f"monotonically_increasing_id() AS {_quoted(SEQUENCE_COLUMN)}",
+            *routing,
         )
     input_schema = batch_df.schema
     inputs = batch_df.select(
@@ -386,6 +474,7 @@ def combined_input(
         *_typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX),
         F.lit(INPUT).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
+        *[F.col(name) for name in routing],
     )
     key_types = {field.name: field.dataType for field in input_schema.fields}
     others = [name for name in spec.input_columns if name not in spec.key_columns]
@@ -396,21 +485,25 @@ def combined_input(
         F.lit(INITIAL).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
     )
-    return inputs.unionByName(initial)
+    return inputs.unionByName(with_key_groups(initial))
 
 
 class KeyedBatches:
-    """Builds the keyed plan of each batch of one query (``plan``), keeping what is the
-    same from batch to batch: the control rows, per input schema and Spark session."""
+    """Runs the keyed plan of each batch of one query (``run``), keeping what is the same
+    from batch to batch: the control rows (per input schema and Spark session), the
+    UDFs (pickled once) and the key-group expressions (parsed once)."""
 
     def __init__(self) -> None:
         self._control: dict[tuple[str, int], DataFrame] = {}
+        self._key_group_udfs: dict[tuple[str, str, int, int], UserDefinedFunction] = {}
+        self._keyed: tuple[KeyedBatchPlan, UserDefinedFunction] | None = None
+        self._key_group_columns: dict[tuple[str, int, int], list[list[Column]]] = {}
 
     def control_rows(
         self, session: SparkSession, schema: StructType, parallelism: int
     ) -> DataFrame:
         """One control row per keyed subtask, in one partition (one task), in the columns
-        of ``schema`` (the combined input's) plus key group and subtask. Built once per
+        of ``schema`` (the combined input's, with key group and subtask). Built once per
         JVM session: ``foreachBatch`` hands every batch a new Python session object
         around the stream's same JVM session, and building them costs ~100 py4j calls."""
         cache_key = (schema.json(), parallelism)
@@ -422,7 +515,8 @@ class KeyedBatches:
                 *[
                     F.lit(None).cast(field.dataType).alias(field.name)
                     for field in schema.fields
-                    if field.name not in (KIND_COLUMN, SEQUENCE_COLUMN)
+                    if field.name
+                    not in (KIND_COLUMN, SEQUENCE_COLUMN, KEY_GROUP_COLUMN, SUBTASK_COLUMN)
                 ],
                 F.lit(CONTROL).cast(ByteType()).alias(KIND_COLUMN),
                 F.lit(0).cast(LongType()).alias(SEQUENCE_COLUMN),
@@ -432,26 +526,60 @@ class KeyedBatches:
             self._control[cache_key] = control
         return control
 
-    def plan(self, combined: DataFrame, plan: KeyedBatchPlan) -> DataFrame:
-        """One metadata row per keyed subtask of the batch (``METADATA_SCHEMA``), once the
-        batch has run (see the module docstring)."""
-        spec = plan.spec
+    def with_key_groups(
+        self,
+        combined: DataFrame,
+        key_columns: tuple[str, ...],
+        key_schema_json: str,
+        parallelism: int,
+        max_parallelism: int,
+    ) -> DataFrame:
+        """``combined`` (a streaming or a batch DataFrame) with each row's key group and
+        keyed subtask (``KEY_GROUP_COLUMN``, ``SUBTASK_COLUMN``): SQL expressions
+        (``sql_key_groups``) where the key's types allow, so the stage runs no Python
+        worker; else the vectorised Python of ``arrow_keys`` in ``mapInArrow``. Applied
+        once to a stream's DataFrame, Spark analyses the expressions once per query, not
+        once per batch."""
+        if sql_encodable(key_schema_json):
+            cache_key = (key_schema_json, parallelism, max_parallelism)
+            levels = self._key_group_columns.get(cache_key)
+            if levels is None:
+                levels = self._key_group_columns[cache_key] = [
+                    [F.expr(expression) for expression in level]
+                    for level in key_group_projections(*cache_key, KEY_GROUP_COLUMN, SUBTASK_COLUMN)
+                ]
+            routed = combined
+            for level in levels[:-1]:
+                routed = routed.select("*", *level)
+            names = combined.schema.names
+            return routed.select(*[F.col(_quoted(name)) for name in names], *levels[-1])
         schema = combined.schema
-        with_groups_schema = StructType(
-            [
-                *schema.fields,
-                StructField(KEY_GROUP_COLUMN, IntegerType(), False),
-                StructField(SUBTASK_COLUMN, IntegerType(), False),
-            ]
-        )
-        routed = combined.mapInArrow(
-            _key_groups(
-                spec.key_columns, plan.key_schema_json, plan.parallelism, plan.max_parallelism
-            ),
-            with_groups_schema,
-        )
-        shuffled = routed.unionByName(
-            self.control_rows(combined.sparkSession, schema, plan.parallelism)
-        ).repartitionById(plan.parallelism, SUBTASK_COLUMN)
+        udf_key = (schema.json(), key_schema_json, parallelism, max_parallelism)
+        assign = self._key_group_udfs.get(udf_key)
+        if assign is None:
+            with_groups_schema = StructType(
+                [
+                    *schema.fields,
+                    StructField(KEY_GROUP_COLUMN, IntegerType(), False),
+                    StructField(SUBTASK_COLUMN, IntegerType(), False),
+                ]
+            )
+            function = _key_groups(key_columns, key_schema_json, parallelism, max_parallelism)
+            assign = self._key_group_udfs[udf_key] = _map_arrow_udf(function, with_groups_schema)
+        return _map_in_arrow(combined, assign)
 
-        return shuffled.mapInArrow(_keyed_task(plan), METADATA_SCHEMA)
+    def run(self, combined: DataFrame, plan: KeyedBatchPlan) -> list[Row]:
+        """Run the batch (``combined_input``'s rows): one metadata row per keyed subtask
+        (``METADATA_SCHEMA``), once the batch has run (see the module docstring)."""
+        control = self.control_rows(combined.sparkSession, combined.schema, plan.parallelism)
+        shuffled = combined.unionByName(control).repartitionById(plan.parallelism, SUBTASK_COLUMN)
+        stream = stream_part(plan)
+        if self._keyed is None or self._keyed[0] != stream:
+            self._keyed = (stream, _map_arrow_udf(_keyed_task(stream), METADATA_SCHEMA))
+        keyed = _map_in_arrow(shuffled, self._keyed[1])
+        sc = combined.sparkSession.sparkContext
+        sc.setLocalProperty(BATCH_PROPERTY, batch_fields(plan))
+        try:
+            return keyed.collect()
+        finally:
+            sc.setLocalProperty(BATCH_PROPERTY, None)  # type: ignore[arg-type] # None unsets

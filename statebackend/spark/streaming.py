@@ -8,11 +8,14 @@
 An unmodified ``pyspark.sql.streaming.StatefulProcessor`` (or our ``KeyedFunction``)
 runs over a RocksDB per keyed subtask instead of Spark's state store: every micro-batch
 goes through ``foreachBatch``, where ``arrow_path.KeyedBatches`` shuffles its rows by key
-group to P keyed subtasks over Arrow and runs the processor there. Arguments are checked
-up front, one clear ConfigurationError each; ``init`` runs once on the driver (Spark's
-PRE_INIT) to parse the states' DDL schemas. A processor (or KeyedFunction) that is also
-a ``CheckpointedFunction`` (or ``ListCheckpointed``) keeps operator state per keyed
-subtask, as StatefulJob's functions do (``function_state``).
+group to P keyed subtasks over Arrow and runs the processor there. Each row's key group
+is part of the streaming query's own plan (``with_key_groups``: SQL expressions for
+fixed-width keys), so Spark analyses it once per query and the stage that reads the
+source runs no Python worker for it. Arguments are checked up front, one clear
+ConfigurationError each; ``init`` runs once on the driver (Spark's PRE_INIT) to parse the
+states' DDL schemas. A processor (or KeyedFunction) that is also a ``CheckpointedFunction``
+(or ``ListCheckpointed``) keeps operator state per keyed subtask, as StatefulJob's
+functions do (``function_state``).
 
 Exactly-once (``streaming_commit``): the query's Spark ``checkpointLocation`` is bound
 to the job's state directory; each keyed subtask writes its state changes and output rows
@@ -298,12 +301,20 @@ class StatefulStream:
             previous = self.committer.newest_batch()
         batch_id = 0 if previous is None else previous + 1
         now = int(time.time() * 1000)
-        return self.output(self.run_batch(self.df, batch_id, BatchTimes(now)))
+        batch = self.with_key_groups(self.df)
+        return self.output(self.run_batch(batch, batch_id, BatchTimes(now)))
+
+    def with_key_groups(self, df: DataFrame) -> DataFrame:
+        """``df`` (the stream's input, or a batch of it) with each row's key group and
+        keyed subtask: ``run_batch`` takes batches of it."""
+        return self._keyed_batches.with_key_groups(
+            df, self.spec.key_columns, self.key_schema_json, self.parallelism, self.max_parallelism
+        )
 
     def run_batch(self, batch_df: DataFrame, batch_id: int, times: BatchTimes) -> BatchManifest:
-        """Run micro-batch ``batch_id`` through the keyed subtasks and commit it; its
-        manifest. A batch committed already (Spark re-running it after a failure) is not
-        run again: its manifest is returned as it is."""
+        """Run micro-batch ``batch_id`` (rows of ``with_key_groups``) through the keyed
+        subtasks and commit it; its manifest. A batch committed already (Spark re-running
+        it after a failure) is not run again: its manifest is returned as it is."""
         committed = self.committer.reconcile(batch_id)
         if committed is not None:
             self._previous_batch = batch_id
@@ -336,8 +347,8 @@ class StatefulStream:
         sc = self.df.sparkSession.sparkContext
         try:
             with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
-                combined = combined_input(batch_df, self.spec, initial)
-                rows = self._keyed_batches.plan(combined, plan).collect()
+                combined = combined_input(batch_df, self.spec, initial, self.with_key_groups)
+                rows = self._keyed_batches.run(combined, plan)
             manifest = self.committer.commit(
                 batch_id, rows, self.parallelism, self.max_parallelism, times
             )
@@ -559,7 +570,8 @@ class StatefulStreamWriter:
                 batch_df = without_ticks(batch_df)
             self._publish(stream.run_batch(batch_df, batch_id, times), table)
 
-        source = stream.df if tick is None else with_ticks(stream.df, tick)
+        keyed = stream.with_key_groups(stream.df)
+        source = keyed if tick is None else with_ticks(keyed, tick)
         writer = source.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
         if trigger:
             writer = writer.trigger(**trigger)

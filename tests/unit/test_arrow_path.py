@@ -6,9 +6,19 @@ import random
 from typing import Any
 
 import pyarrow as pa
+from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType
 
-from statebackend.spark.arrow_path import SORTED_BATCH_ROWS, sorted_by_key
+from statebackend.spark.arrow_path import (
+    SORTED_BATCH_ROWS,
+    KeyedBatchPlan,
+    batch_fields,
+    sorted_by_key,
+    stream_part,
+    with_batch_fields,
+)
+from statebackend.spark.local_state import LocalVersion
+from statebackend.spark.processor_handle import BatchTimes, SchemaCatalog
 from statebackend.spark.processor_runner import (
     CONTROL,
     INITIAL,
@@ -17,7 +27,9 @@ from statebackend.spark.processor_runner import (
     KIND_COLUMN,
     SEQUENCE_COLUMN,
     SUBTASK_COLUMN,
+    ProcessorSpec,
 )
+from statebackend.spark.tasks import StorageSpec
 
 Record = tuple[Any, ...]
 """(key, amount, kind, sequence, key group)"""
@@ -93,3 +105,53 @@ def test_keys_arrow_cannot_sort_are_grouped_by_their_serialized_bytes() -> None:
     for name, rows in runs:
         mine = [r for r in records if repr(r[0]) == name]
         assert rows == sorted(mine, key=lambda r: (r[2], r[3]))
+
+
+class _Nothing(StatefulProcessor):
+    def init(self, handle: Any) -> None:
+        """No state."""
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # noqa: N802,N803
+        """No output."""
+        return iter(())
+
+
+def test_a_batch_plan_travels_as_its_streams_part_and_its_own_fields() -> None:
+    """The keyed task's UDF holds ``stream_part`` (the same for every batch of a stream);
+    the batch's own fields, read back from ``BATCH_PROPERTY``'s JSON, complete it to the
+    very plan the driver made."""
+    spec = ProcessorSpec(
+        processor=_Nothing(),
+        use_pandas=False,
+        time_mode="ProcessingTime",
+        key_columns=("user",),
+        input_columns=("user", "amount"),
+        initial_columns=(),
+        output_schema_json=_schema_json(LongType()),
+        catalog=SchemaCatalog(),
+    )
+    storage = StorageSpec("file:///tmp/ckpt", "job", {}, 4, "none")
+
+    def plan(batch_id: int, checkpoint_id: int | None) -> KeyedBatchPlan:
+        restore = batch_id - 1 if batch_id else None
+        return KeyedBatchPlan(
+            spec=spec,
+            key_schema_json=_schema_json(LongType()),
+            parallelism=3,
+            max_parallelism=128,
+            batch_id=batch_id,
+            times=BatchTimes(1_000 + batch_id, 10 * batch_id, 20 * batch_id),
+            version=LocalVersion("binding", restore, None, 3, 128, restore),
+            restore_batch=restore,
+            storage=storage,
+            local_dir="/tmp/local",
+            checkpoint_id=checkpoint_id,
+            run_id="run" if checkpoint_id else "",
+            wait_for_upload=True,
+        )
+
+    plans = [plan(0, None), plan(1, 7), plan(2, None)]
+    parts = [stream_part(each) for each in plans]
+    assert parts[0] == parts[1] == parts[2]
+    for each in plans:
+        assert with_batch_fields(parts[0], batch_fields(each)) == each
