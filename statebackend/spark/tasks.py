@@ -9,8 +9,9 @@ and its batch's state changes (a changelog record, named by run and task attempt
 the function's operator state if it keeps any: ``function_state``), takes
 the checkpoint's synchronous cut if the batch is a checkpoint, and returns a small
 ``KeyedResult`` with the record's handle. The checkpoint's upload runs
-on the worker's transfer threads and writes the subtask's ack when done; the task does
-not wait for it (except on a run's final checkpoint, or without Python worker reuse).
+on the worker's transfer threads and writes the subtask's ack when done, and the local
+DB is closed on the worker's closer thread; the task waits for neither (except on a run's
+final checkpoint, or without Python worker reuse).
 """
 
 from __future__ import annotations
@@ -458,6 +459,7 @@ def keyed_subtask(plan: KeyedPlan, subtask: int, keyed: KeyedInput) -> Iterator[
                 operator_state,
             )
             result.entries = backend.estimated_entries()
-        local.commit(plan.batch_id)
+        # A worker that outlives the task closes the DB after it (the batch is durable).
+        local.commit(plan.batch_id, in_background=not plan.wait_for_upload)
         keep_function(run, root, subtask, plan.version, plan.batch_id)
     yield result
