@@ -129,8 +129,6 @@ def _options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
     options.set_keep_log_file_num(_INFO_LOGS_KEPT)
-    # Opening need not read every SST file's properties for compaction statistics.
-    options.set_skip_stats_update_on_db_open(True)
     shared = _shared_memory
     if shared is not None:
         table = BlockBasedOptions()
