@@ -120,9 +120,15 @@ def memory_limit() -> int | None:
     return None if _shared_memory is None else _shared_memory.limit
 
 
+_INFO_LOGS_KEPT = 1
+"""Old info logs (``LOG.old.*``) a database keeps: RocksDB starts a new one at every open,
+and a keyed subtask reopens its database every batch (RocksDB keeps 1000 by default)."""
+
+
 def _options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
+    options.set_keep_log_file_num(_INFO_LOGS_KEPT)
     shared = _shared_memory
     if shared is not None:
         table = BlockBasedOptions()

@@ -16,9 +16,14 @@ directory holds. The driver tells each task what it expects (``LocalVersion``):
 
 The marker is removed before the batch changes the DB (before a rebuild wipes the
 directory) and written again once the DB is closed, so a task that dies midway never
-leaves a directory that looks current. A rebuild is all or nothing: if it fails, the
-partly rebuilt DB is deleted and CheckpointUnreadableError names the checkpoint or
-manifest, so that the driver can fall back to an older checkpoint.
+leaves a directory that looks current. A task whose Python worker outlives it leaves the
+close (RocksDB flushes its memtables) and the marker to the process's closer thread, which
+holds the lock until both are done: the batch is already durable by its changelog record,
+and the next opener of the subtask, in this worker or another, waits for the lock.
+
+A rebuild is all or nothing: if it fails, the partly rebuilt DB is deleted and
+CheckpointUnreadableError names the checkpoint or manifest, so that the driver can fall
+back to an older checkpoint.
 
 If the local directory cannot be used (not writable, disk full), the task fails with one
 LocalStateError naming it, instead of a RocksDB or OS error: a probe file is written to
@@ -39,11 +44,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +93,30 @@ class LocalVersion:
     restore_manifest: int | None = None
     """The committed batch whose manifest holds the state at ``previous_batch``; it is
     preferred to ``restore_dir``."""
+
+
+_log = logging.getLogger(__name__)
+_closer_pool: ThreadPoolExecutor | None = None
+_closer_lock = threading.Lock()
+
+
+def _closer() -> ThreadPoolExecutor:
+    """This process's closer thread (``LocalKeyedState.commit(in_background=True)``):
+    one, so that closes run one after another; interpreter exit waits for them."""
+    global _closer_pool
+    with _closer_lock:
+        if _closer_pool is None:
+            _closer_pool = ThreadPoolExecutor(1, thread_name_prefix="statebackend-close")
+        return _closer_pool
+
+
+def _forget_closer() -> None:
+    """In a forked child: the parent's closer thread does not exist there."""
+    global _closer_pool, _closer_lock
+    _closer_pool, _closer_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_closer)
 
 
 _PROBE_BYTES = 1 << 20
@@ -134,6 +165,11 @@ class LocalKeyedState(ABC):
     without it disposes of the backend (the next batch rebuilds). Each backend's class
     says where the copy is kept between batches (``_open``, ``_keep``).
     """
+
+    _keeps_in_background: ClassVar[bool] = False
+    """Whether ``commit(in_background=True)`` hands keeping to the closer thread."""
+    _handed_over = False
+    """Set once the closer thread owns the backend and the lock."""
 
     def __init__(
         self,
@@ -242,14 +278,41 @@ class LocalKeyedState(ABC):
         self.restored_bytes = fs.bytes_read - before + extra
         return backend
 
-    def commit(self, batch_id: int) -> None:
+    def commit(self, batch_id: int, in_background: bool = False) -> None:
         """Keep the state and mark it as being at ``batch_id`` (RocksDB: close the DB,
-        keeping it on disk; heap: keep it in this process)."""
+        keeping it on disk; heap: keep it in this process).
+
+        ``in_background`` (for a task whose Python worker outlives it): where keeping takes
+        time (RocksDB's close flushes the memtables), this process's closer thread does it
+        after the task, holding the lock until the marker is written, so that whoever
+        opens the subtask next, in this process or another, waits for it. The batch is
+        durable before (its changelog record); a failure there is logged and leaves no
+        marker, so the next batch rebuilds."""
         backend = self.backend
         if backend is None:
             raise StateBackendError("commit outside the local state's context")
         self.backend = None
-        self._keep(backend, self._expected_marker(batch_id))
+        marker = self._expected_marker(batch_id)
+        if in_background and self._keeps_in_background:
+            self._handed_over = True
+            _closer().submit(self._keep_and_release, backend, marker)
+        else:
+            self._keep(backend, marker)
+
+    def _keep_and_release(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
+        """``_keep`` on the closer thread, then release what the context held."""
+        try:
+            self._keep(backend, marker)
+        except Exception:
+            _log.exception(
+                "closing the local state of subtask %s of %s failed: its next batch rebuilds it",
+                self._subtask,
+                self._operator_id,
+            )
+            with suppress(Exception):
+                backend.dispose()
+        finally:
+            self._release()
 
     def __exit__(
         self,
@@ -257,12 +320,13 @@ class LocalKeyedState(ABC):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        try:
-            if self.backend is not None:
-                self.backend.dispose()
-                self.backend = None
-        finally:
-            self._release()
+        if not self._handed_over:  # else the closer thread releases it
+            try:
+                if self.backend is not None:
+                    self.backend.dispose()
+                    self.backend = None
+            finally:
+                self._release()
         unusable = None if exc is None else self._unusable_directory(exc)
         if unusable is not None:
             raise unusable from exc
@@ -272,6 +336,7 @@ class LocalRocksDBState(LocalKeyedState):
     """The subtask's RocksDB on local disk: ``<root>/subtask-<i>``, locked with ``flock``
     while in use, its version in a marker file beside it."""
 
+    _keeps_in_background = True
     _lock_fd: int | None = None
 
     @property

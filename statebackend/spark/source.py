@@ -88,6 +88,16 @@ class PartitionBatch:
 
 
 @dataclass(frozen=True)
+class GroupedBatch:
+    """The records one batch read of one partition kept, grouped by key (keys in the
+    order they first appear, records in line order), the new offset, skipped lines."""
+
+    groups: dict[Any, list[Any]]
+    offset: int
+    skipped: int
+
+
+@dataclass(frozen=True)
 class LogSource:
     """The source directory and how malformed lines are handled ("fail" or "skip")."""
 
@@ -161,13 +171,6 @@ class LogSource:
         """Up to ``max_records`` complete lines of ``partition`` from ``offset``, keyed;
         with ``end``, only lines before byte ``end``."""
         path = partition_path(self.directory, partition)
-        if end is not None:
-            with path.open("rb") as f:
-                f.seek(offset)
-                data = f.read(end - offset)
-            whole = _read_whole(data, offset, max_records, key_of)
-            if whole is not None:
-                return whole
         records: list[tuple[Any, Any]] = []
         skipped = 0
         with path.open("rb") as f:
@@ -192,9 +195,41 @@ class LogSource:
                 offset += len(line)
         return PartitionBatch(records, offset, skipped)
 
+    def read_grouped(
+        self,
+        partition: int,
+        offset: int,
+        max_records: int,
+        key_of: KeyOf,
+        end: int,
+        wanted: Callable[[Any], bool],
+    ) -> GroupedBatch:
+        """``read(partition, offset, max_records, key_of, end)``'s records whose key is
+        ``wanted`` (asked once per distinct key), grouped by key: in one pass over the
+        batch's bytes when its lines are the usual case (``_group_whole``), else from the
+        line-by-line read, so that values, errors and skips are the same."""
+        with partition_path(self.directory, partition).open("rb") as f:
+            f.seek(offset)
+            data = f.read(end - offset)
+        grouped = _group_whole(data, offset, max_records, key_of, wanted)
+        if grouped is not None:
+            return grouped
+        batch = self.read(partition, offset, max_records, key_of, end)
+        groups: dict[Any, list[Any]] = {}
+        decided: dict[Any, bool] = {}
+        for key, record in batch.records:
+            keep = decided.get(key)
+            if keep is None:
+                keep = decided[key] = wanted(key)
+            if keep:
+                groups.setdefault(key, []).append(record)
+        return GroupedBatch(groups, batch.offset, batch.skipped)
 
-def _read_whole(data: bytes, offset: int, max_records: int, key_of: KeyOf) -> PartitionBatch | None:
-    """What ``LogSource.read`` returns for the lines in ``data`` (read from byte
+
+def _group_whole(
+    data: bytes, offset: int, max_records: int, key_of: KeyOf, wanted: Callable[[Any], bool]
+) -> GroupedBatch | None:
+    """What ``LogSource.read_grouped`` returns for the lines in ``data`` (read from byte
     ``offset``), parsed in one pass over the decoded text: each line scanned as one JSON
     value that must end right at its newline, as ``parse_line`` does in the usual case.
     None at the first line that is not that usual case (bad UTF-8 anywhere, anything
@@ -204,26 +239,37 @@ def _read_whole(data: bytes, offset: int, max_records: int, key_of: KeyOf) -> Pa
         text = data.decode()
     except UnicodeDecodeError:
         return None
-    records: list[tuple[Any, Any]] = []
-    append, find, scan = records.append, text.find, _SCAN
-    position, size = 0, len(text)
+    groups: dict[Any, list[Any]] = {}
+    decided: dict[Any, bool] = {}
+    find, scan = text.find, _SCAN
+    position, size, count = 0, len(text), 0
     try:
-        while position < size and len(records) < max_records:
+        while position < size and count < max_records:
             newline = find("\n", position)
             if newline < 0:
                 break  # an incomplete last line: a later batch reads it
             value, stop = scan(text, position)
             if stop != newline:
                 return None
-            append((key_of(value), value))
+            key = key_of(value)
+            count += 1
             position = newline + 1
+            keep = decided.get(key)
+            if keep is None:
+                keep = decided[key] = wanted(key)
+            if keep:
+                group = groups.get(key)
+                if group is None:
+                    groups[key] = [value]
+                else:
+                    group.append(value)
     except Exception:
         return None
     if position == size:
         consumed = len(data)
     else:
         consumed = position if data.isascii() else len(text[:position].encode())
-    return PartitionBatch(records, offset + consumed, 0)
+    return GroupedBatch(groups, offset + consumed, 0)
 
 
 def _lines(f: BinaryIO, limit: int | None) -> Iterator[bytes]:

@@ -9,8 +9,9 @@ and its batch's state changes (a changelog record, named by run and task attempt
 the function's operator state if it keeps any: ``function_state``), takes
 the checkpoint's synchronous cut if the batch is a checkpoint, and returns a small
 ``KeyedResult`` with the record's handle. The checkpoint's upload runs
-on the worker's transfer threads and writes the subtask's ack when done; the task does
-not wait for it (except on a run's final checkpoint, or without Python worker reuse).
+on the worker's transfer threads and writes the subtask's ack when done, and the local
+DB is closed on the worker's closer thread; the task waits for neither (except on a run's
+final checkpoint, or without Python worker reuse).
 """
 
 from __future__ import annotations
@@ -198,24 +199,26 @@ def single_stage_input(plan: SourcePlan, subtask: int) -> KeyedInput:
     keyed = KeyedInput()
     groups = keyed.groups
     targets = _Targets(plan)
-    known = targets.known
+
+    def wanted(key: Any) -> bool:
+        return targets.of(key) == subtask
+
     ends = plan.ends or {}
     for source_subtask, share in enumerate(plan.offsets):
         new_offsets: Offsets = []
         for partition, offset in share:
-            batch = plan.source.read(
-                partition, offset, plan.batch_size, plan.key_of, ends.get(partition)
+            batch = plan.source.read_grouped(
+                partition, offset, plan.batch_size, plan.key_of, ends[partition], wanted
             )
-            for key, record in batch.records:
-                target = known.get(key)
-                if target is None:
-                    target = targets.of(key)
-                if target == subtask:
+            if groups:
+                for key, records in batch.groups.items():
                     group = groups.get(key)
                     if group is None:
-                        groups[key] = [record]
+                        groups[key] = records
                     else:
-                        group.append(record)
+                        group.extend(records)
+            else:
+                groups = keyed.groups = batch.groups
             new_offsets.append((partition, batch.offset))
             if source_subtask == subtask:
                 keyed.skipped += batch.skipped
@@ -231,15 +234,14 @@ class _Targets:
     def __init__(self, plan: SourcePlan) -> None:
         self._serialize = plan.key_serializer.serialize
         self._max_parallelism, self._parallelism = plan.max_parallelism, plan.parallelism
-        self.known: dict[Any, int] = {}
-        """The keys met so far and their subtasks (a hot loop may look here first)."""
+        self._known: dict[Any, int] = {}
 
     def of(self, key: Any) -> int:
         """The keyed subtask of ``key``'s key group."""
-        target = self.known.get(key)
+        target = self._known.get(key)
         if target is None:
             key_group = assign_to_key_group(self._serialize(key), self._max_parallelism)
-            target = self.known[key] = compute_operator_index_for_key_group(
+            target = self._known[key] = compute_operator_index_for_key_group(
                 self._max_parallelism, self._parallelism, key_group
             )
         return target
@@ -458,6 +460,7 @@ def keyed_subtask(plan: KeyedPlan, subtask: int, keyed: KeyedInput) -> Iterator[
                 operator_state,
             )
             result.entries = backend.estimated_entries()
-        local.commit(plan.batch_id)
+        # A worker that outlives the task closes the DB after it (the batch is durable).
+        local.commit(plan.batch_id, in_background=not plan.wait_for_upload)
         keep_function(run, root, subtask, plan.version, plan.batch_id)
     yield result

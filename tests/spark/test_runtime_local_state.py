@@ -3,6 +3,7 @@ the rebuild of a stale copy from a batch manifest."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,46 @@ def test_marker_reuse_and_stale(tmp_path: Path) -> None:
         raise RuntimeError("boom")
     with local(1) as state:  # ... leaves no current copy behind
         assert not state.reused
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "heap"])
+def test_a_commit_in_background_is_waited_for_by_the_next_opener(tmp_path: Path, kind: str) -> None:
+    """``commit(in_background=True)``, as a task whose Python worker outlives it commits:
+    RocksDB is closed and marked by this process's closer thread after the context is left
+    (a heap copy is kept at once); the next batch's opener, right after, waits for it and
+    reuses the copy, and the counts add up as in plain Python."""
+    storage = CheckpointStorage(tmp_path.as_uri(), "job")
+
+    def local(previous: int | None) -> LocalKeyedState:
+        version = LocalVersion("g1", previous, None, 1, 128)
+        return local_keyed_state(
+            tmp_path / "local", 0, version, storage, "op", StrSerializer(), kind
+        )
+
+    expected: dict[str, int] = {}
+    for batch in range(6):
+        with local(batch - 1 if batch else None) as state:
+            assert state.reused == (batch > 0) and state.backend is not None
+            count = state.backend.get_state(COUNT)
+            assert isinstance(count, ValueState)
+            for n in range(20):
+                key = f"user-{(n * 3 + batch) % 7}"
+                state.backend.set_current_key(key)
+                count.update(count.value() + n)
+                expected[key] = expected.get(key, 0) + n
+            state.commit(batch, in_background=True)
+        if kind == "rocksdb":
+            names = [thread.name for thread in threading.enumerate()]
+            assert any(name.startswith("statebackend-close") for name in names), names
+    with local(5) as state:
+        assert state.reused and state.backend is not None
+        count = state.backend.get_state(COUNT)
+        assert isinstance(count, ValueState)
+        actual = {}
+        for key in expected:
+            state.backend.set_current_key(key)
+            actual[key] = count.value()
+    assert actual == expected
 
 
 @pytest.mark.parametrize("kind", ["rocksdb", "heap"])

@@ -1,6 +1,6 @@
 """Where a single-stage batch ends (``LogSource.batch_end``) and reading up to it
-(``LogSource.read(..., end=)``), against a plain-Python scan of the lines; the
-``batch.single-stage-bytes`` setting."""
+(``LogSource.read(..., end=)``, ``LogSource.read_grouped``), against a plain-Python scan
+of the lines; the ``batch.single-stage-bytes`` setting."""
 
 from __future__ import annotations
 
@@ -110,11 +110,20 @@ def _expected_read(lines: list[str], on_malformed: str) -> tuple[list[tuple[str,
     return records, skipped
 
 
+def _grouped(records: list[tuple[str, object]], wanted: set[str]) -> dict[str, list[object]]:
+    """Plain Python: the records of the wanted keys, grouped by key in line order."""
+    groups: dict[str, list[object]] = {}
+    for key, record in records:
+        if key in wanted:
+            groups.setdefault(key, []).append(record)
+    return groups
+
+
 @pytest.mark.parametrize("on_malformed", ["fail", "skip"])
 def test_read_to_an_end_parses_as_json_loads_per_line(tmp_path: Path, on_malformed: str) -> None:
-    """A batch read to its end in one pass (``_read_whole``) gives what json.loads of each
-    line gives, falling back line by line for anything unusual; the same as reading the
-    same lines without an end (the line-by-line path)."""
+    """A batch read to its end gives what json.loads of each line gives, the same as
+    reading the same lines without an end; read grouped (in one pass, ``_group_whole``,
+    falling back line by line for anything unusual), it gives the wanted keys' records."""
     rng = random.Random(11)
     source = LogSource(str(tmp_path), on_malformed=on_malformed)
     for _ in range(300):
@@ -129,6 +138,8 @@ def test_read_to_an_end_parses_as_json_loads_per_line(tmp_path: Path, on_malform
         except Exception:
             with pytest.raises(SourceError, match="malformed record"):
                 source.read(0, 0, 1000, lambda r: r["user"], end)
+            with pytest.raises(SourceError, match="malformed record"):
+                source.read_grouped(0, 0, 1000, lambda r: r["user"], end, bool)
             continue
         for batch in (
             source.read(0, 0, 1000, lambda r: r["user"], end),
@@ -136,3 +147,8 @@ def test_read_to_an_end_parses_as_json_loads_per_line(tmp_path: Path, on_malform
         ):
             assert (batch.records, batch.skipped) == expected
             assert batch.offset == len(data)
+        wanted = {"a", "c", "e", "k", "\u00e9\n"}
+        grouped = source.read_grouped(0, 0, 1000, lambda r: r["user"], end, wanted.__contains__)
+        assert grouped.groups == _grouped(expected[0], wanted)
+        assert list(grouped.groups) == list(_grouped(expected[0], wanted))  # first-seen order
+        assert (grouped.offset, grouped.skipped) == (len(data), expected[1])
