@@ -638,16 +638,17 @@ def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
 
 
 def _struct_bytes_codec(
-    struct_type: dict[str, Any],
+    struct_type: dict[str, Any], prepare: Callable[[Any], Any] | None = None
 ) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
     """The bytes of a whole struct value and back (``RowTupleSerializer``'s), with one-call
     fast paths for the common shapes of keys and values: every field a fixed-width
-    number, or one string field."""
+    number, or one string field. ``prepare`` (if given) turns a value into what is
+    encoded, on every path but the fast ones, whose values it must leave as they are."""
     encode_struct, decode_struct = _struct_codec(struct_type)
 
     def to_bytes(value: Any) -> bytes:
         parts: list[bytes] = []
-        encode_struct(value, parts)
+        encode_struct(value if prepare is None else prepare(value), parts)
         return b"".join(parts)
 
     def from_bytes(data: bytes) -> tuple[Any, ...]:
@@ -776,18 +777,24 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
 
     identity = "row-tuple"
 
-    def __init__(self, schema_json: str) -> None:
+    def __init__(self, schema_json: str, prepare: Callable[[Any], Any] | None = None) -> None:
+        """``prepare``, if given, turns each value into what is encoded (e.g. numpy
+        scalars into Python ones); it must leave a tuple of exactly ``int``, ``float``,
+        ``str``, ``bool``, ``bytes`` and None as it is, which the one-call fast paths
+        encode without calling it. It is no part of ``config()``: the bytes' format is
+        the schema's."""
         schema = _parse_struct(schema_json)
         self.schema_json = schema_json
+        self.prepare = prepare
         self.field_names = [field["name"] for field in schema.get("fields", [])]
         self._schema = _schema_identity(schema)
-        self._to_bytes, self._from_bytes = _struct_bytes_codec(schema)
+        self._to_bytes, self._from_bytes = _struct_bytes_codec(schema, prepare)
         self.decodes_immutable = _decodes_immutable(schema)
 
-    def __reduce__(self) -> tuple[type[RowTupleSerializer], tuple[str]]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Its codecs are closures over struct.Struct packers, which cannot be pickled:
         # a copy (e.g. one Spark ships to executors) is built again from the schema.
-        return (RowTupleSerializer, (self.schema_json,))
+        return (RowTupleSerializer, (self.schema_json, self.prepare))
 
     def _encode(self, value: tuple[Any, ...]) -> bytes:
         return self._to_bytes(value)

@@ -9,8 +9,10 @@ Arrow batches of 10,000 rows, each batch's changes drained as the subtask does. 
 batched state access (``KeyedStateBackend.batch``, what the runner does) and once with
 the batch calls replaced by no-ops (every state read and write goes to RocksDB by itself,
 as before batches existed). Prints CPU seconds of this process per micro-batch (the
-figure to trust on a busy machine) and rows/s; every run's final totals are checked
-against a plain-Python computation.
+figure to trust on a busy machine) and rows/s, and apart the CPU seconds of encoding
+each micro-batch's changelog record (``encode_changes``, lz4, as ``write_record`` does
+before its one write); every run's final totals are checked against a plain-Python
+computation.
 
     .venv/bin/python scripts/bench/keyed_subtask.py [--rows 100000] [--keys 100000]
         [--batches 3] [--json]
@@ -40,6 +42,8 @@ from streaming import RowCountSumProcessor  # noqa: E402
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend  # noqa: E402
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group  # noqa: E402
 from statebackend.serializers import RowTupleSerializer  # noqa: E402
+from statebackend.snapshot.changelog_format import encode_changes  # noqa: E402
+from statebackend.snapshot.frames import check_codec  # noqa: E402
 from statebackend.spark.processor_handle import BatchClock, BatchTimes, SchemaCatalog  # noqa: E402
 from statebackend.spark.processor_runner import (  # noqa: E402
     CONTROL,
@@ -78,8 +82,11 @@ def input_batches(
     return table.to_batches(max_chunksize=ARROW_BATCH_ROWS), events
 
 
-def run(rows: int, keys: int, batches: int, batched: bool, workdir: Path) -> list[float]:
-    """CPU seconds per micro-batch of one subtask's backend, batched or not."""
+def run(
+    rows: int, keys: int, batches: int, batched: bool, workdir: Path
+) -> tuple[list[float], list[float]]:
+    """CPU seconds per micro-batch of one subtask's backend, batched or not, and of
+    encoding each micro-batch's changelog record."""
     serializer = RowTupleSerializer(KEY_SCHEMA.json())
     spec = ProcessorSpec(
         processor=RowCountSumProcessor(),
@@ -103,7 +110,7 @@ def run(rows: int, keys: int, batches: int, batched: bool, workdir: Path) -> lis
     backend.enable_changelog()
     expected: Counter[int] = Counter()
     counts: Counter[int] = Counter()
-    seconds = []
+    seconds, record_seconds = [], []
     try:
         for batch_id in range(batches):
             arrow, events = input_batches(rows, keys, batch_id, serializer)
@@ -112,8 +119,11 @@ def run(rows: int, keys: int, batches: int, batched: bool, workdir: Path) -> lis
                 counts[user] += 1
             started = time.process_time()
             output = list(run_keyed_subtask(spec, backend, BatchTimes(0), arrow))
-            backend.drain_changelog()
+            changes = backend.drain_changelog()
             seconds.append(time.process_time() - started)
+            started = time.process_time()
+            encode_changes(changes, check_codec("lz4"))
+            record_seconds.append(time.process_time() - started)
             latest = {}
             for out in output:
                 for user, count, total in zip(*out.to_pydict().values(), strict=True):
@@ -122,7 +132,7 @@ def run(rows: int, keys: int, batches: int, batched: bool, workdir: Path) -> lis
             assert len(latest) == len({user for user, _ in events})
     finally:
         backend.dispose()
-    return seconds
+    return seconds, record_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,13 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.rows, args.keys, args.batches) < 1:
         parser.error("--rows, --keys and --batches must be positive")
     results: dict[str, Any] = {}
+    records: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="keyed-subtask-") as tmp:
         for mode, batched in (("unbatched", False), ("batched", True)):
-            seconds = run(args.rows, args.keys, args.batches, batched, Path(tmp))
-            results[mode] = seconds
+            results[mode], records[mode] = run(
+                args.rows, args.keys, args.batches, batched, Path(tmp)
+            )
     if args.json:
         for mode, seconds in results.items():
-            print(json.dumps({"benchmark": "keyed_subtask", "mode": mode, "cpu_seconds": seconds}))
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "keyed_subtask",
+                        "mode": mode,
+                        "cpu_seconds": seconds,
+                        "record_cpu_seconds": records[mode],
+                    }
+                )
+            )
         return 0
     print(f"keyed subtask: {args.rows:,} rows over {args.keys:,} users per micro-batch, CPU s")
     for mode, seconds in results.items():
@@ -151,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:>10}: {per_batch}  ({rate:,.0f} rows/s)")
     before, after = sum(results["unbatched"]), sum(results["batched"])
     print(f"batched / unbatched CPU: {after / before:.2f} ({before / after:.2f}x faster)")
+    per_record = " ".join(f"{s:.3f}" for s in records["batched"])
+    print(f"changelog record (encode, lz4), CPU s: {per_record}")
     return 0
 
 

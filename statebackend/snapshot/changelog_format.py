@@ -29,12 +29,17 @@ state existed have none (``operator_state`` absent).
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import add, getitem
 from struct import Struct
-from typing import Any
+from typing import Any, cast
 
-from statebackend.backends.changelog import Change, ChangeOp, ChangeSet
+import numpy as np
+
+from statebackend.backends.changelog import Change, ChangeOp, ChangeSet, MapKeyChanges
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.stores import KEY_GROUP_PREFIX
@@ -60,6 +65,7 @@ _OP_STATE = Struct(">BH")
 _LENGTHS = Struct(">II")
 _KEY_FROM = KEY_GROUP_PREFIX.size
 """Where ``[key length][key]`` starts in a composite prefix."""
+_KEY_SLICE = slice(_KEY_FROM, None)
 _EMPTY = LENGTH.pack(0)
 _NO_VALUE = _LENGTHS.pack(0, 0)
 
@@ -158,12 +164,19 @@ class ChangelogHandle(KeyGroupIndexedFile):
         )
 
 
+Piece = tuple[bytes, list[int]]
+"""Encoded changes of one key group, back to back, and where each ends in the bytes."""
+
+
 def encode_changes(change_set: ChangeSet, codec: int) -> tuple[bytes, list[tuple[int, int, int]]]:
     """The record's bytes and its key-group index ``[(key group, offset, length)]``.
 
-    The hot path of a batch's end: each change is built from its composite prefix
-    ``[key group][key length][key]`` by slicing (the change's ``[key length][key]`` is the
-    prefix's own), with one ``pack`` per change; frames are cut between changes.
+    The hot path of a batch's end, with no Python step per value-kind change: a state's
+    value changes are built from their sorted composite prefixes ``[key group][key
+    length][key]`` less the key group (the change's ``[key length][key]`` is the
+    prefix's own), their lengths and values, all at once (``_value_changes``), and cut
+    into key groups by bisecting the sorted prefixes; a key group's changes are cut into
+    frames by bisecting where they end.
     """
     index = {meta.name: i for i, meta in enumerate(change_set.states)}
     missing = sorted(set(change_set.changes) - set(index))
@@ -172,32 +185,14 @@ def encode_changes(change_set: ChangeSet, codec: int) -> tuple[bytes, list[tuple
             f"states {missing} have changes but no meta info: a backend's stores must "
             f"belong to registered or restored states"
         )
-    groups: dict[bytes, list[bytes]] = {}
-    pack_lengths = _LENGTHS.pack
+    groups: dict[bytes, list[Piece]] = {}
     for name in sorted(change_set.changes, key=index.__getitem__):
         changes = change_set.changes[name]
         heads = [_OP_STATE.pack(op, index[name]) for op in ChangeOp]
-        put, delete, map_put, map_remove = heads
-        for prefix in sorted(changes.values):
-            value = changes.values[prefix]
-            parts = groups.setdefault(prefix[:_KEY_FROM], [])
-            if value is None:
-                parts.append(delete + prefix[_KEY_FROM:] + _NO_VALUE)
-            else:
-                parts.append(put + prefix[_KEY_FROM:] + pack_lengths(0, len(value)) + value)
-        for prefix in sorted(changes.maps):
-            key_changes = changes.maps[prefix]
-            parts = groups.setdefault(prefix[:_KEY_FROM], [])
-            key = prefix[_KEY_FROM:]
-            if key_changes.cleared:
-                parts.append(delete + key + _NO_VALUE)
-            for user_key in sorted(key_changes.entries):
-                value = key_changes.entries[user_key]
-                if value is None:
-                    parts.append(map_remove + key + LENGTH.pack(len(user_key)) + user_key + _EMPTY)
-                else:
-                    lengths = pack_lengths(len(user_key), len(value))
-                    parts.append(map_put + key + lengths[:4] + user_key + lengths[4:] + value)
+        if changes.values:
+            _add_value_changes(groups, changes.values, heads[ChangeOp.PUT], heads[ChangeOp.DELETE])
+        if changes.maps:
+            _add_map_changes(groups, changes.maps, heads)
     frames: list[bytes] = []
     key_groups: list[tuple[int, int, int]] = []
     offset = 0
@@ -211,18 +206,121 @@ def encode_changes(change_set: ChangeSet, codec: int) -> tuple[bytes, list[tuple
     return b"".join(frames), key_groups
 
 
-def _frames(changes: list[bytes], codec: int) -> Iterator[bytes]:
-    """The encoded ``changes`` of one key group in frames of about ``FRAME_BYTES``."""
-    chunk: list[bytes] = []
-    size = 0
-    for change in changes:
-        chunk.append(change)
-        size += len(change)
-        if size >= FRAME_BYTES:
-            yield encode_frame(b"".join(chunk), codec)
-            chunk, size = [], 0
-    if chunk:
-        yield encode_frame(b"".join(chunk), codec)
+def _add_value_changes(
+    groups: dict[bytes, list[Piece]], values: dict[bytes, bytes | None], put: bytes, delete: bytes
+) -> None:
+    """Append one value-kind state's changes, in composite-prefix order, to the pieces
+    of their key groups (``groups``, by 2-byte key-group prefix)."""
+    prefixes = sorted(values)
+    read = list(map(values.__getitem__, prefixes))
+    size = len(prefixes)
+    heads: list[bytes] | None = None
+    if None in read:  # deletes: no value, lengths (0, 0)
+        heads = [delete if value is None else put for value in read]
+        stored = [b"" if value is None else value for value in read]
+    else:
+        stored = cast("list[bytes]", read)
+    value_sizes = list(map(len, stored))
+    key_sizes = list(map(len, prefixes))
+    start = 0
+    if heads is None and min(value_sizes) == max(value_sizes) and min(key_sizes) == max(key_sizes):
+        encoded = _fixed_width_changes(prefixes, stored, put, key_sizes[0], value_sizes[0])
+        width = len(encoded) // size
+        while start < size:
+            stop = _key_group_end(prefixes, start)
+            ends = list(range(width, (stop - start) * width + 1, width))
+            groups.setdefault(prefixes[start][:_KEY_FROM], []).append(
+                (encoded[start * width : stop * width], ends)
+            )
+            start = stop
+        return
+    changes = list(
+        map(
+            b"".join,
+            zip(
+                repeat(put) if heads is None else heads,
+                cast("Iterator[bytes]", map(getitem, prefixes, repeat(_KEY_SLICE))),
+                map(_LENGTHS.pack, repeat(0), value_sizes),
+                stored,
+                strict=False,  # the heads may be repeat(put), which never ends
+            ),
+        )
+    )
+    while start < size:
+        stop = _key_group_end(prefixes, start)
+        piece = changes[start:stop]
+        groups.setdefault(prefixes[start][:_KEY_FROM], []).append(
+            (b"".join(piece), list(accumulate(map(len, piece))))
+        )
+        start = stop
+
+
+def _key_group_end(prefixes: list[bytes], start: int) -> int:
+    """Where the key group of ``prefixes[start]`` ends in the sorted ``prefixes``."""
+    (key_group,) = KEY_GROUP_PREFIX.unpack_from(prefixes[start])
+    return bisect_left(prefixes, KEY_GROUP_PREFIX.pack(key_group + 1), start)
+
+
+def _fixed_width_changes(
+    prefixes: list[bytes], stored: list[bytes], put: bytes, prefix_size: int, value_size: int
+) -> bytes:
+    """The put changes of ``prefixes`` (all ``prefix_size`` bytes long) to ``stored``
+    (all ``value_size`` bytes long), back to back, built as the columns of one byte
+    matrix (a row per change) instead of one bytes object per change."""
+    rows = len(prefixes)
+    key_size = prefix_size - _KEY_FROM
+    lengths = _LENGTHS.pack(0, value_size)
+    matrix = np.empty((rows, len(put) + key_size + len(lengths) + value_size), np.uint8)
+    column = len(put)
+    matrix[:, :column] = np.frombuffer(put, np.uint8)
+    keys = np.frombuffer(b"".join(prefixes), np.uint8).reshape(rows, prefix_size)
+    matrix[:, column : column + key_size] = keys[:, _KEY_FROM:]
+    column += key_size
+    matrix[:, column : column + len(lengths)] = np.frombuffer(lengths, np.uint8)
+    column += len(lengths)
+    matrix[:, column:] = np.frombuffer(b"".join(stored), np.uint8).reshape(rows, value_size)
+    return matrix.tobytes()
+
+
+def _add_map_changes(
+    groups: dict[bytes, list[Piece]], maps: dict[bytes, MapKeyChanges], heads: list[bytes]
+) -> None:
+    """Append one map-kind state's changes, key by key in composite-prefix order (a
+    cleared key's prefix delete before its entries, then its entries by user key), to
+    the pieces of their key groups."""
+    _, delete, map_put, map_remove = heads
+    for prefix in sorted(maps):
+        key_changes = maps[prefix]
+        pieces = groups.setdefault(prefix[:_KEY_FROM], [])  # listed even if it has none
+        parts: list[bytes] = []
+        key = prefix[_KEY_FROM:]
+        if key_changes.cleared:
+            parts.append(delete + key + _NO_VALUE)
+        for user_key in sorted(key_changes.entries):
+            value = key_changes.entries[user_key]
+            if value is None:
+                parts.append(map_remove + key + LENGTH.pack(len(user_key)) + user_key + _EMPTY)
+            else:
+                lengths = _LENGTHS.pack(len(user_key), len(value))
+                parts.append(map_put + key + lengths[:4] + user_key + lengths[4:] + value)
+        if parts:
+            pieces.append((b"".join(parts), list(accumulate(map(len, parts)))))
+
+
+def _frames(pieces: list[Piece], codec: int) -> Iterator[bytes]:
+    """The changes of one key group (``pieces``) in frames: each frame ends with the
+    first change that brings its size to ``FRAME_BYTES`` or more (the last one with the
+    last change)."""
+    data = b"".join(piece for piece, _ in pieces)
+    ends: list[int] = []
+    for _, piece_ends in pieces:
+        before = ends[-1] if ends else 0
+        ends.extend(map(add, piece_ends, repeat(before)) if before else piece_ends)
+    start = 0
+    while start < len(data):
+        stop = ends[min(bisect_left(ends, start + FRAME_BYTES), len(ends) - 1)]
+        yield encode_frame(data[start:stop], codec)
+        start = stop
 
 
 def _decode_changes(payload: bytes, where: str) -> Iterator[tuple[int, Change]]:

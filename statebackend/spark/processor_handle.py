@@ -147,6 +147,9 @@ _PLAIN_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def _row_tuple(value: Any) -> tuple[Any, ...]:
+    """What a state stores of a processor's value, user key or element: ``_plain`` of it,
+    a list as a tuple. The ``prepare`` of every state's ``RowTupleSerializer``: the one
+    place the handle's states normalize values."""
     if type(value) is tuple and _PLAIN_TYPES.issuperset(map(type, value)):
         return value  # already what _plain would make of it
     plain = _plain(value)
@@ -193,13 +196,12 @@ class ProcessorValueState(_StateVariable, SparkValueState):
         raise self._refused("get")
 
     def update(self, newValue: tuple[Any, ...]) -> None:
-        """Set the current key's tuple."""
-        if not self._handle.serving:
-            raise self._refused("update")
-        if type(newValue) is tuple and _PLAIN_TYPES.issuperset(map(type, newValue)):
-            self._state.update(newValue)  # _row_tuple's first case, without its frame
+        """Set the current key's tuple (numpy and pandas scalars become Python ones:
+        the state's serializer prepares values with ``_row_tuple``)."""
+        if self._handle.serving:
+            self._state.update(newValue)
         else:
-            self._state.update(_row_tuple(newValue))
+            raise self._refused("update")
 
     def clear(self) -> None:
         """Remove the current key's value."""
@@ -222,17 +224,17 @@ class ProcessorListState(_StateVariable, SparkListState):
     def put(self, newState: list[tuple[Any, ...]]) -> None:
         """Replace the current key's list."""
         state: ListState = self._use("put")
-        state.update([_row_tuple(value) for value in newState])
+        state.update(newState)
 
     def appendValue(self, newState: tuple[Any, ...]) -> None:
         """Append one tuple."""
         state: ListState = self._use("append_value")
-        state.add(_row_tuple(newState))
+        state.add(newState)
 
     def appendList(self, newState: list[tuple[Any, ...]]) -> None:
         """Append tuples in order."""
         state: ListState = self._use("append_list")
-        state.add_all([_row_tuple(value) for value in newState])
+        state.add_all(newState)
 
     def clear(self) -> None:
         """Remove the current key's list."""
@@ -250,17 +252,17 @@ class ProcessorMapState(_StateVariable, SparkMapState):
     def getValue(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The tuple under user key ``key``, or None."""
         state: MapState = self._use("get_value")
-        return state.get(_row_tuple(key))
+        return state.get(key)
 
     def containsKey(self, key: tuple[Any, ...]) -> bool:
         """Whether user key ``key`` has a value."""
         state: MapState = self._use("contains_key")
-        return state.contains(_row_tuple(key))
+        return state.contains(key)
 
     def updateValue(self, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
         """Set the value under user key ``key``."""
         state: MapState = self._use("update_value")
-        state.put(_row_tuple(key), _row_tuple(value))
+        state.put(key, value)
 
     def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
         """The (user key, value) pairs."""
@@ -280,7 +282,7 @@ class ProcessorMapState(_StateVariable, SparkMapState):
     def removeKey(self, key: tuple[Any, ...]) -> None:
         """Remove user key ``key``."""
         state: MapState = self._use("remove_key")
-        state.remove(_row_tuple(key))
+        state.remove(key)
 
     def clear(self) -> None:
         """Remove the current key's map."""
@@ -331,8 +333,8 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     def _schema(self, schema: StructType | str) -> RowTupleSerializer:
         if self.phase is Phase.PRE_INIT:
-            return RowTupleSerializer(self.catalog.record(schema, self._parse_ddl))
-        return RowTupleSerializer(self.catalog.lookup(schema))
+            return RowTupleSerializer(self.catalog.record(schema, self._parse_ddl), _row_tuple)
+        return RowTupleSerializer(self.catalog.lookup(schema), _row_tuple)
 
     def _check_declaration(self, operation: str, name: str) -> None:
         if self.phase not in (Phase.PRE_INIT, Phase.CREATED):

@@ -3,14 +3,25 @@ compared with plain-Python dicts; lifecycle and time-mode errors; TTL on batch t
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessorHandle
-from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    DoubleType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.errors import (
@@ -18,12 +29,14 @@ from statebackend.errors import (
     IncompatibleStateError,
     StatefulProcessorError,
 )
+from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.processor_handle import (
     BatchClock,
     BatchTimes,
     Phase,
     ProcessorHandle,
     SchemaCatalog,
+    _row_tuple,
     parse_time_mode,
 )
 from tests.unit.stateful_processors import make_backend
@@ -125,11 +138,85 @@ def test_numpy_values_are_stored_as_python_values(backend: KeyedStateBackend) ->
 
     handle = _handle(backend)
     value = handle.getValueState("count", COUNT)
+    events = handle.getListState("events", EVENT)
+    scores = handle.getMapState("scores", StructType([StructField("what", StringType())]), COUNT)
+    stamps = handle.getValueState("stamps", StructType([StructField("at", TimestampType())]))
     handle.phase = Phase.INITIALIZED
     backend.set_current_key(("alice",))
     value.update((np.int64(5),))
     assert value.get() == (5,)
     assert type(value.get()[0]) is int  # type: ignore[index]
+    stamps.update((np.datetime64(1_700_000_000_000_000, "us"),))
+    assert stamps.get() == (datetime(2023, 11, 14, 22, 13, 20),)
+    events.put([(np.str_("a"), np.int64(1))])
+    events.appendValue([np.str_("b"), np.int32(2)])
+    events.appendList([Row(what="c", n=np.int64(3))])
+    assert list(events.get()) == [("a", 1), ("b", 2), ("c", 3)]
+    assert [type(n) for _, n in events.get()] == [int, int, int]
+    scores.updateValue([np.str_("x")], (np.int64(7),))
+    assert scores.getValue(("x",)) == (7,) and scores.containsKey([np.str_("x")])
+    scores.removeKey((np.str_("x"),))
+    assert not scores.exists()
+
+
+VALUE_SCHEMAS = {
+    "flat": StructType([StructField("n", LongType()), StructField("x", DoubleType())]),
+    "one string": StructType([StructField("s", StringType())]),
+    "mixed": StructType(
+        [
+            StructField("s", StringType()),
+            StructField("n", LongType()),
+            StructField("xs", ArrayType(LongType())),
+            StructField("at", TimestampType()),
+        ]
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(VALUE_SCHEMAS))
+def test_state_serializers_encode_values_as_their_python_tuples(shape: str) -> None:
+    """A state's serializer encodes any accepted value (numpy and pandas scalars, lists,
+    Rows, dicts) as the plain serializer encodes ``_row_tuple`` of it, on its fast paths
+    (exact tuples of Python scalars, which ``update`` hands over unchanged) as on the
+    rest."""
+    import numpy as np
+    import pandas as pd
+
+    schema = VALUE_SCHEMAS[shape]
+    prepared = RowTupleSerializer(schema.json(), _row_tuple)
+    plain = RowTupleSerializer(schema.json())
+    moment = datetime(2026, 11, 23, 6, 30, tzinfo=timezone.utc)
+    candidates: dict[str, list[Any]] = {
+        "flat": [
+            (1, 2.5),
+            (np.int64(1), 2.5),
+            (1, np.float64(2.5)),
+            [1, 2.5],
+            (None, 2.5),
+            (1, 2),
+            Row(n=1, x=2.5),
+            {"n": 1, "x": 2.5},
+            (np.int32(-3), -0.0),
+        ],
+        "one string": [("a",), (np.str_("a"),), ["a"], (None,), Row(s="é"), {"s": "b"}],
+        "mixed": [
+            ("a", 1, [1, 2], moment),
+            (np.str_("a"), np.int64(1), [np.int64(1)], moment),
+            ["a", 1, (1, 2), pd.Timestamp(moment)],
+            ("a", None, None, None),
+            Row(s="a", n=1, xs=[], at=moment),
+            ("b", 2, [], np.datetime64(1_700_000_000_000_000, "us")),  # only prepared
+            {"s": "a", "n": 2, "xs": [3], "at": moment},
+        ],
+    }
+    encode = prepared.encoder()
+    for value in candidates[shape]:
+        expected = plain.serialize(_row_tuple(value))
+        assert prepared.serialize(value) == expected, value
+        assert encode(value) == expected, value
+    assert prepared.config() == plain.config()
+    copy = pickle.loads(pickle.dumps(prepared))
+    assert copy.serialize(candidates[shape][1]) == prepared.serialize(candidates[shape][1])
 
 
 def test_ttl_expires_on_batch_time_not_wall_clock(
