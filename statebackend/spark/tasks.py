@@ -33,7 +33,7 @@ from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.metrics import BatchMetrics
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointCancelledError
+from statebackend.errors import CheckpointCancelledError, StateBackendError
 from statebackend.keygroups import assign_to_key_group, compute_operator_index_for_key_group
 from statebackend.serializers import Serializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
@@ -203,7 +203,12 @@ def single_stage_input(plan: SourcePlan, subtask: int) -> KeyedInput:
     def wanted(key: Any) -> bool:
         return targets.of(key) == subtask
 
-    ends = plan.ends or {}
+    ends = plan.ends
+    if ends is None:
+        raise StateBackendError(
+            "a single-stage batch was planned without its byte ends per partition "
+            "(SourcePlan.ends): the driver plans one only with them"
+        )
     for source_subtask, share in enumerate(plan.offsets):
         new_offsets: Offsets = []
         for partition, offset in share:
