@@ -414,7 +414,8 @@ def _keyed_task(
                     operator_state,
                 )
                 entries = backend.estimated_entries()
-            local.commit(plan.batch_id)
+            # A worker that outlives the task closes the DB after it (the batch is durable).
+            local.commit(plan.batch_id, in_background=not plan.wait_for_upload)
             keep_function(function_run, _local_root(plan), subtask, version, plan.batch_id)
         metrics = BatchMetrics(
             batch_id=plan.batch_id,
