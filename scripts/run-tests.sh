@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check statebackend tests scripts
 .venv/bin/mypy statebackend
-exec .venv/bin/python -m pytest -q "$@"
+# Tests run in parallel worker processes (pytest-xdist), one per core up to 4 (each
+# Spark test worker holds its own Spark driver JVM); TEST_WORKERS overrides, 0 runs in-process.
+workers=${TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(min(4, os.cpu_count() or 1))')}
+exec .venv/bin/python -m pytest -q -n "$workers" "$@"
