@@ -4,8 +4,11 @@ plain-Python totals of all the input."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,18 @@ from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.runner import RunSummary
 
 SIGNING_KEY = "spark.statebackend.checkpoint.signing-key"
+
+
+def lose_local_state(root: Path) -> None:
+    """Delete the executor-local state under ``root`` as a lost host would, once every
+    subtask's lock is free: a Python worker that outlives its task closes its RocksDB on
+    a closer thread after the task (writing into the directory), holding the lock."""
+    with ExitStack() as held:
+        for lock in sorted(root.rglob("*.lock")):
+            fd = os.open(lock, os.O_RDWR)
+            held.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        shutil.rmtree(root)
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.state_reader import read_state
 from statebackend.spark.streaming import transform_with_state
-from tests.spark.jobs import streaming_session
+from tests.spark.jobs import lose_local_state, streaming_session
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "streaming_user_totals.py"
@@ -172,7 +171,7 @@ def test_signed_job_refuses_a_forged_changelog_record_on_rebuild(
         (older,) = (job / "changelog" / "0").iterdir()
         (newest,) = (job / "changelog" / "1").iterdir()
         newest.write_bytes(older.read_bytes())
-        shutil.rmtree(tmp_path / "local")  # batch 2 rebuilds from storage
+        lose_local_state(tmp_path / "local")  # batch 2 rebuilds from storage
         write_batch_files(input_dir, batches[2:], first=2)
         with pytest.raises(Exception, match=f"{newest.name} does not match the signed"):
             run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
@@ -189,7 +188,7 @@ def test_lost_local_copy_is_rebuilt_from_storage(spark: SparkSession, tmp_path: 
     def collect_then_lose_local_state(df: DataFrame, batch_id: int) -> None:
         for row in df.collect():
             rows[(batch_id, tuple(row))] += 1
-        shutil.rmtree(local)  # the next batch runs as if on another host
+        lose_local_state(local)  # the next batch runs as if on another host
 
     query = (
         _stateful(spark, input_dir, "wiped", parallelism=2)
