@@ -238,6 +238,15 @@ def run_strategy(
     return BaselineResult(total_events, seconds, total_events / seconds)
 
 
+def warmup_sizes(keys: int, batch: int) -> dict[str, int]:
+    """The untimed warm-up of every engine: two batches of half the timed batch size over as
+    many keys as the timed run has (at most one per warm-up event). A tiny warm-up leaves
+    the JVM's per-row paths interpreted, and the first engine to run at full size then pays
+    their compilation, which makes the order of the engines decide their ratio."""
+    half = max(batch // 2, 1)
+    return {"events": 2 * half, "keys": min(keys, 2 * half), "batch": half}
+
+
 def run_baselines(
     events: int,
     keys: int,
@@ -249,17 +258,18 @@ def run_baselines(
 ) -> dict[str, BaselineResult]:
     """Run each strategy on the same generated workload; return its result by name.
 
-    With `warmup`, each strategy first runs untimed on a tiny input, so the first timed
-    strategy does not also pay for JVM warm-up and starting the Python workers. A session
-    is created (and stopped) if none is given.
+    With `warmup`, each strategy first runs untimed on the input of `warmup_sizes`, so the
+    first timed strategy does not also pay for JVM warm-up and starting the Python
+    workers. A session is created (and stopped) if none is given.
     """
     own_session = spark is None
     session = create_session() if spark is None else spark
     workdir = Path(tempfile.mkdtemp(prefix="spark-baseline-"))
     try:
         if warmup:
-            small = make_workload(2_000, 100, seed + 1)
-            write_event_files(small, 1_000, workdir / "warmup-input")
+            sizes = warmup_sizes(keys, batch_size)
+            small = make_workload(sizes["events"], sizes["keys"], seed + 1)
+            write_event_files(small, sizes["batch"], workdir / "warmup-input")
             for name in strategies:
                 run_strategy(
                     session,
@@ -267,7 +277,7 @@ def run_baselines(
                     workdir / "warmup-input",
                     workdir / f"warmup-{name}",
                     small.expected,
-                    1_000,
+                    sizes["batch"],
                 )
         workload = make_workload(events, keys, seed)
         write_event_files(workload, batch_size, workdir / "input")

@@ -142,7 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     spark = spark_baseline.create_session()
     try:
         workload = spark_baseline.make_workload(args.events, args.keys)
-        run_ours(spark, spark_baseline.make_workload(2_000, 100, 1), 1_000)  # warm-up
+        warmup = spark_baseline.warmup_sizes(args.keys, args.batch_size)
+        run_ours(
+            spark,
+            spark_baseline.make_workload(warmup["events"], warmup["keys"], 1),
+            warmup["batch"],
+        )
         runs = sorted(
             (
                 run_ours(spark, workload, args.batch_size, checkpoint_every=args.checkpoint_every)

@@ -14,9 +14,11 @@ input in the batch) to the same ``foreachBatch`` sink, which keeps it as Arrow:
 - ``spark-jvm-agg``: Spark's JVM-only ``groupBy("user").agg(count, sum)``;
 
 every Spark engine with the RocksDB state store provider, 2 shuffle partitions. Each
-engine first runs untimed on a tiny input (JVM warm-up, Python workers); every run's final
-per-user values (the last output row of each user) are checked against a plain-Python
-computation.
+engine first runs untimed on two batches of B/2 events (``spark_baseline.warmup_sizes``: the JVM's
+parquet, shuffle, Arrow and state store paths are compiled at the timed batch size, so no
+engine pays the JIT for another that runs after it; Python workers are started); every
+run's final per-user values (the last output row of each user) are checked against a
+plain-Python computation.
 
 Figures: events/s (events over wall seconds from ``start()`` to the end of the query);
 per-batch latency p50/p99 from ``StreamingQueryProgress.durationMs.triggerExecution``
@@ -29,7 +31,7 @@ directories (both sides keep a local RocksDB) are not counted; a file created an
 between two samples is missed.
 
     python scripts/bench/streaming.py [--events N --keys K --batch B]
-        [--engines ours-row,spark-jvm-agg,...] [--quick] [--json]
+        [--engines ours-row,spark-jvm-agg,...] [--rounds R] [--quick] [--json]
 
 Prints a table with the ratios to the JVM aggregation and to the fastest Spark Python API
 (targets: ours >= 10x the fastest Spark Python API, >= 1.0x the JVM aggregation at K=200k,
@@ -47,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,6 @@ if __name__ != "__main__":
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 QUICK = {"events": 2_000, "keys": 200, "batch": 1_000}
-WARMUP = {"events": 2_000, "keys": 100, "batch": 1_000}
 PARALLELISM = 2
 JVM = "spark-jvm-agg"
 SPARK_PYTHON = ("spark-tws", "spark-twsp", "spark-aipws")
@@ -156,6 +157,8 @@ class EngineResult:
     latency_p50_ms: float
     latency_p99_ms: float
     bytes_per_batch: float
+    rounds_events_per_second: list[float] = field(default_factory=list)
+    """events/s of every round's run (``--rounds``); this result is the median run's."""
 
 
 class _WrittenBytes:
@@ -290,17 +293,22 @@ def run_all(
     batch: int,
     seed: int = 0,
     warmup: bool = True,
+    rounds: int = 1,
 ) -> list[EngineResult]:
-    """Warm every engine up (unless ``warmup`` is False), then run each on the same
-    generated files; their results. The session's ``SESSION_KEYS`` are set for the run
-    (RocksDB state store provider, our directories) and restored after it."""
+    """Warm every engine up (unless ``warmup`` is False), then run each ``rounds`` times on
+    the same generated files, in the given order in even rounds and in reverse order in odd
+    ones (the JVM keeps getting faster for minutes, which favours whatever runs later);
+    each engine's result is its median run by events/s, with every round's events/s. The
+    session's ``SESSION_KEYS`` are set for the run (RocksDB state store provider, our
+    directories) and restored after it."""
     work_dir = Path(tempfile.mkdtemp(prefix="statebackend-streaming-bench-"))
     saved = {key: spark.conf.get(key, None) for key in SESSION_KEYS}
     spark.conf.set(PROVIDER_KEY, spark_baseline.ROCKSDB_PROVIDER)
     try:
         if warmup:
-            small = spark_baseline.make_workload(WARMUP["events"], WARMUP["keys"], seed + 1)
-            spark_baseline.write_event_files(small, WARMUP["batch"], work_dir / "warmup-input")
+            sizes = spark_baseline.warmup_sizes(keys, batch)
+            small = spark_baseline.make_workload(sizes["events"], sizes["keys"], seed + 1)
+            spark_baseline.write_event_files(small, sizes["batch"], work_dir / "warmup-input")
             for engine in engines:
                 _run_with_retry(
                     spark,
@@ -308,24 +316,28 @@ def run_all(
                     work_dir / "warmup-input",
                     work_dir / f"warmup-{engine}",
                     small.expected,
-                    WARMUP["batch"],
+                    sizes["batch"],
                 )
         workload = spark_baseline.make_workload(events, keys, seed)
         spark_baseline.write_event_files(workload, batch, work_dir / "input")
-        results = []
-        for engine in engines:
-            results.append(
-                _run_with_retry(
+        runs: dict[str, list[EngineResult]] = {engine: [] for engine in engines}
+        for round_index in range(rounds):
+            for engine in engines if round_index % 2 == 0 else engines[::-1]:
+                result = _run_with_retry(
                     spark,
                     engine,
                     work_dir / "input",
-                    work_dir / engine,
+                    work_dir / f"{engine}-{round_index}",
                     workload.expected,
                     batch,
                 )
-            )
-            print(f"# {json.dumps(asdict(results[-1]))}", file=sys.stderr, flush=True)
-        return results
+                runs[engine].append(result)
+                print(
+                    f"# round {round_index}: {json.dumps(asdict(result))}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return [_median_run(runs[engine]) for engine in engines]
     finally:
         for key, value in saved.items():
             if value is None:
@@ -333,6 +345,14 @@ def run_all(
             else:
                 spark.conf.set(key, value)
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _median_run(runs: list[EngineResult]) -> EngineResult:
+    """The run with the median events/s (the lower middle of an even count), carrying the
+    events/s of all of them in round order."""
+    ranked = sorted(runs, key=lambda run: run.events_per_second)
+    median = ranked[(len(ranked) - 1) // 2]
+    return replace(median, rounds_events_per_second=[run.events_per_second for run in runs])
 
 
 def _ratio(value: float, limit: float | None) -> str:
@@ -356,6 +376,10 @@ def format_table(results: list[EngineResult]) -> str:
             f"{r.bytes_per_batch / 1e6:>10.2f}{_ratio(r.events_per_second, jvm):>11}"
             f"{_ratio(r.events_per_second, fastest):>13}"
         )
+    for r in results:
+        if len(r.rounds_events_per_second) > 1:
+            rates_text = ", ".join(f"{rate:.0f}" for rate in r.rounds_events_per_second)
+            lines.append(f"{r.engine} events/s by round (median shown above): {rates_text}")
     return "\n".join(lines)
 
 
@@ -373,6 +397,12 @@ def main(argv: list[str] | None = None, spark: SparkSession | None = None) -> li
     parser.add_argument(
         "--quick", action="store_true", help=f"a smoke run: sizes {QUICK}, no warm-up"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every engine, alternating their order; each engine's median run is shown",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object per engine")
     args = parser.parse_args(argv)
@@ -380,6 +410,8 @@ def main(argv: list[str] | None = None, spark: SparkSession | None = None) -> li
     unknown = [name for name in engines if name not in ENGINES]
     if unknown or not engines:
         parser.error(f"unknown engine(s) {unknown}: choose from {list(ENGINES)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     sizes = QUICK if args.quick else {"events": args.events, "keys": args.keys, "batch": args.batch}
 
     session = spark if spark is not None else spark_baseline.create_session(PARALLELISM)
@@ -392,6 +424,7 @@ def main(argv: list[str] | None = None, spark: SparkSession | None = None) -> li
             sizes["batch"],
             args.seed,
             warmup=not args.quick,
+            rounds=args.rounds,
         )
     finally:
         if spark is None:
