@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import gc
 import json
+
+# What namedtuple's fields are: a C descriptor (a property where there is no C version).
+from collections import _tuplegetter  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -333,43 +336,31 @@ class OutputBuilder:
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
 
+def _row_class(names: list[str]) -> type[Row]:
+    """A subclass of ``Row`` for rows of the columns ``names``: ``__fields__`` is a class
+    attribute, and each name ``Row.__getattr__`` would answer (not ``__x``, not tuple or Row
+    attributes such as ``count``, the first of duplicates) is a C descriptor reading its
+    position, as ``collections.namedtuple`` does. A row is then one tuple allocation, and
+    ``row.amount`` skips ``Row.__getattr__``'s Python search of ``__fields__``."""
+    attributes: dict[str, Any] = {"__slots__": (), "__fields__": Row(*names)}
+    for position, name in enumerate(names):
+        if not name.startswith("__") and not hasattr(Row, name) and name not in attributes:
+            attributes[name] = _tuplegetter(position, None)
+    return type("Row", (Row,), attributes)
+
+
 def _row_maker(names: list[str]) -> Callable[[list[list[Any]]], list[Row]]:
     """A function from column value lists to ``Row``s of the columns ``names``, each
-    equal to what ``Row(*names)(*values)`` makes.
-
-    Each Row also keeps its fields in its ``__dict__``: ``row.amount`` then finds the
-    value by ordinary attribute lookup instead of ``Row.__getattr__``'s Python search of
-    ``__fields__`` (~20x slower). Only names ``Row.__getattr__`` would answer go there (not
-    ``__x``, not tuple or Row attributes such as ``count``, the first of duplicates), so
-    every access gives what it gives on a plain Row. The loop is generated for the
-    columns (as ``collections.namedtuple`` generates code), so that each Row's dict is
-    one literal."""
+    equal to what ``Row(*names)(*values)`` makes and behaving as it does (``isinstance``,
+    fields, attributes, items, ``asDict``, repr, pickling), as instances of
+    ``_row_class(names)``."""
     if not names:
         raise ValueError("a Row needs at least one column")
-    fields = Row(*names)
-    attributes: dict[str, int] = {}
-    for position, name in enumerate(names):
-        if not name.startswith("__") and not hasattr(Row, name):
-            attributes.setdefault(name, position)
-    values = ", ".join(f"v{position}" for position in range(len(names)))
-    entries = "".join(f"{name!r}: v{position}, " for name, position in attributes.items())
-    source = (
-        "def make(columns):\n"
-        "    rows = []\n"
-        f"    for {values}, in zip(*columns):\n"
-        f"        row = new_tuple(Row, ({values},))\n"
-        f"        set_dict(row, '__dict__', {{'__fields__': fields, {entries}}})\n"
-        "        rows.append(row)\n"
-        "    return rows\n"
-    )
-    namespace: dict[str, Any] = {
-        "new_tuple": tuple.__new__,
-        "Row": Row,
-        "set_dict": object.__setattr__,
-        "fields": fields,
-    }
-    exec(source, namespace)  # noqa: S102 - names only appear as repr() literals
-    make: Callable[[list[list[Any]]], list[Row]] = namespace["make"]
+    row_class = _row_class(names)
+
+    def make(columns: list[list[Any]], new: Callable[..., Row] = tuple.__new__) -> list[Row]:
+        return [new(row_class, values) for values in zip(*columns, strict=True)]
+
     return make
 
 

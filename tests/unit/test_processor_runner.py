@@ -255,7 +255,7 @@ def test_rows_are_spark_rows_of_the_input_columns(backend: KeyedStateBackend) ->
         by_key[user].append(amount)
     assert sorted(output) == sorted(rows)
     for key, row in processor.seen:
-        assert type(row) is Row and row == Row(user=key[0], amount=row[1])
+        assert isinstance(row, Row) and row == Row(user=key[0], amount=row[1])
         assert row.asDict() == {"user": key[0], "amount": row[1]}
         assert list(row.__fields__) == ["user", "amount"]
         assert pickle.loads(pickle.dumps(row)).asDict() == row.asDict()
@@ -419,19 +419,24 @@ def test_the_checkpointed_part_of_a_processor_is_what_keeps_operator_state() -> 
     ],
 )
 def test_input_rows_behave_as_plain_spark_rows(names: list[str]) -> None:
-    """The Rows the runner makes (fields also in their ``__dict__``) act like
-    ``Row(*names)(*values)`` in every way a processor can see, whatever the column names:
-    tuple and Row attributes (``count``, ``asDict``) stay methods, ``__x`` and unknown
-    names raise as on a plain Row, a duplicate name gives its first column."""
-    columns = [[f"{name}-{i}" for i in range(3)] for name in names]
+    """The Rows the runner makes (a subclass of Row with its fields as descriptors) act
+    like ``Row(*names)(*values)`` in every way a processor can see, whatever the column
+    names: tuple and Row attributes (``count``, ``asDict``) stay methods, ``__x`` and
+    unknown names raise as on a plain Row, a duplicate name gives its first column, and a
+    pickled copy is a plain Row."""
+    columns = [[f"{name}-{position}-{i}" for i in range(3)] for position, name in enumerate(names)]
     fast = _row_maker(names)(columns)
     plain = [Row(*names)(*values) for values in zip(*columns, strict=True)]
     assert fast == plain
     for made, expected in zip(fast, plain, strict=True):
-        assert type(made) is Row and repr(made) == repr(expected)
+        assert isinstance(made, Row) and type(made).__name__ == "Row"
+        assert repr(made) == repr(expected) and str(made) == str(expected)
+        assert hash(made) == hash(expected) and made[1:] == expected[1:]
         assert tuple(made.__fields__) == tuple(expected.__fields__)
         assert made.asDict() == expected.asDict()
-        assert pickle.loads(pickle.dumps(made)) == expected
+        copied = pickle.loads(pickle.dumps(made))
+        assert copied == expected and type(copied) is Row
+        assert copied.__fields__ == expected.__fields__
         assert all(name in made for name in names) and "missing" not in made
         for name in [*names, "missing"]:
             outcomes = []
