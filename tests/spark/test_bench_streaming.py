@@ -3,20 +3,14 @@ each engine's result is its median round, and a bad ``--rounds`` is one parser e
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "streaming.py"
-_spec = importlib.util.spec_from_file_location("bench_streaming", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-streaming = importlib.util.module_from_spec(_spec)
-sys.modules["bench_streaming"] = streaming
-_spec.loader.exec_module(streaming)
+from tests.scripts import load_script
+
+streaming = load_script("scripts/bench/streaming.py", "bench_streaming")
 
 ENGINES = ["ours-row", "spark-jvm-agg"]
 

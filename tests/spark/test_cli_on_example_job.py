@@ -12,7 +12,6 @@ tested here too, with the restart command it prints run in-process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import posixpath
 import shlex
@@ -51,6 +50,7 @@ from statebackend.spark.source import offsets_state, partition_path
 from statebackend.tools.location import open_location
 from tests.conftest import S3Endpoint, Storage
 from tests.report_job import figures, marks
+from tests.scripts import load_script
 from tests.spark.conftest import LOCAL_MASTER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -450,18 +450,10 @@ def test_savepoint_create_restores_at_p3_after_the_checkpoints_are_deleted(
     assert read_totals(capsys, storage, summary.last_checkpoint) == expected
 
 
-def _load_user_totals() -> Any:
-    spec = importlib.util.spec_from_file_location("user_totals", ROOT / "scripts/user_totals.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def user_totals() -> Iterator[Any]:
     """``scripts/user_totals.py`` as a module, to run restart commands in-process."""
-    yield _load_user_totals()
+    yield load_script("scripts/user_totals.py", "user_totals")
 
 
 def test_savepoint_and_rescale_script_from_the_latest_checkpoint(

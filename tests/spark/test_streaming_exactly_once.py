@@ -5,7 +5,6 @@ per batch with a plain-Python computation of the same input."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -28,15 +27,11 @@ from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.state_reader import read_state
 from statebackend.spark.streaming import transform_with_state
+from tests.scripts import REPO, load_script
 from tests.spark.jobs import lose_local_state, streaming_session
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "streaming_user_totals.py"
-_spec = importlib.util.spec_from_file_location("streaming_user_totals", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-example = importlib.util.module_from_spec(_spec)
-sys.modules["streaming_user_totals"] = example
-_spec.loader.exec_module(example)
+example = load_script("scripts/streaming_user_totals.py", "streaming_user_totals")
 cloudpickle.register_pickle_by_value(example)
 
 Batches = list[list[tuple[str, int]]]

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "scale.py"
-_spec = importlib.util.spec_from_file_location("scale", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-scale = importlib.util.module_from_spec(_spec)
+from tests.scripts import load_script
+
 # The measuring child process (spawn) imports the script by this name.
-sys.modules["scale"] = scale
-_spec.loader.exec_module(scale)
+scale = load_script("scripts/bench/scale.py", "scale")
 
 VALUE_BYTES = 100
 
