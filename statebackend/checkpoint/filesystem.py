@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -87,38 +88,36 @@ def _compare_checksums(actual: str, expected: str, where: str) -> None:
         )
 
 
+_CLIENT_TRANSIENT_ERRORS = {
+    "asyncio": ("TimeoutError",),  # not a TimeoutError before Python 3.11
+    # refused, closed, endpoint unreachable; read timeouts, connections closed midway
+    "botocore.exceptions": ("ConnectionError", "HTTPClientError", "IncompleteReadError"),
+    "aiohttp": ("ClientConnectionError", "ClientPayloadError"),
+}
+"""Per module of a client fsspec uses, its transient error types."""
+
+
 def _transient_error_types() -> tuple[type[BaseException], ...]:
-    """Connection failures, timeouts and short responses of the clients fsspec uses."""
+    """Connection failures, timeouts and short responses of the clients fsspec uses, of
+    those already imported: an error of a client never imported cannot have been raised,
+    and importing them all (aiohttp alone takes ~0.15 s) would slow the start of every
+    Python worker that only writes to a local file system."""
     types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    with suppress(ImportError):
-        import asyncio
-
-        types.append(asyncio.TimeoutError)  # not a TimeoutError before Python 3.11
-    with suppress(ImportError):
-        from botocore import exceptions as botocore_errors
-
-        types += [
-            botocore_errors.ConnectionError,  # refused, closed, endpoint unreachable
-            botocore_errors.HTTPClientError,  # read timeouts, connections closed midway
-            botocore_errors.IncompleteReadError,
-        ]
-    with suppress(ImportError):
-        import aiohttp
-
-        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    for module_name, names in _CLIENT_TRANSIENT_ERRORS.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            types += [getattr(module, name) for name in names]
     return tuple(types)
-
-
-_TRANSIENT_ERRORS = _transient_error_types()
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc``, or an error it was raised from, is a transient I/O failure
     (a reset or refused connection, a timeout, a response cut short) worth retrying."""
+    transient = _transient_error_types()
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, _TRANSIENT_ERRORS):
+        if isinstance(current, transient):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__
