@@ -105,8 +105,9 @@ def _transient_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [ConnectionError, TimeoutError]
     for module_name, names in _CLIENT_TRANSIENT_ERRORS.items():
         module = sys.modules.get(module_name)
-        if module is not None:
-            types += [getattr(module, name) for name in names]
+        # A module another thread is still importing may not define its errors yet.
+        found = [getattr(module, name, None) for name in names] if module else []
+        types += [error for error in found if isinstance(error, type)]
     return tuple(types)
 
 

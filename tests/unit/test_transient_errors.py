@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import aiohttp
 import pytest
@@ -51,3 +52,10 @@ def _raised_from(cause: BaseException) -> BaseException:
 )
 def test_transient_errors_of_imported_clients(error: BaseException, transient: bool) -> None:
     assert is_transient(error) is transient
+
+
+def test_a_client_still_being_imported_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another thread's import of aiohttp has registered the module, not yet its errors.
+    monkeypatch.setitem(sys.modules, "aiohttp", types.ModuleType("aiohttp"))
+    assert is_transient(ConnectionResetError("reset by peer"))
+    assert not is_transient(ValueError("bad checkpoint"))
