@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import REPO
+
 pytestmark = pytest.mark.spark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
+SCRIPT = REPO / "scripts" / "chaos.py"
 
 
 def test_two_kill_trials_are_exact(tmp_path: Path) -> None:

@@ -50,10 +50,9 @@ from statebackend.spark.source import offsets_state, partition_path
 from statebackend.tools.location import open_location
 from tests.conftest import S3Endpoint, Storage
 from tests.report_job import figures, marks
-from tests.scripts import load_script
+from tests.scripts import REPO, load_script
 from tests.spark.conftest import LOCAL_MASTER
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB_ID = "user-totals"
 EVENTS = 1200
 USERS = 50
@@ -470,7 +469,7 @@ def test_savepoint_and_rescale_script_from_the_latest_checkpoint(
     job_dir = join(storage.url, JOB_ID)
     options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
     result = subprocess.run(
-        [str(ROOT / "scripts/savepoint-and-rescale.sh"), job_dir, "-p", "4", *options],
+        [str(REPO / "scripts/savepoint-and-rescale.sh"), job_dir, "-p", "4", *options],
         capture_output=True,
         text=True,
         timeout=120,
@@ -484,7 +483,7 @@ def test_savepoint_and_rescale_script_from_the_latest_checkpoint(
     assert read_totals(capsys, storage, savepoint) == example.expected()
 
     command = shlex.split(lines["restart"])
-    assert command[1] == str(ROOT / "scripts/user_totals.py")
+    assert command[1] == str(REPO / "scripts/user_totals.py")
     args = user_totals._parser().parse_args(command[2:])
     assert (args.input, args.checkpoint_dir, args.job_id) == (
         str(example.input_dir),
@@ -531,7 +530,7 @@ def test_savepoint_and_rescale_script_of_a_running_job(
     options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
     try:
         result = subprocess.run(
-            [str(ROOT / "scripts/savepoint-and-rescale.sh"), job_dir, "--running", "-p", "3"]
+            [str(REPO / "scripts/savepoint-and-rescale.sh"), job_dir, "--running", "-p", "3"]
             + [*options, "--wait", "60", "--", "--master", "local[3]"],
             capture_output=True,
             text=True,

@@ -22,8 +22,9 @@ from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import KEY_FIELD, generate_events, user_totals_job
 from statebackend.spark.runner import RunSummary
 from statebackend.spark.source import parse_line, partition_path
+from tests.scripts import REPO
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "user_totals.py"
+SCRIPT = REPO / "scripts" / "user_totals.py"
 
 
 def _run(
@@ -163,7 +164,7 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
 
 
 def _properties(name: str) -> list[tuple[str, str]]:
-    path = Path(__file__).resolve().parents[2] / "conf" / name
+    path = REPO / "conf" / name
     pairs = []
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):

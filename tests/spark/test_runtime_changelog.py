@@ -20,9 +20,10 @@ from pyspark.sql import SparkSession
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import generate_events, read_events
 from statebackend.spark.runner import RunSummary
+from tests.scripts import REPO
 from tests.spark.jobs import assert_matches_python, run_user_totals
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "user_totals.py"
+SCRIPT = REPO / "scripts" / "user_totals.py"
 PHASES = ((2, 0), (4, 1), (3, 2))
 """(parallelism, input seed) of the runs: input is appended before each."""
 

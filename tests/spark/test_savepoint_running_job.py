@@ -27,6 +27,7 @@ from statebackend.checkpoint.layout import join
 from statebackend.spark.example import expected_totals, generate_events, read_events
 from statebackend.spark.source import partition_path
 from tests.conftest import Storage
+from tests.scripts import REPO
 from tests.spark.test_cli_on_example_job import (
     JOB_ID,
     PARTITIONS,
@@ -37,7 +38,6 @@ from tests.spark.test_cli_on_example_job import (
     source_offsets,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 APPEND_EVERY = 0.5  # seconds between appends while the savepoint is pending
 APPEND_EVENTS = 20
 JOB_TIMEOUT = 150.0
@@ -89,7 +89,7 @@ def test_savepoint_trigger_of_a_running_job(
     env = dict(os.environ, PYSPARK_SUBMIT_ARGS=submit_args)
     command = [
         sys.executable,
-        str(ROOT / "scripts/user_totals.py"),
+        str(REPO / "scripts/user_totals.py"),
         *("--input", str(input_dir), "--checkpoint-dir", checkpoints.as_uri()),
         *("--parallelism", "2", "--batch-size", "10", "--checkpoint-every", "3"),
         *("--restore", "none", "--master", "local[2]"),

@@ -17,6 +17,7 @@ from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.function_state import FunctionRun, keep_function, start_function
 from statebackend.spark.local_state import LocalVersion
 from statebackend.state.functions import FunctionInitializationContext, FunctionSnapshotContext
+from tests.scripts import REPO
 
 
 class Buffer(KeyedFunction):
@@ -145,7 +146,7 @@ def test_list_checkpointed_and_plain_functions(tmp_path: Path) -> None:
 
 
 def test_the_readme_example_buffers_late_events(tmp_path: Path) -> None:
-    readme = Path(__file__).resolve().parents[2] / "README.md"
+    readme = REPO / "README.md"
     blocks = re.findall(r"```python\n(.*?)```", readme.read_text(encoding="utf-8"), re.DOTALL)
     (block,) = (b for b in blocks if "class LateEvents(KeyedFunction)" in b)
     namespace: dict[str, Any] = {}

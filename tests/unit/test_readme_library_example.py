@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.scripts import REPO
+
+README = REPO / "README.md"
 
 
 def _python_blocks() -> list[str]:
