@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import io
 import json
-import json.scanner
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
+
+import orjson
 
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.errors import ConfigurationError, SourceError
@@ -36,11 +38,15 @@ MALFORMED_POLICIES = ("fail", "skip")
 _PARTITION_NAME = re.compile(r"partition-(0|[1-9][0-9]*)\.jsonl")
 _READ_HINT = 1 << 20
 """Bytes of lines read from a partition file at a time."""
-_SCAN = cast(
-    Callable[[str, int], tuple[Any, int]],
-    json.scanner.make_scanner(cast(Any, json.JSONDecoder())),
-)
-"""The C scanner ``json.loads`` uses: (text, index) -> (value, end index)."""
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_DIGIT_RUN = b"0" * 19
+
+
+def _has_digit_run(data: bytes) -> bool:
+    """Whether ``data`` holds 19 digits in a row: where an integer may not fit in 64 bits,
+    which orjson reads as a float (json.loads: an int). A translation and a substring
+    search, 20x faster than a regular expression."""
+    return _DIGIT_RUN in data.translate(_DIGITS_TO_ZERO)
 
 Offsets = list[tuple[int, int]]
 KeyOf = Callable[[Any], Any]
@@ -55,21 +61,20 @@ def key_selector(key_by: str | KeyOf) -> KeyOf:
     """A function record -> key: ``key_by`` itself, or the record's field ``key_by``."""
     if callable(key_by):
         return key_by
-    return lambda record: record[key_by]
+    return itemgetter(key_by)
 
 
 def parse_line(line: bytes) -> Any:
-    """``json.loads(line)`` of one ``\\n``-terminated line, about 3x faster in the usual
-    case: the line is decoded and scanned as one JSON value that must end right at the
-    newline; anything else (whitespace, ``\\r``, a BOM, bad UTF-8 or JSON) goes through
-    ``json.loads``, so results and errors are exactly ``json.loads``'s."""
-    try:
-        text = line.decode()
-        value, end = _SCAN(text, 0)
-        if end == len(text) - 1:
-            return value
-    except (UnicodeDecodeError, StopIteration, ValueError):
-        pass
+    """``json.loads(line)``, about 3x faster in the usual case: orjson reads the line.
+    Where orjson and json.loads may differ, json.loads reads it: everything orjson rejects
+    (bad JSON or UTF-8, NaN, a BOM, a lone surrogate, a float beyond the double range)
+    and every line with 19 digits in a row (an integer beyond 64 bits, which orjson reads
+    as a float). So results and errors are exactly ``json.loads``'s."""
+    if not _has_digit_run(line):
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError:
+            pass
     return json.loads(line)
 
 
@@ -230,46 +235,34 @@ def _group_whole(
     data: bytes, offset: int, max_records: int, key_of: KeyOf, wanted: Callable[[Any], bool]
 ) -> GroupedBatch | None:
     """What ``LogSource.read_grouped`` returns for the lines in ``data`` (read from byte
-    ``offset``), parsed in one pass over the decoded text: each line scanned as one JSON
-    value that must end right at its newline, as ``parse_line`` does in the usual case.
-    None at the first line that is not that usual case (bad UTF-8 anywhere, anything
-    ``parse_line`` would hand to ``json.loads``, a record without a key): the line-by-line
-    read then gives its exact value, error or skip."""
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
+    ``offset``), with a C loop over the lines where ``parse_line`` has one per line: each
+    complete line read by orjson, then keyed. None if ``data`` has a line that
+    ``parse_line`` would hand to json.loads (orjson rejects it, or 19 digits in a row
+    anywhere) or a record without a key: the line-by-line read then gives its exact
+    value, error or skip."""
+    lines = data.split(b"\n")
+    del lines[-1]  # empty, or an incomplete last line: a later batch reads it
+    del lines[max_records:]
+    if _has_digit_run(data):
         return None
     groups: dict[Any, list[Any]] = {}
     decided: dict[Any, bool] = {}
-    find, scan = text.find, _SCAN
-    position, size, count = 0, len(text), 0
     try:
-        while position < size and count < max_records:
-            newline = find("\n", position)
-            if newline < 0:
-                break  # an incomplete last line: a later batch reads it
-            value, stop = scan(text, position)
-            if stop != newline:
-                return None
-            key = key_of(value)
-            count += 1
-            position = newline + 1
+        records = list(map(orjson.loads, lines))
+        keys = list(map(key_of, records))
+        for key, record in zip(keys, records, strict=True):
             keep = decided.get(key)
             if keep is None:
                 keep = decided[key] = wanted(key)
             if keep:
                 group = groups.get(key)
                 if group is None:
-                    groups[key] = [value]
+                    groups[key] = [record]
                 else:
-                    group.append(value)
+                    group.append(record)
     except Exception:
         return None
-    if position == size:
-        consumed = len(data)
-    else:
-        consumed = position if data.isascii() else len(text[:position].encode())
-    return GroupedBatch(groups, offset + consumed, 0)
+    return GroupedBatch(groups, offset + sum(map(len, lines)) + len(lines), 0)
 
 
 def _lines(f: BinaryIO, limit: int | None) -> Iterator[bytes]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from statebackend.errors import (
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import KEY_FIELD, generate_events, user_totals_job
 from statebackend.spark.runner import RunSummary
-from statebackend.spark.source import parse_line, partition_path
+from statebackend.spark.source import partition_path
 from tests.scripts import REPO
 
 SCRIPT = REPO / "scripts" / "user_totals.py"
@@ -195,30 +194,3 @@ def test_example_properties_files_parse(name: str, checkpoint_dir: str) -> None:
         for key, value in pairs
         if key.startswith("spark.statebackend.storage.")
     }
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        b'{"user": "a", "amount": 3}\n',
-        b'  {"user": "a"}  \r\n',
-        b"1\n",
-        b"1, 2\n",
-        b"[1,\n",
-        b'{"user": "\xc3\xa9"}\n',
-        b'{"user": "\xff"}\n',
-        b"\xef\xbb\xbf{}\n",
-        b"NaN\n",
-        b"\n",
-    ],
-)
-def test_parse_line_is_json_loads(line: bytes) -> None:
-    """The source's fast line parser gives json.loads's value, or its exception type."""
-    try:
-        expected: object = json.loads(line)
-    except Exception as exc:
-        with pytest.raises(type(exc)):
-            parse_line(line)
-        return
-    got = parse_line(line)
-    assert got == expected or (got != got and expected != expected)  # NaN
