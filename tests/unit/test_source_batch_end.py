@@ -84,7 +84,7 @@ _LINES = [
     '{"user": "a", "amount": 1}',
     '{"user": "bé", "amount": -2.5}',  # not ASCII: byte offsets differ from characters
     '{"user": "\\u00e9\\n", "amount": [1, {"x": null}]}',
-    '  {"user": "c"}',  # leading whitespace: json.loads takes it, the scanner does not
+    '  {"user": "c"}',  # leading whitespace: json.loads takes it
     '{"user": "d"}  ',
     '{"user": "e"}\r',
     '{"amount": 3}',  # no key
