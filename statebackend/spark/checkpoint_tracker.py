@@ -3,8 +3,12 @@
 A job triggers checkpoint N before the batch whose end it cuts; the keyed subtasks take
 their cut at the end of the batch and upload in the background; the driver polls the
 acks between batches (``poll``) and the coordinator completes N when all are in. At most
-one checkpoint is pending: the next trigger first waits for it (``wait``: polling after
-2 ms, then ever less often), and that wait is measured. A keyed subtask's upload that
+one checkpoint is pending, as in Flink by default: before triggering one that is due, a
+job asks ``idle`` (which polls, never waits) and, while the previous one still uploads,
+postpones the new one to a later batch, so that no batch waits for an upload. A trigger
+waits for a pending checkpoint (``wait``: polling after 2 ms, then ever less often) only
+when the job must checkpoint now (its last batch, a savepoint request), and that wait is
+measured. A keyed subtask's upload that
 neither acks nor beats its heartbeat for ``stall_seconds`` aborts the checkpoint early
 (``heartbeat.StallWatch``); a checkpoint that times out, stalls or fails is aborted and
 the job goes on. Savepoint requests (``statebackend savepoint trigger``) are taken by a
@@ -117,6 +121,12 @@ class CheckpointTracker:
         """The batch of the pending checkpoint returned: its uploads run in the background."""
         if self.pending is not None:
             self.pending.watch.uploads_since = time.monotonic()
+
+    def idle(self) -> bool:
+        """Whether no checkpoint is pending, after polling the pending one (never waiting
+        for it): a job triggers a due checkpoint only then, else at a later batch."""
+        self.poll()
+        return self.pending is None
 
     def poll(self) -> bool:
         """Poll the pending checkpoint; True if it completed now. A checkpoint that timed

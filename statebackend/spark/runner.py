@@ -23,7 +23,10 @@ checkpoint as operator-state snapshots of operator ``source``. Checkpoints, ever
 ``checkpoint_every`` batches, are the changelog's materializations (``CheckpointTracker``):
 triggered before their batch, cut by the keyed subtasks at its end and uploaded in the
 background; once one completes, later manifests build on it and the records at or below
-it are deleted. Batch N+1 does not wait for checkpoint N's upload.
+it are deleted. No batch waits for an upload: a checkpoint that falls due while the
+previous one still uploads is taken at the first batch after that one completed (as
+Flink postpones a trigger while a checkpoint is in progress). Only a run's final
+checkpoint and a savepoint request wait for the one before.
 
 A keyed subtask whose local copy is not at batch N-1 (Spark ran it on another host, or a
 failed attempt left it behind or ahead) rebuilds exactly its key groups from manifest N-1
@@ -207,8 +210,10 @@ class StatefulJob:
     ``key_by`` is a record field name or a function record -> key. ``restore`` is
     ``"latest"`` (the job's newest completed checkpoint, if any), a checkpoint or
     savepoint directory, or None (start empty). ``checkpoint_every`` defaults to the
-    conf's ``checkpoint.interval``; ``conf`` defaults to the SparkConf's
-    ``spark.statebackend.*`` settings.
+    conf's ``checkpoint.interval``: a checkpoint falls due that many batches after the
+    last one and is taken at the first batch, from then on, that finds no checkpoint
+    still uploading; ``conf`` defaults to the SparkConf's ``spark.statebackend.*``
+    settings.
     """
 
     def __init__(
@@ -441,10 +446,13 @@ class StatefulJob:
             request = self._tracker.savepoint_request()
             if not more and request is None and self._covered():
                 break
-            checkpoint = (
-                not more or request is not None or since_checkpoint + 1 >= self.checkpoint_every
-            )
             try:
+                idle = self._tracker.idle()  # polled every batch, never waited for
+                checkpoint = (
+                    not more
+                    or request is not None
+                    or (idle and since_checkpoint + 1 >= self.checkpoint_every)
+                )
                 self._batch(read_source=more, checkpoint=checkpoint, request=request)
                 completed = self._tracker.wait() if not more else True
                 if not more and not completed:
@@ -536,7 +544,16 @@ class StatefulJob:
         unreadable = next(
             (e for e in task_errors(exc) if isinstance(e, CheckpointUnreadableError)), None
         )
-        self._tracker.abort(f"the job failed: {exc}")
+        pending = self._tracker.pending
+        if (
+            fatal is not None
+            or unreadable is not None
+            or pending is None
+            or pending.batch_id >= self._next_batch
+        ):
+            # The failed batch's own checkpoint (its cut may be partial), and any when the
+            # run stops or falls back; one that cut an earlier, committed batch uploads on.
+            self._tracker.abort(f"the job failed: {exc}")
         error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         if fatal is not None:
             self._failed(error, "none: a deterministic error stops the run")

@@ -393,9 +393,8 @@ class StatefulStream:
         """Trigger the materialization that cuts the end of batch ``batch_id`` if it is
         due (``materialize-every`` batches after the last one) and none is pending; its
         checkpoint id. A pending one is polled first, never waited for."""
-        tracker.poll()
-        due = batch_id - self._materialized_batch >= self.conf.materialize_every
-        if not due or tracker.pending is not None:
+        idle = tracker.idle()
+        if not idle or batch_id - self._materialized_batch < self.conf.materialize_every:
             return None
         self._materialized_batch = batch_id
         properties = {

@@ -40,7 +40,7 @@ PARALLELISM = 2
 PARTITIONS = 4
 USERS = 40
 EVENTS = 1600
-BATCH_SIZE = 20  # records per partition and batch: 20 batches, one checkpoint each
+BATCH_SIZE = 20  # records per partition and batch: 20 batches, a checkpoint due at each
 
 
 def events_before(input_dir: Path, offsets: dict[int, int]) -> list[dict[str, Any]]:
@@ -125,7 +125,10 @@ def test_gc_in_a_loop_never_breaks_a_running_incremental_job(
     with GcLoop(job_dir) as gc:
         summary = run(tmp_path / "local")
     assert summary.failures == 0 and summary.aborted == 0
-    assert len(summary.checkpoints) >= 18
+    # A checkpoint due while the previous one still uploads is taken at a later batch, so
+    # about every other batch checkpoints here (11 of 20 in a run on a quiet machine).
+    assert len(summary.checkpoints) >= 4
+    assert len(summary.checkpoint_waits) <= 2  # no batch waited: only the run's end does
     capsys.readouterr()
 
     storage = CheckpointStorage(checkpoints.as_uri(), JOB_ID)

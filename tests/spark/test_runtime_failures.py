@@ -71,8 +71,8 @@ def test_python_worker_killed_mid_batch(spark_local: SparkSession, tmp_path: Pat
 
 
 def _dying_uploader(marker: Path, batch_id: int) -> KeyedFunction:
-    """UserTotals whose Python worker, in batch ``batch_id``, dies once while its
-    checkpoint upload is in the background: the upload's ack never gets written."""
+    """UserTotals whose Python worker, from batch ``batch_id`` on, dies once while its
+    next checkpoint upload is in the background: the upload's ack never gets written."""
 
     class DieAfterTask(UserTotals):
         def open(self, ctx: KeyedContext) -> None:
@@ -102,7 +102,9 @@ def test_dead_uploader_aborts_checkpoint_early(spark_local: SparkSession, tmp_pa
         source=LogSource(str(tmp_path / "input")),
         operator_id=OPERATOR_ID,
         key_by=KEY_FIELD,
-        function=_dying_uploader(marker, batch_id=1),
+        # Batch 0 always takes a checkpoint (none is pending before it); later batches
+        # find that one pending and take none until it is aborted.
+        function=_dying_uploader(marker, batch_id=0),
         parallelism=1,
         batch_size=100,
         checkpoint_every=1,

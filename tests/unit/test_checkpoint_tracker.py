@@ -1,0 +1,96 @@
+"""The driver's checkpoint tracker: ``idle`` polls a pending checkpoint and never waits for
+it (a job postpones a due checkpoint while the previous one uploads), ``trigger`` waits
+for it (a run's final checkpoint, a savepoint request) and measures the wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.keygroups import (
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+)
+from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
+from statebackend.state.descriptors import ValueStateDescriptor
+from statebackend.state.interfaces import ValueState
+
+M = 16
+P = 2
+OPERATOR = "op"
+
+
+def _setup(tmp_path: Path) -> tuple[CheckpointStorage, CheckpointTracker, list[tuple[int, int]]]:
+    storage = CheckpointStorage(tmp_path.as_uri(), "job")
+    coordinator = CheckpointCoordinator(storage, max_parallelism=M)
+    completed: list[tuple[int, int]] = []
+
+    def on_completed(pending: TrackedCheckpoint, metadata: CheckpointMetadata) -> None:
+        assert metadata.checkpoint_id == pending.checkpoint_id
+        completed.append((pending.checkpoint_id, pending.batch_id))
+
+    return storage, CheckpointTracker(storage, coordinator, OPERATOR, 60.0, on_completed), completed
+
+
+def _acknowledge(
+    storage: CheckpointStorage, tracker: CheckpointTracker, checkpoint_id: int, subtask: int
+) -> None:
+    """Subtask ``subtask`` snapshots a heap backend holding one key and acknowledges."""
+    backend = HeapKeyedStateBackend(
+        max_parallelism=M,
+        key_group_range=compute_key_group_range_for_operator_index(M, P, subtask),
+    )
+    count = backend.get_state(ValueStateDescriptor("count", IntSerializer()))
+    assert isinstance(count, ValueState)
+    serialize = StrSerializer().serialize
+    key = next(
+        k
+        for k in map(str, range(1000))
+        if assign_to_key_group(serialize(k), M) in backend.key_group_range
+    )
+    backend.set_current_key(key)
+    count.update(subtask + 1)
+    target = storage.snapshot_target(checkpoint_id, OPERATOR, subtask, tracker.coordinator.run_id)
+    handle = backend.snapshot(checkpoint_id, target).result()
+    ack = SubtaskAck(OPERATOR, subtask, P, handle, None, tracker.coordinator.run_id)
+    assert storage.write_ack(checkpoint_id, ack)
+
+
+@pytest.mark.timeout(60)  # an idle() that waited would hang here, for the missing ack
+def test_idle_polls_a_pending_checkpoint_and_never_waits(tmp_path: Path) -> None:
+    storage, tracker, completed = _setup(tmp_path)
+    assert tracker.idle()
+    checkpoint_id = tracker.trigger({OPERATOR: P}, 7, None, {})
+    _acknowledge(storage, tracker, checkpoint_id, 0)
+    assert not tracker.idle()  # subtask 1 still uploads: not complete, and not waited for
+    assert tracker.pending is not None and completed == []
+    _acknowledge(storage, tracker, checkpoint_id, 1)
+    assert tracker.idle()
+    assert completed == [(checkpoint_id, 7)]
+    assert tracker.waits == []
+
+
+def test_trigger_waits_for_the_pending_checkpoint(tmp_path: Path) -> None:
+    storage, tracker, completed = _setup(tmp_path)
+    first = tracker.trigger({OPERATOR: P}, 3, None, {})
+    _acknowledge(storage, tracker, first, 0)
+    late = threading.Timer(0.2, _acknowledge, (storage, tracker, first, 1))
+    started = time.perf_counter()
+    late.start()
+    try:
+        second = tracker.trigger({OPERATOR: P}, 4, None, {})
+    finally:
+        late.join()
+    assert time.perf_counter() - started >= 0.2
+    assert completed == [(first, 3)]
+    assert second > first and tracker.pending is not None
+    assert tracker.pending.checkpoint_id == second
+    assert len(tracker.waits) == 1 and tracker.waits[0] >= 0.2
