@@ -8,11 +8,11 @@ job asks ``idle`` (which polls, never waits) and, while the previous one still u
 postpones the new one to a later batch, so that no batch waits for an upload. A trigger
 waits for a pending checkpoint (``wait``: polling after 2 ms, then ever less often) only
 when the job must checkpoint now (its last batch, a savepoint request), and that wait is
-measured. A keyed subtask's upload that
-neither acks nor beats its heartbeat for ``stall_seconds`` aborts the checkpoint early
-(``heartbeat.StallWatch``); a checkpoint that times out, stalls or fails is aborted and
-the job goes on. Savepoint requests (``statebackend savepoint trigger``) are taken by a
-trigger and answered when their checkpoint completes or fails.
+measured. A keyed subtask's upload that neither acks nor beats its heartbeat for
+``stall_seconds`` aborts the checkpoint early (``heartbeat.StallWatch``); a checkpoint
+that times out, stalls or fails is aborted and the job goes on. Savepoint requests
+(``statebackend savepoint trigger``) are taken by a trigger and answered when their
+checkpoint completes or fails.
 
 Completion is reported to the job through ``on_completed`` with the ``_metadata`` the
 coordinator wrote (e.g. to make it the restore point, or the base of the next batch
