@@ -82,10 +82,12 @@ class CheckpointStorage:
             )
         return self._executor
 
-    def close(self) -> None:
-        """Wait for running transfers and stop the thread pool."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread pool: its transfers already started or queued still run to
+        the end; ``wait`` waits for them, else its threads end after them on their own.
+        A later transfer starts a new pool."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=wait)
             self._executor = None
 
     # -- writing a checkpoint -------------------------------------------------------------

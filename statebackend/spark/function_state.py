@@ -35,6 +35,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restore_operator_state
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.spark.local_state import LocalVersion, restore_version
+from statebackend.spark.process_cache import ProcessCache
 from statebackend.state.functions import (
     CheckpointedFunction,
     FunctionInitializationContext,
@@ -65,7 +66,13 @@ class FunctionRun(Generic[_Function]):
 
 
 _Marker = tuple[str, int | None, int, int]
-_LIVE: dict[tuple[str, int], tuple[_Marker, FunctionRun[Any]]] = {}
+LIVE_FUNCTIONS = 64
+"""How many subtasks' live functions a process keeps (of any jobs): the least recently
+run beyond it are dropped (their next batch here restores them, as on another worker)."""
+
+_LIVE: ProcessCache[tuple[str, int], tuple[_Marker, FunctionRun[Any]]] = ProcessCache(
+    LIVE_FUNCTIONS
+)
 """This process's live functions: (local root, subtask) -> (version marker, run)."""
 
 
@@ -124,9 +131,9 @@ def start_function(
     returns. Functions without operator state are run as given."""
     key = (str(root), subtask)
     current = _marker(version, version.previous_batch)
-    live = _LIVE.pop(key, None)
+    live = _LIVE.pop(key)
     for other in [k for k, (marker, _) in _LIVE.items() if k[0] == key[0] and marker != current]:
-        del _LIVE[other]  # left behind by a batch this process did not run
+        _LIVE.pop(other)  # left behind by a batch this process did not run
     checkpointed = checkpointed_of(function)
     if checkpointed is None:
         return FunctionRun(function)
@@ -143,4 +150,4 @@ def keep_function(
     """Keep ``run`` live in this process as subtask ``subtask`` at ``batch_id`` (once the
     batch committed its local state)."""
     if run.checkpointed is not None:
-        _LIVE[(str(root), subtask)] = (_marker(version, batch_id), run)
+        _LIVE.put((str(root), subtask), (_marker(version, batch_id), run))

@@ -44,6 +44,7 @@ from statebackend.spark.function_state import (
 )
 from statebackend.spark.heartbeat import UploadHeartbeat, heartbeat_path
 from statebackend.spark.local_state import LocalVersion, local_keyed_state
+from statebackend.spark.process_cache import ProcessCache
 from statebackend.spark.source import KeyOf, LogSource, Offsets
 
 RECORD = 0
@@ -82,14 +83,15 @@ class StorageSpec:
         )
 
     def open(self) -> CheckpointStorage:
-        """This process's storage for the spec (one per process, so that its transfer
-        threads outlive the task that started an upload). Bounds the process's RocksDB
-        memory by ``rocksdb_memory`` first, so that the databases it opens share it."""
+        """This process's storage for the spec (kept across tasks, for the
+        ``CACHED_STORAGES`` jobs used last, so that its transfer threads outlive the task
+        that started an upload). Bounds the process's RocksDB memory by ``rocksdb_memory``
+        first, so that the databases it opens share it."""
         set_memory_limit(self.rocksdb_memory)
         key = self._cache_key()
         storage = _STORAGES.get(key)
         if storage is None:
-            storage = _STORAGES[key] = CheckpointStorage(
+            storage = CheckpointStorage(
                 self.checkpoint_dir,
                 self.job_id,
                 storage_options=self.storage_options,
@@ -98,10 +100,18 @@ class StorageSpec:
                 incremental=self.incremental,
                 signing_key=self.signing_key,
             )
+            _STORAGES.put(key, storage)
         return storage
 
 
-_STORAGES: dict[str, CheckpointStorage] = {}
+CACHED_STORAGES = 8
+"""How many jobs' storages a process keeps open: the least recently used beyond it
+stops its transfer threads once their uploads are done (``CheckpointStorage.close``
+without waiting), so that a worker serving many jobs does not keep a pool for each."""
+
+_STORAGES: ProcessCache[str, CheckpointStorage] = ProcessCache(
+    CACHED_STORAGES, lambda storage: storage.close(wait=False)
+)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,12 @@ from typing import Any, cast
 from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
-from statebackend.spark.function_state import FunctionRun, keep_function, start_function
+from statebackend.spark.function_state import (
+    LIVE_FUNCTIONS,
+    FunctionRun,
+    keep_function,
+    start_function,
+)
 from statebackend.spark.local_state import LocalVersion
 from statebackend.state.functions import FunctionInitializationContext, FunctionSnapshotContext
 from tests.scripts import REPO
@@ -161,3 +166,20 @@ def test_the_readme_example_buffers_late_events(tmp_path: Path) -> None:
     assert restored.get_list_state("late", StrSerializer()).get() == ["e1"]
     rules = restored.get_broadcast_state("rules", StrSerializer(), IntSerializer())
     assert dict(rules.items()) == {"default": 1}
+
+
+def test_a_process_keeps_the_live_functions_of_a_bounded_number_of_subtasks(
+    tmp_path: Path,
+) -> None:
+    """A worker serving many jobs keeps at most LIVE_FUNCTIONS live functions: the least
+    recently run is dropped and restored at its next batch; the others go on."""
+    jobs = [Restores() for _ in range(LIVE_FUNCTIONS + 1)]
+    first = run_batch(tmp_path / "job-0", jobs[0], 0, [1])
+    second = run_batch(tmp_path / "job-1", jobs[1], 0, [2])
+    for index in range(2, len(jobs)):
+        run_batch(tmp_path / f"job-{index}", jobs[index], 0, [index])
+    assert run_batch(tmp_path / "job-1", jobs[1], 1, [20]) is second  # job-0 went first
+    assert jobs[1].calls == 1
+    again = run_batch(tmp_path / "job-0", jobs[0], 1, [10])
+    assert again is not first and jobs[0].calls == 2
+    assert isinstance(again.function, Buffer) and again.function.items.get() == [1, 10]
