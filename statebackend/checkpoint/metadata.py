@@ -393,6 +393,15 @@ def _handle_problem(ack: SubtaskAck) -> str | None:
         bad = [n for n in names if not _FILE_NAME.fullmatch(n) or not n.strip(".")]
         if bad or len(set(names)) != len(names):
             return f"incremental handle has invalid or repeated file names {bad or names}"
+        for native in (*keyed.shared, *keyed.private):
+            if native.inline is None:
+                continue
+            if len(native.inline) != native.size:
+                return (
+                    f"inline file {native.name} has {len(native.inline)} bytes, not {native.size}"
+                )
+            if algorithm_of(native.checksum) is None:
+                return f"inline file {native.name} has a malformed checksum {native.checksum!r}"
     handle = ack.operator_state
     if handle is not None:
         if handle.inline is None and handle.path is None:

@@ -263,14 +263,16 @@ def checkpoint_metrics(
     """The metrics of the completed checkpoint ``metadata``: full bytes are its full
     keyed, raw keyed and operator-state files; incremental bytes the files of its
     incremental snapshots that ``previous`` (the checkpoint before, if known) does not
-    reference, i.e. the ones uploaded for it; duration from trigger to completion."""
+    reference, i.e. the ones uploaded for it (not the small ones inline in
+    ``_metadata``); duration from trigger to completion."""
     reused = {f.path for f in previous.files()} if previous is not None else set()
     full = incremental = 0
     for snapshot in metadata.operators.values():
         for ack in snapshot.subtasks:
             if isinstance(ack.keyed, IncrementalKeyedStateHandle):
-                incremental += sum(f.size for f in ack.keyed.files() if f.path not in reused)
-                full += sum(f.size for f in ack.files()) - ack.keyed.size
+                keyed_files = ack.keyed.files()
+                incremental += sum(f.size for f in keyed_files if f.path not in reused)
+                full += sum(f.size for f in ack.files()) - sum(f.size for f in keyed_files)
             else:
                 full += sum(f.size for f in ack.files())
     return CheckpointMetrics(

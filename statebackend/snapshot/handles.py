@@ -27,6 +27,11 @@ ReadRange = Callable[[str, int, int], bytes]
 
 IndexedFileT = TypeVar("IndexedFileT", bound="KeyGroupIndexedFile")
 
+INLINE_LIMIT = 20 * 1024
+"""State smaller than this (bytes) is kept inside its handle, so in ``_metadata``,
+instead of a file of its own: an operator-state blob, a native checkpoint's small files
+(Flink's ``state.storage.fs.memory-threshold``)."""
+
 KeyGroupIndex = tuple[tuple[int, int, int], ...]
 """``(key group, offset, length)`` of the key groups that have bytes in a file, in order."""
 

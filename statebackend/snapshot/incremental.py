@@ -11,7 +11,10 @@ incremental snapshot uploads its files without reading a single entry:
   ``NativeCheckpoint.records`` directory, one JSON file per checkpoint, so they survive
   ``close()``/reopen across micro-batches and go with the database.
 - The other files (MANIFEST, CURRENT, OPTIONS, rocksdict's config, the WAL, empty after
-  the checkpoint's flush) are small and private to the checkpoint directory.
+  the checkpoint's flush) are private to the checkpoint. Those smaller than
+  ``INLINE_LIMIT`` (all of them, usually) are kept inside the handle, so in
+  ``_metadata``, as Flink keeps state below its memory threshold: one request for the
+  snapshot's small files instead of one per file, on upload and on restore.
 
 Paths in the handle are relative to the checkpoint directory (``../shared/...`` for
 shared files), like every handle's. A snapshot that is cancelled or fails deletes the
@@ -24,6 +27,7 @@ read-only as RocksDB and streams the key groups it needs, state by state.
 
 from __future__ import annotations
 
+import base64
 import json
 import tempfile
 import threading
@@ -39,11 +43,12 @@ from statebackend.backends.keyed import KeyedStateCut, NativeCheckpoint, StateMe
 from statebackend.backends.rocksdb import CheckpointReader, RocksDBCheckpointView
 from statebackend.backends.stores import Entry, split_composite_key
 from statebackend.backends.timers import TimerSnapshotInfo
-from statebackend.checksums import CRC32, RunningChecksum, algorithm_of
+from statebackend.checksums import CRC32, RunningChecksum, algorithm_of, checksum
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.handles import (
+    INLINE_LIMIT,
     HandleFiles,
     Relocate,
     SnapshotFileSystem,
@@ -72,21 +77,39 @@ class SharedLocation:
 
 class NativeFile(NamedTuple):
     """One file of a native checkpoint in a handle: its name in the RocksDB directory,
-    its stored path (relative to the checkpoint directory), size and checksum."""
+    its stored path (relative to the checkpoint directory; None when its bytes are
+    ``inline`` in the handle), size and checksum."""
 
     name: str
-    path: str
+    path: str | None
     size: int
     checksum: str
+    inline: bytes | None = None
+
+    def stored(self) -> StoredFile | None:
+        """The file as stored apart from ``_metadata``; None when it is inline."""
+        return None if self.path is None else StoredFile(self.path, self.size, self.checksum)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict."""
-        return self._asdict()
+        """A JSON-able dict (the inline bytes in base64)."""
+        document: dict[str, Any] = {"name": self.name, "size": self.size}
+        if self.inline is None:
+            document["path"] = self.path
+        else:
+            document["inline"] = base64.b64encode(self.inline).decode()
+        return {**document, "checksum": self.checksum}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NativeFile:
         """The inverse of ``to_json``."""
-        return cls(data["name"], data["path"], int(data["size"]), data["checksum"])
+        inline = data.get("inline")
+        return cls(
+            data["name"],
+            None if inline is not None else str(data["path"]),
+            int(data["size"]),
+            data["checksum"],
+            None if inline is None else base64.b64decode(inline, validate=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -114,15 +137,20 @@ class IncrementalKeyedStateHandle:
         return self.size if key_groups else 0
 
     def files(self) -> list[StoredFile]:
-        """Every file the snapshot references, shared ones first."""
-        return [StoredFile(f.path, f.size, f.checksum) for f in (*self.shared, *self.private)]
+        """Every stored file the snapshot references, shared ones first (not the ones
+        inline in the handle)."""
+        return [s for f in (*self.shared, *self.private) if (s := f.stored()) is not None]
 
     def with_paths(self, relocate: Relocate) -> IncrementalKeyedStateHandle:
-        """The same handle with every file's path mapped by ``relocate``."""
+        """The same handle with every stored file's path mapped by ``relocate``."""
+
+        def moved(file: NativeFile) -> NativeFile:
+            return file if file.path is None else file._replace(path=relocate(file.path))
+
         return replace(
             self,
-            shared=tuple(f._replace(path=relocate(f.path)) for f in self.shared),
-            private=tuple(f._replace(path=relocate(f.path)) for f in self.private),
+            shared=tuple(moved(f) for f in self.shared),
+            private=tuple(moved(f) for f in self.private),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -243,10 +271,17 @@ def upload_native_checkpoint(
     previous = reusable_files(native, checkpoint_id, shared)
     token = uuid.uuid4().hex[:12]
     shared_files: list[NativeFile] = []
+    inline_files: list[NativeFile] = []
     pending: list[tuple[Path, str, str, bool]] = []
     for local in sorted(native.directory.iterdir()):
         is_sst = local.suffix == _SST_SUFFIX
-        reused = previous.get((local.name, local.stat().st_size)) if is_sst else None
+        size = local.stat().st_size
+        if not is_sst and size < INLINE_LIMIT:
+            data = local.read_bytes()
+            digest = checksum(data, fs.checksum_algorithm)
+            inline_files.append(NativeFile(local.name, None, len(data), digest, data))
+            continue
+        reused = previous.get((local.name, size)) if is_sst else None
         # A file recorded with another checksum algorithm (signing was switched on) is
         # uploaded again, so that every file of a signed checkpoint has a SHA-256.
         if reused is not None and algorithm_of(reused.checksum) == fs.checksum_algorithm:
@@ -298,19 +333,29 @@ def upload_native_checkpoint(
     if uploaded is not None:
         uploaded.extend(remote for _, remote, _, _ in pending)
     shared_files += [file for file, item in zip(written, pending, strict=True) if item[3]]
-    private_files = [file for file, item in zip(written, pending, strict=True) if not item[3]]
+    private_files = inline_files + [
+        file for file, item in zip(written, pending, strict=True) if not item[3]
+    ]
     record_uploads(native, checkpoint_id, shared, shared_files)
     return IncrementalKeyedStateHandle(
         key_group_range=cut.key_group_range,
         states=tuple(cut.states),
         key_serializer=cut.key_serializer,
         shared=tuple(shared_files),
-        private=tuple(private_files),
+        private=tuple(sorted(private_files)),
         timers=cut.timers,
     )
 
 
 # -- restore ------------------------------------------------------------------------------------
+
+
+def _check_download(where: str, file: NativeFile, size: int, digest: str) -> None:
+    if size != file.size or digest != file.checksum:
+        raise CheckpointCorruptedError(
+            f"{where}: size {size} and checksum {digest} != expected {file.size} "
+            f"and {file.checksum}; the file is truncated or corrupted"
+        )
 
 
 def _download(fs: SnapshotFileSystem, remote: str, file: NativeFile, target: Path) -> None:
@@ -324,11 +369,7 @@ def _download(fs: SnapshotFileSystem, remote: str, file: NativeFile, target: Pat
                 running.update(chunk)
     finally:
         stream.close()
-    if size != file.size or running.value() != file.checksum:
-        raise CheckpointCorruptedError(
-            f"{remote}: size {size} and checksum {running.value()} != expected {file.size} "
-            f"and {file.checksum}; the file is truncated or corrupted"
-        )
+    _check_download(remote, file, size, running.value())
 
 
 def download_native_checkpoint(
@@ -340,12 +381,23 @@ def download_native_checkpoint(
 ) -> None:
     """Download every file of ``handle`` (relative to ``directory``) into the existing
     directory ``target``, up to ``threads`` at a time, checking each one's size and
-    checksum (CheckpointCorruptedError naming it)."""
-    files = (*handle.shared, *handle.private)
-    with ThreadPoolExecutor(max(1, min(threads, len(files))), "statebackend-file") as pool:
+    checksum (CheckpointCorruptedError naming it); files inline in the handle are
+    checked and written as they are."""
+    stored: list[NativeFile] = []
+    for file in (*handle.shared, *handle.private):
+        if file.inline is None:
+            stored.append(file)
+            continue
+        algorithm = algorithm_of(file.checksum) or CRC32
+        digest = checksum(file.inline, algorithm)
+        _check_download(f"{file.name} (inline in {directory})", file, len(file.inline), digest)
+        (target / file.name).write_bytes(file.inline)
+    if not stored:
+        return
+    with ThreadPoolExecutor(max(1, min(threads, len(stored))), "statebackend-file") as pool:
         futures = [
-            pool.submit(_download, fs, resolve_path(directory, f.path), f, target / f.name)
-            for f in files
+            pool.submit(_download, fs, resolve_path(directory, str(f.path)), f, target / f.name)
+            for f in stored
         ]
         for future in futures:
             future.result()

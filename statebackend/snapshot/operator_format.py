@@ -4,7 +4,8 @@ A subtask's operator state is one blob: every element of every named state (broa
 entries encoded as ``[key length: 4][key][value]``), then the raw partitions. The handle
 lists, per state, each element's ``[offset, length, crc32]``, so a restore reads only
 the slices its new subtask gets (``backends.operator_redistribution``) and checks
-each element it read. A blob smaller than ``INLINE_LIMIT`` is kept inside ``_metadata``.
+each element it read. A blob smaller than ``handles.INLINE_LIMIT`` is kept inside
+``_metadata``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from statebackend.backends.operator_redistribution import redistribute_cut
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.redistribution import DistributionMode, StateLayout
 from statebackend.serializers import SerializerConfig
-
-INLINE_LIMIT = 20 * 1024
-"""Operator state smaller than this (bytes) is stored inside ``_metadata``."""
 
 _KEY_LENGTH = Struct(">I")
 

@@ -16,11 +16,11 @@ from statebackend.checksums import checksum
 from statebackend.errors import CheckpointCancelledError, CheckpointError
 from statebackend.snapshot.frames import CODECS, check_codec
 from statebackend.snapshot.future import ShouldStop, SnapshotFuture
+from statebackend.snapshot.handles import INLINE_LIMIT
 from statebackend.snapshot.incremental import SharedLocation, upload_native_checkpoint
 from statebackend.snapshot.keyed_format import FullKeyedStateHandle, encode_keyed_cut
 from statebackend.snapshot.keyed_handles import KeyedHandle
 from statebackend.snapshot.operator_format import (
-    INLINE_LIMIT,
     OperatorStateHandle,
     encode_operator_cut,
 )

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.savepoints import Progress
-from statebackend.checksums import checksum
+from statebackend.checksums import CRC32, algorithm_of, checksum
 from statebackend.errors import CheckpointError
 from statebackend.snapshot.handles import resolve_path
+from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 from statebackend.snapshot.operator_format import OperatorStateHandle, Span
 from statebackend.tools.location import CheckpointRef
 
@@ -46,8 +47,8 @@ def _inline_problems(where: str, blob: bytes, handle: OperatorStateHandle) -> li
 def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> list[Problem]:
     """The problems of the checkpoint: missing, truncated or corrupted files, shared ones
     included (checked by size and checksum, reading each file whole), and inline operator
-    state failing its checksums. Empty if all is well. (Handles pointing beyond their
-    files were refused when ``_metadata`` was loaded.)"""
+    state and native checkpoint files failing their checksums. Empty if all is well.
+    (Handles pointing beyond their files were refused when ``_metadata`` was loaded.)"""
     problems: list[Problem] = []
     for relative, size, expected in ref.metadata.files():
         path = resolve_path(ref.directory, relative)
@@ -66,4 +67,15 @@ def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> l
                     f"{operator_id} subtask {ack.subtask})"
                 )
                 problems += _inline_problems(where, handle.inline, handle)
+            keyed = ack.keyed
+            native = keyed.private if isinstance(keyed, IncrementalKeyedStateHandle) else ()
+            for file in native:
+                if file.inline is None:
+                    continue
+                if checksum(file.inline, algorithm_of(file.checksum) or CRC32) != file.checksum:
+                    where = (
+                        f"{metadata_path(ref.directory)} (inline file {file.name} of "
+                        f"{operator_id} subtask {ack.subtask})"
+                    )
+                    problems.append(Problem(where, f"{where}: checksum mismatch"))
     return problems

@@ -232,7 +232,10 @@ def test_shared_files_of_a_pending_checkpoint_are_kept_before_its_directory_exis
         futures = job.snapshot(checkpoint_id)
         model = {k: (c, dict(t)) for k, (c, t) in job.model.items()}
         deadline = time.monotonic() + WAIT
-        while fs.shared_written == shared_written or not fs.holding.is_set():
+        # until the SST files are up and the rest waits (or is inline: no ack is written yet)
+        while fs.shared_written == shared_written or not (
+            fs.holding.is_set() or all(future.done() for future in futures)
+        ):
             assert time.monotonic() < deadline, "no SST file of chk-2 was uploaded"
             time.sleep(0.01)
         uploaded = new_shared_files(job, before)

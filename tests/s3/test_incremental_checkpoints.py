@@ -7,6 +7,8 @@ from a plain-Python model of the state.
 
 from __future__ import annotations
 
+import base64
+import json
 import random
 import threading
 import time
@@ -36,6 +38,7 @@ from statebackend.keygroups import (
     compute_operator_index_for_key_group,
 )
 from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.snapshot import incremental
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
@@ -338,9 +341,11 @@ def test_unchanged_sst_files_are_uploaded_once(job: Job) -> None:
     uploaded = job.storage.fs.bytes_written - before
     (two,) = handles(job, second)
     assert two.shared == one.shared
-    private_bytes = sum(f.size for f in two.private)
-    # the private files, the ack, _metadata and the coordinator's _pending and _checkpoint_id
-    assert uploaded < private_bytes + 8192
+    assert all(f.inline is not None for f in two.private)  # all smaller than INLINE_LIMIT
+    inline_json = sum(len(json.dumps(f.to_json())) for f in two.private)
+    # the private files inline in the ack and in _metadata, the rest of both, and the
+    # coordinator's _pending and _checkpoint_id
+    assert uploaded < 2 * inline_json + 8192
     assert shared_names(job) == referenced_shared(job, [first])
 
     job.write(500)
@@ -353,7 +358,8 @@ def test_unchanged_sst_files_are_uploaded_once(job: Job) -> None:
     new = [f for f in three.shared if f.name not in old]
     assert reused and new
     assert all(f == old[f.name] for f in reused)
-    assert uploaded < sum(f.size for f in new) + sum(f.size for f in three.private) + 8192
+    inline_json = sum(len(json.dumps(f.to_json())) for f in three.private)
+    assert uploaded < sum(f.size for f in new) + 2 * inline_json + 8192
     assert job.models[third] != job.models[first]
     for checkpoint_id in (first, second, third):
         restored = restore(job.storage.fs, job.storage.resolve(checkpoint_id), 1, Path("unused"))
@@ -487,6 +493,77 @@ def test_verify_and_restore_catch_a_damaged_shared_file(job: Job) -> None:
     assert "checksum" in problems[0].message
     with pytest.raises(CheckpointCorruptedError, match=damaged.rsplit("/", 1)[-1]):
         restore(job.storage.fs, directory, 1, Path("unused"))
+
+
+def test_small_private_files_are_inline_and_larger_ones_stored(
+    job: Job, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The native checkpoint's private files below INLINE_LIMIT (all of them here) are
+    kept in the handle: the checkpoint directory stores none of them, and the handle
+    round-trips through JSON. With a limit of 0 they are stored files. Both restore."""
+    job.write(3000)
+    inline = job.checkpoint()
+    monkeypatch.setattr(incremental, "INLINE_LIMIT", 0)
+    job.write(1000)
+    stored = job.checkpoint()
+
+    (small,) = handles(job, inline)
+    assert {f.name for f in small.private} >= {"CURRENT", "rocksdict-config.json"}
+    assert all(f.path is None and len(f.inline or b"") == f.size for f in small.private)
+    assert all(f.path.startswith("../shared/") for f in job.storage.load(inline).files())
+    assert IncrementalKeyedStateHandle.from_json(json.loads(json.dumps(small.to_json()))) == small
+    (large,) = handles(job, stored)
+    assert all(f.inline is None and f.path for f in large.private)
+    private_paths = {f.path for f in job.storage.load(stored).files()} - {
+        f.path for f in large.shared
+    }
+    assert len(private_paths) == len(large.private)
+    for checkpoint_id in (inline, stored):
+        directory = job.storage.resolve(checkpoint_id)
+        restored = restore(job.storage.fs, directory, 2, Path(f"unused-{checkpoint_id}"))
+        assert restored == job.models[checkpoint_id]
+        rocksdb = restore(job.storage.fs, directory, 1, tmp_path / str(checkpoint_id), "rocksdb")
+        assert rocksdb == job.models[checkpoint_id]
+
+
+def test_verify_and_restore_catch_a_damaged_inline_file(job: Job) -> None:
+    """A flipped byte in a private file inline in ``_metadata``: verify names the file
+    and the subtask, restore fails naming the file."""
+    job.write(3000)
+    checkpoint_id = job.checkpoint()
+    directory = job.storage.resolve(checkpoint_id)
+    path = join(directory, "_metadata")
+    fs = raw_fs(job.location)
+    document = json.loads(fs.cat_file(path))
+    (ack,) = document["operators"][OPERATOR]["subtasks"]
+    options = next(f for f in ack["keyed"]["private"] if f["name"].startswith("OPTIONS"))
+    data = bytearray(base64.b64decode(options["inline"]))
+    data[len(data) // 2] ^= 0x01
+    options["inline"] = base64.b64encode(bytes(data)).decode()
+    fs.pipe_file(path, json.dumps(document).encode())
+
+    ref = CheckpointRef(job.storage.fs, directory, job.storage.load(checkpoint_id))
+    problems = verify_checkpoint(ref)
+    assert len(problems) == 1 and options["name"] in problems[0].path
+    assert f"{OPERATOR} subtask 0" in problems[0].path and "checksum" in problems[0].message
+    with pytest.raises(CheckpointCorruptedError, match=options["name"]):
+        restore(job.storage.fs, directory, 1, Path("unused"))
+
+
+def test_an_inline_file_of_the_wrong_size_is_refused_on_load(job: Job) -> None:
+    """``_metadata`` whose inline file is not as long as its size: a clear load error."""
+    job.write(500)
+    checkpoint_id = job.checkpoint()
+    directory = job.storage.resolve(checkpoint_id)
+    path = join(directory, "_metadata")
+    fs = raw_fs(job.location)
+    document = json.loads(fs.cat_file(path))
+    (ack,) = document["operators"][OPERATOR]["subtasks"]
+    current = next(f for f in ack["keyed"]["private"] if f["name"] == "CURRENT")
+    current["size"] += 1
+    fs.pipe_file(path, json.dumps(document).encode())
+    with pytest.raises(CheckpointCorruptedError, match="inline file CURRENT has"):
+        job.storage.load(checkpoint_id)
 
 
 def test_gc_lists_only_unreferenced_shared_files(job: Job) -> None:
