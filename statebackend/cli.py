@@ -90,6 +90,15 @@ def _size(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+def _state_size(info: dict[str, Any]) -> str:
+    """``inspect``'s state size: all of it, and where it is kept."""
+    inline = info["inline_bytes"]
+    in_files = f"{_size(info['state_bytes'] - inline)} in {info['files']} files"
+    if not inline:
+        return in_files
+    return f"{_size(info['state_bytes'])}: {in_files}, {_size(inline)} inline in _metadata"
+
+
 def _time(timestamp: float | None) -> str:
     if timestamp is None:
         return "-"
@@ -297,7 +306,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _out(f"{info['kind']} {info['checkpoint_id']} of job {info['job_id']}: {info['path']}")
     _out(
         f"  completed {_time(info['completed_at'])}, max parallelism {info['max_parallelism']}, "
-        f"{_size(info['state_bytes'])} in {info['files']} files"
+        + _state_size(info)
     )
     for operator_id, op in info["operators"].items():
         _out(f"operator {operator_id}: parallelism {op['parallelism']}, {_size(op['state_bytes'])}")

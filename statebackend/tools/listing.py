@@ -215,9 +215,10 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
     None when its snapshots predate timers), and per subtask its key-group range, keyed
     bytes, keyed file (``keyed_files`` for an incremental snapshot), operator-state
     elements and, when it has raw keyed state, its ``raw_keyed_*`` range, key groups with
-    a stream, bytes and file.
+    a stream, bytes and file. ``inline_bytes``: the state kept inside ``_metadata``.
     """
     md = ref.metadata
+    files = md.files()
     operators: dict[str, Any] = {}
     for operator_id, snapshot in sorted(md.operators.items()):
         keyed: dict[str, dict[str, Any]] = {}
@@ -307,7 +308,8 @@ def inspect_checkpoint(ref: CheckpointRef) -> dict[str, Any]:
         "completed_at": md.completed_at,
         "max_parallelism": md.max_parallelism,
         "state_bytes": md.state_bytes(),
-        "files": len(md.files()),
+        "files": len(files),
+        "inline_bytes": md.state_bytes() - sum(f.size for f in files),
         "properties": dict(md.properties),
         "operators": operators,
     }

@@ -43,6 +43,7 @@ from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
 from statebackend.tools.gc import find_garbage
+from statebackend.tools.listing import inspect_checkpoint
 from statebackend.tools.location import CheckpointRef
 from statebackend.tools.verify import verify_checkpoint
 from tests.conftest import S3Endpoint, Storage
@@ -518,6 +519,10 @@ def test_small_private_files_are_inline_and_larger_ones_stored(
         f.path for f in large.shared
     }
     assert len(private_paths) == len(large.private)
+    for checkpoint_id, inline_bytes in ((inline, sum(f.size for f in small.private)), (stored, 0)):
+        metadata = job.storage.load(checkpoint_id)
+        ref = CheckpointRef(job.storage.fs, job.storage.resolve(checkpoint_id), metadata)
+        assert inspect_checkpoint(ref)["inline_bytes"] == inline_bytes
     for checkpoint_id in (inline, stored):
         directory = job.storage.resolve(checkpoint_id)
         restored = restore(job.storage.fs, directory, 2, Path(f"unused-{checkpoint_id}"))
