@@ -496,6 +496,21 @@ def test_verify_and_restore_catch_a_damaged_shared_file(job: Job) -> None:
         restore(job.storage.fs, directory, 1, Path("unused"))
 
 
+def edit_inline_file(
+    job: Job, checkpoint_id: int, prefix: str, edit: Callable[[dict[str, Any]], None]
+) -> str:
+    """Apply ``edit`` to the JSON of the first inline private file whose name starts with
+    ``prefix`` in checkpoint N's ``_metadata`` (one subtask), written back; its name."""
+    path = join(job.storage.resolve(checkpoint_id), "_metadata")
+    fs = raw_fs(job.location)
+    document = json.loads(fs.cat_file(path))
+    (ack,) = document["operators"][OPERATOR]["subtasks"]
+    file = next(f for f in ack["keyed"]["private"] if f["name"].startswith(prefix))
+    edit(file)
+    fs.pipe_file(path, json.dumps(document).encode())
+    return str(file["name"])
+
+
 def test_small_private_files_are_inline_and_larger_ones_stored(
     job: Job, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -536,22 +551,19 @@ def test_verify_and_restore_catch_a_damaged_inline_file(job: Job) -> None:
     and the subtask, restore fails naming the file."""
     job.write(3000)
     checkpoint_id = job.checkpoint()
-    directory = job.storage.resolve(checkpoint_id)
-    path = join(directory, "_metadata")
-    fs = raw_fs(job.location)
-    document = json.loads(fs.cat_file(path))
-    (ack,) = document["operators"][OPERATOR]["subtasks"]
-    options = next(f for f in ack["keyed"]["private"] if f["name"].startswith("OPTIONS"))
-    data = bytearray(base64.b64decode(options["inline"]))
-    data[len(data) // 2] ^= 0x01
-    options["inline"] = base64.b64encode(bytes(data)).decode()
-    fs.pipe_file(path, json.dumps(document).encode())
 
+    def flip(file: dict[str, Any]) -> None:
+        data = bytearray(base64.b64decode(file["inline"]))
+        data[len(data) // 2] ^= 0x01
+        file["inline"] = base64.b64encode(bytes(data)).decode()
+
+    name = edit_inline_file(job, checkpoint_id, "OPTIONS", flip)
+    directory = job.storage.resolve(checkpoint_id)
     ref = CheckpointRef(job.storage.fs, directory, job.storage.load(checkpoint_id))
     problems = verify_checkpoint(ref)
-    assert len(problems) == 1 and options["name"] in problems[0].path
+    assert len(problems) == 1 and name in problems[0].path
     assert f"{OPERATOR} subtask 0" in problems[0].path and "checksum" in problems[0].message
-    with pytest.raises(CheckpointCorruptedError, match=options["name"]):
+    with pytest.raises(CheckpointCorruptedError, match=name):
         restore(job.storage.fs, directory, 1, Path("unused"))
 
 
@@ -559,14 +571,11 @@ def test_an_inline_file_of_the_wrong_size_is_refused_on_load(job: Job) -> None:
     """``_metadata`` whose inline file is not as long as its size: a clear load error."""
     job.write(500)
     checkpoint_id = job.checkpoint()
-    directory = job.storage.resolve(checkpoint_id)
-    path = join(directory, "_metadata")
-    fs = raw_fs(job.location)
-    document = json.loads(fs.cat_file(path))
-    (ack,) = document["operators"][OPERATOR]["subtasks"]
-    current = next(f for f in ack["keyed"]["private"] if f["name"] == "CURRENT")
-    current["size"] += 1
-    fs.pipe_file(path, json.dumps(document).encode())
+
+    def grow(file: dict[str, Any]) -> None:
+        file["size"] += 1
+
+    edit_inline_file(job, checkpoint_id, "CURRENT", grow)
     with pytest.raises(CheckpointCorruptedError, match="inline file CURRENT has"):
         job.storage.load(checkpoint_id)
 
