@@ -11,7 +11,12 @@ operator state by the old handles' element spans, per distribution mode.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+from collections import deque
+from collections.abc import Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from statebackend.snapshot.handles import HandleFiles, resolve_path
 from statebackend.snapshot.incremental import (
     IncrementalKeyedStateHandle,
     download_native_checkpoint,
+    read_downloaded_runs,
 )
 from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.snapshot.raw_keyed_format import read_raw_keyed_streams
@@ -143,7 +149,8 @@ def restore_keyed_state(
     Full snapshots: reads only the intersecting key groups, by ranged reads run ahead of
     the decoding, verifying every frame. Incremental snapshots: downloads the
     intersecting handles' files (into the backend's ``scratch_dir``, else the system's
-    temp directory) and checks their checksums. Into a backend that accepts one (a fresh
+    temp directory; two handles at a time, ahead of their loading) and checks their
+    checksums. Into a backend that accepts one (a fresh
     RocksDB backend), the incremental handle that covers most of its key groups is
     downloaded and becomes its data, clipped to its range by ``delete_range`` (as Flink
     does); every other source is read as sorted runs and loaded by
@@ -160,26 +167,80 @@ def restore_keyed_state(
         for handle in snapshot.keyed_handles()
         if (key_groups := handle.key_group_range.intersection(backend.key_group_range))
     ]
-    restored = 0
+    base = None
     incremental = [s for s in sources if isinstance(s[0], IncrementalKeyedStateHandle)]
     if incremental and backend.accepts_native_checkpoint():
         base = max(incremental, key=lambda source: len(source[1]))
-        sources = [source for source in sources if source is not base]
-        handle = base[0]
-        assert isinstance(handle, IncrementalKeyedStateHandle)
-        with tempfile.TemporaryDirectory(prefix="restore-", dir=backend.scratch_dir) as temporary:
-            download = Path(temporary) / "db"
-            download.mkdir()
-            download_native_checkpoint(fs, checkpoint_dir, handle, download)
-            backend.restore_native_checkpoint(
-                download, handle.key_serializer, handle.states, handle.timers
-            )
+        sources = [base, *(source for source in sources if source is not base)]
+    handles = [h for h, _ in sources if isinstance(h, IncrementalKeyedStateHandle)]
     files = HandleFiles(fs, checkpoint_dir, fs.read_range, backend.scratch_dir)
-    for handle, key_groups in sources:
-        restored += backend.restore_sorted(
-            handle.key_serializer, handle.states, handle.read_runs(files, key_groups), handle.timers
-        )
+    restored = 0
+    with (
+        tempfile.TemporaryDirectory(prefix="restore-", dir=backend.scratch_dir) as temporary,
+        closing(_downloaded(fs, checkpoint_dir, handles, Path(temporary))) as downloads,
+    ):
+        for source in sources:
+            handle, key_groups = source
+            if not isinstance(handle, IncrementalKeyedStateHandle):
+                runs = handle.read_runs(files, key_groups)
+                restored += backend.restore_sorted(
+                    handle.key_serializer, handle.states, runs, handle.timers
+                )
+                continue
+            local = next(downloads)
+            if source is base:
+                backend.restore_native_checkpoint(
+                    local, handle.key_serializer, handle.states, handle.timers
+                )
+                continue
+            runs = read_downloaded_runs(local, handle, key_groups)
+            restored += backend.restore_sorted(
+                handle.key_serializer, handle.states, runs, handle.timers
+            )
+            shutil.rmtree(local)
     return restored
+
+
+HANDLE_DOWNLOADS_AHEAD = 2
+"""Incremental handles a restore downloads at once: the one it loads next and the one
+after (so the download of the adopted database overlaps the next handle's, and each
+handle's copy the download of the one after), each 4 files at a time."""
+
+
+def _downloaded(
+    fs: CheckpointFileSystem,
+    checkpoint_dir: str,
+    handles: list[IncrementalKeyedStateHandle],
+    into: Path,
+) -> Generator[Path, None, None]:
+    """The directories the handles' files were downloaded into (one each under
+    ``into``), in order, with up to ``HANDLE_DOWNLOADS_AHEAD`` downloads running ahead of
+    the caller; downloads not started when the caller stops are not made."""
+    ahead = HANDLE_DOWNLOADS_AHEAD
+    remaining = iter(enumerate(handles))
+    pending: deque[tuple[Path, Future[None]]] = deque()
+    with ThreadPoolExecutor(ahead, thread_name_prefix="statebackend-restore") as pool:
+
+        def start_more() -> None:
+            while len(pending) < ahead and (item := next(remaining, None)) is not None:
+                number, handle = item
+                target = into / f"handle-{number}"
+                target.mkdir()
+                download = pool.submit(
+                    download_native_checkpoint, fs, checkpoint_dir, handle, target
+                )
+                pending.append((target, download))
+
+        try:
+            start_more()
+            while pending:
+                target, download = pending.popleft()
+                download.result()
+                start_more()
+                yield target
+        finally:
+            for _, download in pending:
+                download.cancel()
 
 
 def restore_operator_state(

@@ -414,19 +414,28 @@ def read_incremental_runs(
     ``handle`` in ``key_groups``, state by state, in composite-key order. Downloads the
     handle's files (``download_native_checkpoint``) into a temporary directory under
     ``local_dir`` (default: the system's), removed when the iteration ends."""
-    wanted = handle.key_group_range.intersection(key_groups)
-    if not wanted:
+    if not handle.key_group_range.intersection(key_groups):
         return
     with tempfile.TemporaryDirectory(prefix="restore-", dir=local_dir) as temporary:
         download_native_checkpoint(fs, directory, handle, Path(temporary))
-        reader = CheckpointReader(temporary, [meta.name for meta in handle.states])
-        try:
-            for meta in handle.states:
-                view = RocksDBCheckpointView(reader, meta.name)
-                for key_group in wanted:
-                    yield meta.name, key_group, list(view.composite_items(key_group))
-        finally:
-            reader.close()
+        yield from read_downloaded_runs(Path(temporary), handle, key_groups)
+
+
+def read_downloaded_runs(
+    local: Path, handle: IncrementalKeyedStateHandle, key_groups: KeyGroupRange
+) -> Iterator[tuple[str, int, list[tuple[bytes, bytes]]]]:
+    """``read_incremental_runs`` of a handle whose files were downloaded into ``local``."""
+    wanted = handle.key_group_range.intersection(key_groups)
+    if not wanted:
+        return
+    reader = CheckpointReader(str(local), [meta.name for meta in handle.states])
+    try:
+        for meta in handle.states:
+            view = RocksDBCheckpointView(reader, meta.name)
+            for key_group in wanted:
+                yield meta.name, key_group, list(view.composite_items(key_group))
+    finally:
+        reader.close()
 
 
 def read_incremental_entries(

@@ -28,7 +28,11 @@ from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.restore import plan_restore, restore_keyed_state
+from statebackend.checkpoint.restore import (
+    HANDLE_DOWNLOADS_AHEAD,
+    plan_restore,
+    restore_keyed_state,
+)
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError, CheckpointError
@@ -304,6 +308,57 @@ def test_restore_at_any_parallelism(
                 for h in handles(job, second)
                 if h.key_group_range.intersection(plan.key_group_range)
             )
+    finally:
+        job.close()
+
+
+class DownloadCountingFileSystem(CheckpointFileSystem):
+    """Reads like ``CheckpointFileSystem``; records the most old subtasks whose shared
+    files were being read at the same time (each stream counts until it is closed)."""
+
+    def __init__(self, location: Storage) -> None:
+        super().__init__(raw_fs(location))
+        self._lock = threading.Lock()
+        self._reading: dict[str, int] = {}
+        self.most_at_once = 0
+
+    def open_read(self, path: str) -> Any:
+        """``CheckpointFileSystem.open_read``, counted while open."""
+        stream = super().open_read(path)
+        if "/shared/" not in path:
+            return stream
+        subtask = path.rsplit("/", 1)[-1].split("-")[1]  # <op>-<subtask>-...
+        with self._lock:
+            self._reading[subtask] = self._reading.get(subtask, 0) + 1
+            self.most_at_once = max(self.most_at_once, len(self._reading))
+        close = stream.close
+
+        def closed() -> None:
+            close()
+            with self._lock:
+                self._reading[subtask] -= 1
+                if not self._reading[subtask]:
+                    del self._reading[subtask]
+
+        stream.close = closed
+        return stream
+
+
+def test_a_restore_downloads_at_most_two_old_subtasks_ahead(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """4 -> 1 into RocksDB: one old subtask's database is adopted, three are copied; the
+    downloads run ahead of the loading, never more than HANDLE_DOWNLOADS_AHEAD old
+    subtasks at once, and the state is the model's."""
+    job = new_job(checkpoint_url, tmp_path / "local", 4)
+    try:
+        job.write(3000)
+        checkpoint_id = job.checkpoint()
+        fs = DownloadCountingFileSystem(checkpoint_url)
+        directory = job.storage.resolve(checkpoint_id)
+        restored = restore(fs, directory, 1, tmp_path / "restored", "rocksdb")
+        assert restored == job.models[checkpoint_id]
+        assert 1 <= fs.most_at_once <= HANDLE_DOWNLOADS_AHEAD == 2
     finally:
         job.close()
 
