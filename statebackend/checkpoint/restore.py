@@ -150,13 +150,12 @@ def restore_keyed_state(
     the decoding, verifying every frame. Incremental snapshots: downloads the
     intersecting handles' files (into the backend's ``scratch_dir``, else the system's
     temp directory; two handles at a time, ahead of their loading) and checks their
-    checksums. Into a backend that accepts one (a fresh
-    RocksDB backend), the incremental handle that covers most of its key groups is
-    downloaded and becomes its data, clipped to its range by ``delete_range`` (as Flink
-    does); every other source is read as sorted runs and loaded by
-    ``backend.restore_sorted`` (RocksDB: written into SST files and ingested, without a
-    put). Returns the number of entries copied (a native checkpoint that becomes the
-    database is not copied: its entries do not count).
+    checksums. Into a backend that accepts one (a fresh RocksDB backend), the
+    incremental handle that covers most of its key groups is downloaded and becomes its
+    data, clipped to its range by ``delete_range`` (as Flink does); every other source
+    is read as sorted runs and loaded by ``backend.restore_sorted`` (RocksDB: written
+    into SST files and ingested, without a put). Returns the number of entries copied (a
+    native checkpoint that becomes the database is not copied: its entries do not count).
     """
     check_max_parallelism(metadata, backend.max_parallelism)
     snapshot = operator_snapshot(metadata, operator_id)
