@@ -448,12 +448,14 @@ class StatefulJob:
                 break
             try:
                 idle = self._tracker.idle()  # polled every batch, never waited for
+                ends = self._single_stage_ends() if more else None
                 checkpoint = (
                     not more
+                    or self._reads_all_input(ends)
                     or request is not None
                     or (idle and since_checkpoint + 1 >= self.checkpoint_every)
                 )
-                self._batch(read_source=more, checkpoint=checkpoint, request=request)
+                self._batch(more, checkpoint, request, ends)
                 completed = self._tracker.wait() if not more else True
                 if not more and not completed:
                     raise JobFailedError(
@@ -617,7 +619,30 @@ class StatefulJob:
 
     # -- one batch --------------------------------------------------------------------------
 
-    def _batch(self, read_source: bool, checkpoint: bool, request: SavepointRequest | None) -> None:
+    def _reads_all_input(self, ends: dict[int, int] | None) -> bool:
+        """Whether a single-stage batch ending at ``ends`` reads all the input there is,
+        after a batch of this run succeeded: it then takes the run's final checkpoint
+        itself, instead of an empty batch after it. (A batch of source tasks and a shuffle
+        cannot tell before it ran; a run's first batch does not trigger early, so that a
+        driver failing on bad input fences nobody: it has not triggered a checkpoint.)"""
+        return (
+            ends is not None
+            and self._summary.batches > 0
+            and not any(
+                self.source.has_complete_line(partition, end) for partition, end in ends.items()
+            )
+        )
+
+    def _batch(
+        self,
+        read_source: bool,
+        checkpoint: bool,
+        request: SavepointRequest | None,
+        ends: dict[int, int] | None,
+    ) -> None:
+        """Run batch ``_next_batch``: the source's next lines if ``read_source`` (in one
+        stage up to ``ends``, the result of ``_single_stage_ends``, else with a
+        shuffle), or none; a checkpoint (or ``request``'s savepoint) if ``checkpoint``."""
         batch_id = self._next_batch
         waits = len(self._tracker.waits)
         checkpoint_id = self._trigger(request) if checkpoint else None
@@ -660,7 +685,6 @@ class StatefulJob:
                 # Output of an attempt whose batch was not committed (a failed attempt,
                 # a killed driver's), maybe at another parallelism: rewritten whole.
                 shutil.rmtree(output_directory(self.output_dir, batch_id), ignore_errors=True)
-            ends = self._single_stage_ends()
             source_plan = SourcePlan(
                 self.source,
                 self._offsets(),
