@@ -1,14 +1,16 @@
 """End to end: the example job rescaled P = 2 -> 4 -> 1 -> 3 with input appended between
 runs ends with the state a plain-Python computation gives, on file:// and s3://, in
-local[2] and local-cluster; batches between restores reuse the executor-local RocksDB."""
+local[2] and local-cluster; batches between restores reuse the executor-local RocksDB.
+And which batch takes a run's final checkpoint."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from pyspark.sql import SparkSession
 
-from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.conf import DEFAULT_SINGLE_STAGE_BYTES, StateBackendConf
 from statebackend.spark.example import (
     checkpointed_totals,
     compare_totals,
@@ -19,6 +21,7 @@ from statebackend.spark.example import (
 )
 from statebackend.spark.runner import RunSummary
 from statebackend.spark.source import partition_path
+from statebackend.tools.location import open_checkpoint
 from tests.conftest import Storage
 
 EVENTS_PER_RUN = 1000
@@ -102,3 +105,45 @@ def test_rescale_cluster(
     summaries = _rescale(spark_cluster, tmp_path, checkpoint_url, parallelisms)
     assert sum(s.records for s in summaries) == EVENTS_PER_RUN * len(parallelisms)
     assert all(s.failures == 0 for s in summaries)
+
+
+FINAL_BATCH_LINES = 50
+"""Lines per partition and batch of the final-checkpoint test."""
+
+
+@pytest.mark.parametrize(
+    ("single_stage_bytes", "empty_batches"),
+    [(DEFAULT_SINGLE_STAGE_BYTES, 0), (0, 1)],
+    ids=["one-stage", "shuffled"],
+)
+def test_the_batch_that_reads_the_last_input_takes_the_final_checkpoint(
+    spark_local: SparkSession, tmp_path: Path, single_stage_bytes: int, empty_batches: int
+) -> None:
+    """The batch that reads the last of the input takes the run's final checkpoint when
+    the driver can tell beforehand (a batch run as one stage, whose end the driver
+    fixes): no empty batch, one more Spark job, follows. A batch of source tasks and a
+    shuffle cannot tell, and an empty batch takes it. Either way the state is exact."""
+    generate_events(tmp_path / "input", 600, 30, 4, seed=3)
+    lines = [len(path.read_bytes().splitlines()) for path in (tmp_path / "input").iterdir()]
+    batches = -(-max(lines) // FINAL_BATCH_LINES) + empty_batches
+    conf = StateBackendConf(
+        checkpoint_dir=tmp_path.joinpath("ckpt").as_uri(),
+        local_dir=str(tmp_path / "local"),
+        single_stage_bytes=single_stage_bytes,
+    )
+    summary = user_totals_job(
+        spark_local,
+        job_id="final",
+        input_dir=tmp_path / "input",
+        parallelism=2,
+        conf=conf,
+        batch_size=FINAL_BATCH_LINES,
+        checkpoint_every=10,
+    ).run()
+    assert summary.records == 600
+    assert summary.batches == batches
+    assert summary.last_checkpoint is not None
+    final = open_checkpoint(summary.last_checkpoint).metadata
+    assert int(final.properties["next_batch"]) == batches
+    expected = expected_totals(read_events(tmp_path / "input"))
+    assert compare_totals(expected, checkpointed_totals(spark_local, summary.last_checkpoint)) == []
