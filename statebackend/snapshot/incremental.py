@@ -90,6 +90,14 @@ class NativeFile(NamedTuple):
         """The file as stored apart from ``_metadata``; None when it is inline."""
         return None if self.path is None else StoredFile(self.path, self.size, self.checksum)
 
+    def inline_intact(self) -> bool:
+        """Whether its inline bytes have its size and checksum (a stored file is checked
+        as it is read)."""
+        if self.inline is None:
+            return True
+        digest = checksum(self.inline, algorithm_of(self.checksum) or CRC32)
+        return len(self.inline) == self.size and digest == self.checksum
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (the inline bytes in base64)."""
         document: dict[str, Any] = {"name": self.name, "size": self.size}
@@ -350,14 +358,6 @@ def upload_native_checkpoint(
 # -- restore ------------------------------------------------------------------------------------
 
 
-def _check_download(where: str, file: NativeFile, size: int, digest: str) -> None:
-    if size != file.size or digest != file.checksum:
-        raise CheckpointCorruptedError(
-            f"{where}: size {size} and checksum {digest} != expected {file.size} "
-            f"and {file.checksum}; the file is truncated or corrupted"
-        )
-
-
 def _download(fs: SnapshotFileSystem, remote: str, file: NativeFile, target: Path) -> None:
     size, running = 0, RunningChecksum(algorithm_of(file.checksum) or CRC32)
     stream = fs.open_read(remote)
@@ -369,7 +369,11 @@ def _download(fs: SnapshotFileSystem, remote: str, file: NativeFile, target: Pat
                 running.update(chunk)
     finally:
         stream.close()
-    _check_download(remote, file, size, running.value())
+    if size != file.size or running.value() != file.checksum:
+        raise CheckpointCorruptedError(
+            f"{remote}: size {size} and checksum {running.value()} != expected {file.size} "
+            f"and {file.checksum}; the file is truncated or corrupted"
+        )
 
 
 def download_native_checkpoint(
@@ -388,9 +392,11 @@ def download_native_checkpoint(
         if file.inline is None:
             stored.append(file)
             continue
-        algorithm = algorithm_of(file.checksum) or CRC32
-        digest = checksum(file.inline, algorithm)
-        _check_download(f"{file.name} (inline in {directory})", file, len(file.inline), digest)
+        if not file.inline_intact():
+            raise CheckpointCorruptedError(
+                f"{file.name} (inline in the _metadata of {directory}) does not match its "
+                f"size {file.size} and checksum {file.checksum}; the _metadata is corrupted"
+            )
         (target / file.name).write_bytes(file.inline)
     if not stored:
         return

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.savepoints import Progress
-from statebackend.checksums import CRC32, algorithm_of, checksum
+from statebackend.checksums import checksum
 from statebackend.errors import CheckpointError
 from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
@@ -70,9 +70,7 @@ def verify_checkpoint(ref: CheckpointRef, progress: Progress | None = None) -> l
             keyed = ack.keyed
             native = keyed.private if isinstance(keyed, IncrementalKeyedStateHandle) else ()
             for file in native:
-                if file.inline is None:
-                    continue
-                if checksum(file.inline, algorithm_of(file.checksum) or CRC32) != file.checksum:
+                if not file.inline_intact():
                     where = (
                         f"{metadata_path(ref.directory)} (inline file {file.name} of "
                         f"{operator_id} subtask {ack.subtask})"
