@@ -451,9 +451,9 @@ class StatefulJob:
                 ends = self._single_stage_ends() if more else None
                 checkpoint = (
                     not more
-                    or self._reads_all_input(ends)
                     or request is not None
                     or (idle and since_checkpoint + 1 >= self.checkpoint_every)
+                    or self._reads_all_input(ends)  # reads the source's files: asked last
                 )
                 self._batch(more, checkpoint, request, ends)
                 completed = self._tracker.wait() if not more else True
