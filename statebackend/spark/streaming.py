@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pyspark.sql import DataFrame, GroupedData, Row
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
@@ -85,10 +85,12 @@ from statebackend.spark.processor_handle import (
 )
 from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
 from statebackend.spark.streaming_commit import (
+    FILE_FORMATS,
     BatchCommitter,
     batch_output,
     bind,
     location_filesystem,
+    publish_files,
     publish_once,
     publish_parquet,
 )
@@ -98,6 +100,8 @@ from statebackend.spark.tasks import StorageSpec
 _log = logging.getLogger(__name__)
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
+DEFAULT_SOURCE_KEY = "spark.sql.sources.default"
+"""Spark's format for a sink given a path and no format."""
 WATERMARK_METADATA = "spark.watermarkDelayMs"
 NON_REPLAYABLE_SOURCES = frozenset({"socket"})
 """Spark's streaming sources that keep no data to run a batch again (``sourceName``)."""
@@ -458,9 +462,19 @@ class StatefulStream:
         return batch_output(self.df.sparkSession, storage, manifest, self.output_schema)
 
 
+def _column_names(cols: tuple[Any, ...], method: str) -> list[str]:
+    """Column names given as Spark's writer takes them: names, or one list of names."""
+    names = list(cols[0]) if len(cols) == 1 and isinstance(cols[0], (list, tuple)) else list(cols)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ConfigurationError(f"{method} {cols!r} is invalid: give column names")
+    return names
+
+
 class StatefulStreamWriter:
-    """Mirrors ``DataStreamWriter`` (format, option, options, trigger, queryName,
-    foreachBatch, start, toTable); the query itself is a ``foreachBatch`` query."""
+    """Mirrors ``DataStreamWriter`` (format, option, options, outputMode, partitionBy,
+    clusterBy, trigger, queryName, foreach, foreachBatch, start, toTable); the query
+    itself is a ``foreachBatch`` query that publishes each committed batch to the sink
+    (``streaming_commit``)."""
 
     def __init__(self, stream: StatefulStream) -> None:
         self._stream = stream
@@ -469,6 +483,9 @@ class StatefulStreamWriter:
         self._trigger: dict[str, Any] = {}
         self._query_name: str | None = None
         self._foreach_batch: Callable[[DataFrame, int], None] | None = None
+        self._foreach: Callable[[Any, Any], Any] | None = None
+        self._partition_by: list[str] = []
+        self._cluster_by: list[str] = []
 
     def format(self, source: str) -> StatefulStreamWriter:
         """The sink's format (any batch-writable format, or "console")."""
@@ -484,6 +501,27 @@ class StatefulStreamWriter:
         """Several sink options."""
         for key, value in options.items():
             self.option(key, value)
+        return self
+
+    def outputMode(self, outputMode: str) -> StatefulStreamWriter:  # noqa: N802,N803
+        """Accepted as Spark's writer takes it, but the output mode is
+        ``transform_with_state``'s ``output_mode``: another one is a ConfigurationError."""
+        given = OUTPUT_MODES.get(str(outputMode).lower())
+        if given != self._stream.output_mode:
+            raise ConfigurationError(
+                f"outputMode {outputMode!r} differs from transform_with_state's output_mode "
+                f"{self._stream.output_mode!r}: give the mode to transform_with_state"
+            )
+        return self
+
+    def partitionBy(self, *cols: str) -> StatefulStreamWriter:  # noqa: N802
+        """Partition a file or table sink's output by ``cols``, as Spark's writer does."""
+        self._partition_by = _column_names(cols, "partitionBy")
+        return self
+
+    def clusterBy(self, *cols: str) -> StatefulStreamWriter:  # noqa: N802
+        """Cluster a table sink's output by ``cols`` (``toTable`` only), as Spark's writer."""
+        self._cluster_by = _column_names(cols, "clusterBy")
         return self
 
     def trigger(self, **trigger: Any) -> StatefulStreamWriter:
@@ -507,6 +545,14 @@ class StatefulStreamWriter:
         self._foreach_batch = func
         return self
 
+    def foreach(self, f: Any) -> StatefulStreamWriter:
+        """Give each output row to ``f``: a function of the row, or an object with
+        ``process(row)`` and optional ``open(partition_id, epoch_id)`` and ``close(error)``,
+        called as Spark's ``foreach`` sink calls them (epoch_id: the batch id; a re-run
+        batch has the same rows in the same partitions, so the pair can deduplicate)."""
+        self._foreach = DataStreamWriter._construct_foreach_function(f)
+        return self
+
     def _publish(self, manifest: BatchManifest, table: str | None) -> None:
         """Publish committed batch N to the sink, idempotently by N (module docstring of
         ``streaming_commit``)."""
@@ -516,20 +562,41 @@ class StatefulStreamWriter:
         if self._foreach_batch is not None:
             self._foreach_batch(output, batch_id)
             return
+        if self._foreach is not None:
+            output.rdd.mapPartitionsWithIndex(self._foreach).count()
+            return
         if self._format == "console":
             print(f"Batch: {batch_id}")
             output.show(truncate=False)
             return
         storage = stream.committer.storage
-        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
-        if table is None and self._format == "parquet":
+        options = {k: v for k, v in self._options.items() if k not in ("checkpointLocation",)}
+        sink_format = self._format or output.sparkSession.conf.get(DEFAULT_SOURCE_KEY, "parquet")
+        if table is None and sink_format == "parquet" and not self._partition_by:
             publish_parquet(storage, manifest, options["path"], stream.conf.storage_options)
             return
-        writer = output.write.mode("append").options(**options)
-        if self._format is not None:
-            writer = writer.format(self._format)
+        if table is None and sink_format in FILE_FORMATS:
+            path = options.pop("path")
+
+            def write(rows: DataFrame, target: str) -> None:
+                self._writer(rows, sink_format, options).save(target)
+
+            publish_files(storage, batch_id, output, path, write, stream.conf.storage_options)
+            return
+        writer = self._writer(output, self._format, options).mode("append")
+        if table is not None and self._cluster_by:
+            writer = writer.clusterBy(*self._cluster_by)
         save = (lambda: writer.saveAsTable(table)) if table is not None else writer.save
         publish_once(storage, batch_id, save)
+
+    def _writer(self, rows: DataFrame, sink_format: str | None, options: dict[str, str]) -> Any:
+        """A ``DataFrameWriter`` of ``rows`` with the sink's format, options and partitioning."""
+        writer = rows.write.options(**options)
+        if sink_format is not None:
+            writer = writer.format(sink_format)
+        if self._partition_by:
+            writer = writer.partitionBy(*self._partition_by)
+        return writer
 
     def _start(self, table: str | None) -> StreamingQuery:
         stream = self._stream
@@ -537,14 +604,20 @@ class StatefulStreamWriter:
             raise ConfigurationError(
                 "format 'memory' is not supported: use foreachBatch or a file format"
             )
+        if self._cluster_by and table is None:
+            raise ConfigurationError(
+                f"clusterBy{tuple(self._cluster_by)} needs a table sink: use toTable(name)"
+            )
         if (
             self._foreach_batch is None
+            and self._foreach is None
             and table is None
             and self._format != "console"
             and ("path" not in self._options)
         ):
             raise ConfigurationError(
-                "no sink: give .format(...).option('path', ...), toTable(name) or foreachBatch"
+                "no sink: give .format(...).option('path', ...), toTable(name), foreachBatch "
+                "or foreach"
             )
         checkpoint = self._options.get("checkpointLocation")
         if not checkpoint:

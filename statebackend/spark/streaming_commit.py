@@ -17,9 +17,12 @@ driver then:
    base + changelogs, whatever dies afterwards.
 4. ``publish``: the batch's output is read from manifest N's staged files, so a re-run
    publishes the very same rows. A ``parquet`` path sink gets them copied to
-   ``part-<N>-<subtask>.parquet`` (overwriting is idempotent); other sinks are appended
-   to and guarded by a ``published/<N>`` marker written after the write: a crash between
-   the two appends the batch again. ``foreachBatch`` functions must, as with Spark, be
+   ``part-<N>-<subtask>.parquet`` (overwriting is idempotent); other file sinks (any
+   format, partitioned or not) get the files Spark writes into a hidden staging
+   directory moved to ``part-<N>-<k>`` names, and an earlier attempt's extra files
+   deleted (``publish_files``); other sinks are appended to and guarded by a
+   ``published/<N>`` marker written after the write: a crash between the two appends the
+   batch again. ``foreachBatch`` functions must, as with Spark, be
    idempotent by batch id. Every staged file is checked against the checksum manifest N
    holds for it (``OUTPUT_CHECKSUMS_PROPERTY``) before it is published; with a signing
    key that is a SHA-256 under the manifest's signature, so a staged file changed after
@@ -282,6 +285,28 @@ def batch_output(
     return spark.read.schema(schema).parquet(*paths)
 
 
+FILE_FORMATS = frozenset({"parquet", "json", "csv", "orc", "text", "avro"})
+"""Sink formats that write files under a path: published exactly once by file names."""
+STAGING_DIR = "_statebackend-staging"
+"""Where ``publish_files`` lets Spark write a batch inside the sink's path: a name that
+starts with '_' is skipped by every reader of the path, as Spark's ``_spark_metadata``."""
+
+
+def _sink_filesystem(
+    storage: CheckpointStorage, path: str, options: dict[str, Any]
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec file system and root of a sink ``path``; the job's storage options
+    apply where the sink uses the checkpoints' protocol."""
+    same = get_protocol(path) == get_protocol(storage.layout.checkpoint_dir)
+    sink, root = fsspec.core.url_to_fs(path, **(options if same else {}))
+    return sink, root.rstrip("/")
+
+
+def _renames_atomically(sink: fsspec.AbstractFileSystem) -> bool:
+    protocols = {sink.protocol} if isinstance(sink.protocol, str) else set(sink.protocol)
+    return bool({"file", "local", "hdfs"} & protocols)
+
+
 def publish_parquet(
     storage: CheckpointStorage, manifest: BatchManifest, path: str, options: dict[str, Any]
 ) -> None:
@@ -289,11 +314,8 @@ def publish_parquet(
     re-run overwrites them with the same bytes. Where the file system renames atomically
     (local, HDFS) each is written to a hidden temp name first (readers skip names that
     start with '.'), on object stores with one PUT."""
-    same = get_protocol(path) == get_protocol(storage.layout.checkpoint_dir)
-    sink, root = fsspec.core.url_to_fs(path, **(options if same else {}))
-    root = root.rstrip("/")
-    protocols = {sink.protocol} if isinstance(sink.protocol, str) else set(sink.protocol)
-    renames = bool({"file", "local", "hdfs"} & protocols)
+    sink, root = _sink_filesystem(storage, path, options)
+    renames = _renames_atomically(sink)
     if renames:
         sink.makedirs(root, exist_ok=True)
     for subtask in range(len(BatchCommitter.outputs(manifest))):
@@ -305,6 +327,61 @@ def publish_parquet(
             sink.mv(temporary, f"{root}/{name}")
         else:
             sink.pipe_file(f"{root}/{name}", data)
+
+
+def _is_hidden(relative: str) -> bool:
+    """True for a path Spark's readers skip: a part starting with '.' or '_' (its
+    ``_SUCCESS``, checksum files)."""
+    return any(part.startswith((".", "_")) for part in relative.split("/"))
+
+
+def publish_files(
+    storage: CheckpointStorage,
+    batch_id: int,
+    output: DataFrame,
+    path: str,
+    write: Callable[[DataFrame, str], None],
+    options: dict[str, Any],
+) -> list[str]:
+    """Write a committed batch's rows under the file sink ``path`` exactly once, in any
+    file format and partitioning: ``write(output, staging)`` saves them into a new
+    directory under ``<path>/_statebackend-staging/`` (which readers of ``path`` skip),
+    then each file it wrote moves to the same partition directory under ``path`` as
+    ``part-<N>-<k>.<its suffix>``, and files named ``part-<N>-...`` that an earlier
+    attempt left beside them and this one did not write are deleted. A re-run after a
+    crash at any step therefore leaves the batch's rows exactly once. One query writes to
+    a sink path (as with Spark's file sink). Returns the files published."""
+    sink, root = _sink_filesystem(storage, path, options)
+    staging = f"{STAGING_DIR}/{batch_id}-{uuid.uuid4().hex[:12]}"
+    write(output, f"{path.rstrip('/')}/{staging}")
+    staged_root = f"{root}/{staging}"
+    staged = sorted(
+        name
+        for name in (file[len(staged_root) + 1 :] for file in sink.find(staged_root))
+        if not _is_hidden(name)
+    )
+    published: list[str] = []
+    renames = _renames_atomically(sink)
+    for index, relative in enumerate(staged):
+        directory, _, name = relative.rpartition("/")
+        suffix = name.partition(".")[2]
+        target_name = f"part-{batch_id}-{index:05d}" + (f".{suffix}" if suffix else "")
+        target_dir = f"{root}/{directory}" if directory else root
+        if renames:
+            sink.makedirs(target_dir, exist_ok=True)
+        target = f"{target_dir}/{target_name}"
+        sink.mv(f"{staged_root}/{relative}", target)
+        published.append(target)
+    stale_prefix = f"part-{batch_id}-"
+    kept = set(published)
+    for directory in {target.rpartition("/")[0] for target in published} or {root}:
+        for file in sink.ls(directory, detail=False):
+            name = file.rstrip("/").rpartition("/")[2]
+            if name.startswith(stale_prefix) and file not in kept:
+                sink.rm_file(file)
+    # This attempt's directory, and any an attempt that died before this step left.
+    sink.rm(f"{root}/{STAGING_DIR}", recursive=True)
+    return published
 
 
 def publish_once(storage: CheckpointStorage, batch_id: int, append: Callable[[], None]) -> None:

@@ -1,0 +1,193 @@
+"""transform_with_state's writer beyond parquet paths: every file format and partitioning
+published exactly once (also when Spark re-runs a committed batch after a crash that left
+files of an earlier attempt), Spark's default format for a bare path, ``foreach`` sinks
+with Spark's (partition_id, epoch_id), and ``outputMode``/``clusterBy`` checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import DataFrame, Row, SparkSession
+
+from statebackend.errors import ConfigurationError
+from statebackend.spark.streaming import transform_with_state
+from statebackend.spark.streaming_commit import STAGING_DIR
+from tests.spark.jobs import streaming_session
+from tests.spark.streaming_parity import write_batches
+from tests.spark.test_streaming_api import OUTPUT, Totals
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BATCHES = [
+    [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}, {"user": "a", "amount": 4}],
+    [{"user": "a", "amount": 5}, {"user": "c", "amount": 7}],
+    [{"user": "b", "amount": 1}],
+]
+
+
+def expected_rows() -> list[tuple[str, int]]:
+    """Per batch, each user of the batch with the running total after it: Update mode's
+    output of ``Totals``, computed in plain Python."""
+    totals: dict[str, int] = defaultdict(int)
+    rows = []
+    for batch in BATCHES:
+        for user in sorted({event["user"] for event in batch}):
+            totals[user] += sum(e["amount"] for e in batch if e["user"] == user)
+            rows.append((user, totals[user]))
+    return sorted(rows)
+
+
+@pytest.fixture
+def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
+    with streaming_session(spark_local, tmp_path) as session:
+        write_batches(tmp_path / "input", BATCHES)
+        yield session
+
+
+def source(spark: SparkSession, tmp_path: Path) -> DataFrame:
+    return (
+        spark.readStream.schema("user string, amount long")
+        .option("maxFilesPerTrigger", 1)
+        .json(str(tmp_path / "input"))
+    )
+
+
+def read_back(spark: SparkSession, sink_format: str, out: Path) -> list[tuple[str, int]]:
+    reader = spark.read.schema("user string, total long")
+    if sink_format == "csv":
+        reader = reader.option("header", "true")
+    return sorted(
+        (row.user, row.total) for row in reader.format(sink_format).load(str(out)).collect()
+    )
+
+
+@pytest.mark.parametrize(
+    ("sink_format", "partition_by"),
+    [("json", ["user"]), ("csv", []), ("parquet", ["user"])],
+)
+def test_file_sinks_hold_each_row_once_also_after_a_rerun_over_a_dead_attempt(
+    spark: SparkSession, tmp_path: Path, sink_format: str, partition_by: list[str]
+) -> None:
+    out, checkpoint = tmp_path / "out", tmp_path / "ckpt"
+
+    def run() -> None:
+        writer = transform_with_state(
+            source(spark, tmp_path), "user", Totals(), OUTPUT, "files"
+        ).writeStream.format(sink_format)
+        if partition_by:
+            writer = writer.partitionBy(*partition_by)
+        if sink_format == "csv":
+            writer = writer.option("header", "true")
+        query = (
+            writer.options(path=str(out), checkpointLocation=str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run()
+    assert read_back(spark, sink_format, out) == expected_rows()
+    files = [p for p in out.rglob("*") if p.is_file() and not p.name.startswith((".", "_"))]
+    assert {p.name.split("-")[1] for p in files} == {"0", "1", "2"}  # part-<N>-<k>
+    assert not (out / STAGING_DIR).exists()
+
+    # What a driver killed while publishing batch 2 (after our commit, before Spark's
+    # commits/2) leaves: an earlier attempt's file the re-run will not write again, and
+    # its staging directory. Spark then runs batch 2 again and we publish it again.
+    last = sorted(p for p in files if p.name.startswith("part-2-"))[0]
+    shutil.copy(last, last.with_name("part-2-00099." + last.name.partition(".")[2]))
+    leftover = out / STAGING_DIR / "2-deadbeef" / last.name
+    leftover.parent.mkdir(parents=True)
+    shutil.copy(last, leftover)
+    for name in ("2", ".2.crc"):  # Spark's commit of batch 2 and its checksum file
+        (checkpoint / "commits" / name).unlink(missing_ok=True)
+    run()
+    assert read_back(spark, sink_format, out) == expected_rows()
+    assert not last.with_name("part-2-00099." + last.name.partition(".")[2]).exists()
+    assert not (out / STAGING_DIR).exists()
+
+
+def test_a_bare_path_gets_spark_default_format(spark: SparkSession, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    spark.conf.set("spark.sql.sources.default", "json")
+    try:
+        query = (
+            transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "bare")
+            .writeStream.option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start(str(out))
+        )
+        query.awaitTermination()
+    finally:
+        spark.conf.unset("spark.sql.sources.default")
+    assert read_back(spark, "json", out) == expected_rows()
+
+
+class FileWriter:
+    """A foreach writer that appends its rows to a JSON-lines file per (partition, epoch)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def open(self, partition_id: int, epoch_id: int) -> bool:
+        self.path = Path(self.directory) / f"{epoch_id}-{partition_id}.jsonl"
+        self.rows: list[Any] = []
+        return True
+
+    def process(self, row: Row) -> None:
+        self.rows.append([row.user, row.total])
+
+    def close(self, error: BaseException | None) -> None:
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+
+
+def test_foreach_writer_gets_every_row_with_its_batch_id(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    written = tmp_path / "written"
+    written.mkdir()
+    query = (
+        transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "each")
+        .writeStream.foreach(FileWriter(str(written)))
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    by_batch: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for path in written.glob("*.jsonl"):
+        epoch = int(path.name.split("-")[0])
+        by_batch[epoch] += [tuple(json.loads(line)) for line in path.read_text().splitlines()]
+    totals: dict[str, int] = defaultdict(int)
+    for batch_id, batch in enumerate(BATCHES):
+        expected = []
+        for user in sorted({event["user"] for event in batch}):
+            totals[user] += sum(e["amount"] for e in batch if e["user"] == user)
+            expected.append((user, totals[user]))
+        assert sorted(by_batch[batch_id]) == expected
+
+
+def test_writer_mode_checks_are_one_clear_error_each(spark: SparkSession, tmp_path: Path) -> None:
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "modes")
+    assert stateful.writeStream.outputMode("UPDATE") is not None
+    with pytest.raises(ConfigurationError, match="outputMode 'append' differs from .* 'Update'"):
+        stateful.writeStream.outputMode("append")
+    with pytest.raises(ConfigurationError, match="outputMode 'complete' differs"):
+        stateful.writeStream.outputMode("complete")
+    with pytest.raises(ConfigurationError, match="partitionBy"):
+        stateful.writeStream.partitionBy()
+    with pytest.raises(ConfigurationError, match=r"clusterBy\('user',\) needs a table sink"):
+        (
+            stateful.writeStream.clusterBy("user")
+            .format("parquet")
+            .options(path=str(tmp_path / "out"), checkpointLocation=str(tmp_path / "ckpt"))
+            .start()
+        )
