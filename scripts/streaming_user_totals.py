@@ -16,6 +16,7 @@ without failure would.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-id", default="streaming-user-totals")
     args = parser.parse_args(argv)
 
+    from statebackend.spark.java import require_java
     from statebackend.spark.streaming import transform_with_state
 
+    require_java(17)
+    # Spark's Python workers run this interpreter (its environment has statebackend), not
+    # whatever ``python3`` comes first on the PATH.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (
         SparkSession.builder.master("local[2]")
         .appName("streaming-user-totals")

@@ -421,16 +421,22 @@ def _ntz_micros(value: Any) -> int:
     return (value - datetime.datetime(1970, 1, 1)) // datetime.timedelta(microseconds=1)
 
 
-def _field_codec(data_type: Any) -> tuple[_Encoder, _Decoder]:
-    """Encoder and decoder of one value of a Spark data type (JSON form), without nulls."""
+StructOf = Callable[[list[str]], Callable[[list[Any]], Any]]
+"""Given a nested struct's field names, what makes its decoded value of its field values
+(e.g. a pyspark ``Row``); without one a nested struct decodes to a tuple."""
+
+
+def _field_codec(data_type: Any, struct_of: StructOf | None = None) -> tuple[_Encoder, _Decoder]:
+    """Encoder and decoder of one value of a Spark data type (JSON form), without nulls;
+    nested structs decode through ``struct_of`` if given."""
     if isinstance(data_type, dict):
         kind = data_type.get("type")
         if kind == "struct":
-            return _struct_codec(data_type)
+            return _struct_codec(data_type, struct_of, nested=True)
         if kind == "array":
-            return _array_codec(data_type["elementType"])
+            return _array_codec(data_type["elementType"], struct_of)
         if kind == "map":
-            return _map_codec(data_type["keyType"], data_type["valueType"])
+            return _map_codec(data_type["keyType"], data_type["valueType"], struct_of)
         raise ConfigurationError(f"Spark type {data_type} has no row-tuple encoding")
     if data_type in _FIXED_WIDTH_INTS:
         return _fixed(_FIXED_WIDTH_INTS[data_type], _integral)
@@ -595,12 +601,15 @@ def _one_string_codec(
     return encode, decode
 
 
-def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
+def _struct_codec(
+    struct_type: dict[str, Any], struct_of: StructOf | None = None, nested: bool = False
+) -> tuple[_Encoder, _Decoder]:
     fields = struct_type.get("fields", [])
     names = [field["name"] for field in fields]
-    codecs = [_nullable(_field_codec(field["type"])) for field in fields]
+    codecs = [_nullable(_field_codec(field["type"], struct_of)) for field in fields]
     flat = _flat_struct(fields)
     tags = (1,) * len(fields)
+    make = struct_of(names) if nested and struct_of is not None else None
 
     def encode_fields(value: Any, out: list[bytes]) -> None:
         if isinstance(value, dict):
@@ -610,7 +619,7 @@ def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
         for (field_encode, _), item in zip(codecs, value, strict=True):
             field_encode(item, out)
 
-    def decode(view: memoryview, position: int) -> tuple[Any, int]:
+    def decode_fields(view: memoryview, position: int) -> tuple[Any, int]:
         if flat is not None and len(view) - position >= flat[0].size:
             unpacked = flat[0].unpack_from(view, position)
             if unpacked[0::2] == tags:
@@ -621,6 +630,7 @@ def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
             items.append(item)
         return tuple(items), position
 
+    decode = decode_fields if make is None else _mapped(decode_fields, make)
     if flat is None:
         return encode_fields, decode
 
@@ -638,13 +648,16 @@ def _struct_codec(struct_type: dict[str, Any]) -> tuple[_Encoder, _Decoder]:
 
 
 def _struct_bytes_codec(
-    struct_type: dict[str, Any], prepare: Callable[[Any], Any] | None = None
+    struct_type: dict[str, Any],
+    prepare: Callable[[Any], Any] | None = None,
+    struct_of: StructOf | None = None,
 ) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
     """The bytes of a whole struct value and back (``RowTupleSerializer``'s), with one-call
     fast paths for the common shapes of keys and values: every field a fixed-width
     number, or one string field. ``prepare`` (if given) turns a value into what is
-    encoded, on every path but the fast ones, whose values it must leave as they are."""
-    encode_struct, decode_struct = _struct_codec(struct_type)
+    encoded, on every path but the fast ones, whose values it must leave as they are;
+    nested structs decode through ``struct_of`` (if given)."""
+    encode_struct, decode_struct = _struct_codec(struct_type, struct_of)
 
     def to_bytes(value: Any) -> bytes:
         parts: list[bytes] = []
@@ -667,8 +680,8 @@ def _struct_bytes_codec(
     return to_bytes, from_bytes
 
 
-def _array_codec(element_type: Any) -> tuple[_Encoder, _Decoder]:
-    element_encode, element_decode = _nullable(_field_codec(element_type))
+def _array_codec(element_type: Any, struct_of: StructOf | None) -> tuple[_Encoder, _Decoder]:
+    element_encode, element_decode = _nullable(_field_codec(element_type, struct_of))
 
     def encode(value: Any, out: list[bytes]) -> None:
         if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
@@ -690,9 +703,11 @@ def _array_codec(element_type: Any) -> tuple[_Encoder, _Decoder]:
     return encode, decode
 
 
-def _map_codec(key_type: Any, value_type: Any) -> tuple[_Encoder, _Decoder]:
-    key_encode, key_decode = _field_codec(key_type)
-    value_encode, value_decode = _nullable(_field_codec(value_type))
+def _map_codec(
+    key_type: Any, value_type: Any, struct_of: StructOf | None
+) -> tuple[_Encoder, _Decoder]:
+    key_encode, key_decode = _field_codec(key_type, struct_of)
+    value_encode, value_decode = _nullable(_field_codec(value_type, struct_of))
 
     def encode(value: Any, out: list[bytes]) -> None:
         if not isinstance(value, dict):
@@ -771,30 +786,38 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
     big-endian, floats as IEEE-754, strings and binaries length-prefixed, dates as days and
     timestamps as microseconds since the epoch, structs as nested tuples, arrays as lists,
     maps as dicts. A tuple, list, ``Row`` or dict (by field name) is accepted; decoding
-    gives a tuple. The schema (names, types, nullability) is part of ``config()``: state
-    written with another schema is incompatible, never silently reinterpreted.
+    gives a tuple (nested structs through ``struct_of``, if given). The schema (names,
+    types, nullability) is part of ``config()``: state written with another schema is
+    incompatible, never silently reinterpreted.
     """
 
     identity = "row-tuple"
 
-    def __init__(self, schema_json: str, prepare: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        schema_json: str,
+        prepare: Callable[[Any], Any] | None = None,
+        struct_of: StructOf | None = None,
+    ) -> None:
         """``prepare``, if given, turns each value into what is encoded (e.g. numpy
         scalars into Python ones); it must leave a tuple of exactly ``int``, ``float``,
         ``str``, ``bool``, ``bytes`` and None as it is, which the one-call fast paths
-        encode without calling it. It is no part of ``config()``: the bytes' format is
-        the schema's."""
+        encode without calling it. ``struct_of``, if given, makes the decoded value of a
+        nested struct (``StructOf``). Neither is part of ``config()``: the bytes' format
+        is the schema's."""
         schema = _parse_struct(schema_json)
         self.schema_json = schema_json
         self.prepare = prepare
+        self.struct_of = struct_of
         self.field_names = [field["name"] for field in schema.get("fields", [])]
         self._schema = _schema_identity(schema)
-        self._to_bytes, self._from_bytes = _struct_bytes_codec(schema, prepare)
+        self._to_bytes, self._from_bytes = _struct_bytes_codec(schema, prepare, struct_of)
         self.decodes_immutable = _decodes_immutable(schema)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Its codecs are closures over struct.Struct packers, which cannot be pickled:
         # a copy (e.g. one Spark ships to executors) is built again from the schema.
-        return (RowTupleSerializer, (self.schema_json, self.prepare))
+        return (RowTupleSerializer, (self.schema_json, self.prepare, self.struct_of))
 
     def _encode(self, value: tuple[Any, ...]) -> bytes:
         return self._to_bytes(value)

@@ -311,8 +311,9 @@ def next_manifest(
     if previous is not None:
         if previous.batch_id >= batch_id:
             raise CheckpointError(
-                f"batch {batch_id} cannot follow manifest {previous.batch_id}: batches commit "
-                f"in ascending order"
+                f"batch {batch_id} cannot follow manifest {previous.batch_id} of job "
+                f"{job_id!r}: batches commit in ascending order, so another query or driver "
+                f"runs this job too; stop it: one run per job at a time"
             )
         if previous.max_parallelism != max_parallelism:
             raise CheckpointError(

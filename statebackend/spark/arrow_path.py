@@ -50,8 +50,15 @@ from pyspark import TaskContext
 from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.functions import pandas_udf
-from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import ByteType, IntegerType, LongType, StructField, StructType
+from pyspark.sql.types import (
+    ByteType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    StructField,
+    StructType,
+)
 from pyspark.sql.udf import UserDefinedFunction
 from pyspark.util import PythonEvalType
 
@@ -81,9 +88,10 @@ from statebackend.spark.processor_runner import (
     ProcessorSpec,
     SubtaskCounts,
     checkpointed_part,
+    output_arrow_schema,
     run_keyed_subtask,
 )
-from statebackend.spark.sql_key_groups import key_group_projections, sql_encodable
+from statebackend.spark.sql_key_groups import key_group_projections, quoted, sql_encodable
 from statebackend.spark.streaming_commit import METADATA_SCHEMA
 from statebackend.spark.tasks import StorageSpec, snapshot_subtask
 
@@ -175,9 +183,27 @@ def _map_arrow_udf(
     )
 
 
+def _zero_signed_float_keys(df: DataFrame, key_columns: tuple[str, ...]) -> DataFrame:
+    """``df`` with -0.0 made 0.0 in its float and double key columns: Spark's grouping
+    normalizes floating-point keys so, and -0.0 would otherwise be a key of its own (its
+    bytes differ). NaN keys need nothing: each NaN row is its own group, in Spark too."""
+    types = {field.name: field.dataType for field in df.schema.fields}
+    floats = [name for name in key_columns if isinstance(types[name], (FloatType, DoubleType))]
+    if not floats:
+        return df
+    return df.withColumns(
+        {
+            name: F.when(F.col(quoted(name)) == 0, F.lit(0.0).cast(types[name])).otherwise(
+                F.col(quoted(name))
+            )
+            for name in floats
+        }
+    )
+
+
 def _map_in_arrow(df: DataFrame, udf: UserDefinedFunction) -> DataFrame:
     """``df.mapInArrow`` of the function of ``udf`` (``_map_arrow_udf``)."""
-    column = udf(*[df[name] for name in df.columns])
+    column = udf(*[df[quoted(name)] for name in df.columns])
     return DataFrame(df._jdf.mapInArrow(column._jc, False, None), df.sparkSession)
 
 
@@ -398,7 +424,7 @@ def _keyed_task(
                 operator_state,
             )
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
-            staged = _parquet_bytes(output, to_arrow_schema(plan.spec.output_schema))
+            staged = _parquet_bytes(output, output_arrow_schema(plan.spec.output_schema))
             storage.fs.write_atomic(path, staged)
             sync_seconds, entries = 0.0, None
             if plan.checkpoint_id is not None:  # a materialization: cut the state after N
@@ -445,11 +471,6 @@ def _typed_nulls(schema: StructType, names: list[str], prefix: str = "") -> list
     return [F.lit(None).cast(fields[name].dataType).alias(prefix + name) for name in names]
 
 
-def _quoted(name: str) -> str:
-    """A column name as a SQL identifier."""
-    return "`" + name.replace("`", "``") + "`"
-
-
 def combined_input(
     batch_df: DataFrame,
     spec: ProcessorSpec,
@@ -460,18 +481,18 @@ def combined_input(
     and their key group and subtask (``batch_df`` has them already, from the stream's
     plan; ``with_key_groups`` adds them to the initial-state rows); the initial-state
     columns exist only in a batch that has initial state (batch 0)."""
-    routing = [_quoted(KEY_GROUP_COLUMN), _quoted(SUBTASK_COLUMN)]
+    routing = [quoted(KEY_GROUP_COLUMN), quoted(SUBTASK_COLUMN)]
     if initial_state is None:
         # SQL expressions: one JVM call, where Column objects take several per column.
         return batch_df.selectExpr(
-            *[_quoted(name) for name in spec.input_columns],
-            f"CAST({INPUT} AS TINYINT) AS {_quoted(KIND_COLUMN)}",
-            f"monotonically_increasing_id() AS {_quoted(SEQUENCE_COLUMN)}",
+            *[quoted(name) for name in spec.input_columns],
+            f"CAST({INPUT} AS TINYINT) AS {quoted(KIND_COLUMN)}",
+            f"monotonically_increasing_id() AS {quoted(SEQUENCE_COLUMN)}",
             *routing,
         )
     input_schema = batch_df.schema
     inputs = batch_df.select(
-        *[F.col(_quoted(name)) for name in spec.input_columns],
+        *[F.col(quoted(name)) for name in spec.input_columns],
         *_typed_nulls(initial_state.schema, list(spec.initial_columns), INITIAL_PREFIX),
         F.lit(INPUT).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
@@ -480,9 +501,9 @@ def combined_input(
     key_types = {field.name: field.dataType for field in input_schema.fields}
     others = [name for name in spec.input_columns if name not in spec.key_columns]
     initial = initial_state.select(
-        *[F.col(_quoted(name)).cast(key_types[name]).alias(name) for name in spec.key_columns],
+        *[F.col(quoted(name)).cast(key_types[name]).alias(name) for name in spec.key_columns],
         *_typed_nulls(input_schema, others),
-        *[F.col(_quoted(name)).alias(INITIAL_PREFIX + name) for name in spec.initial_columns],
+        *[F.col(quoted(name)).alias(INITIAL_PREFIX + name) for name in spec.initial_columns],
         F.lit(INITIAL).cast(ByteType()).alias(KIND_COLUMN),
         F.monotonically_increasing_id().alias(SEQUENCE_COLUMN),
     )
@@ -540,7 +561,9 @@ class KeyedBatches:
         (``sql_key_groups``) where the key's types allow, so the stage runs no Python
         worker; else the vectorised Python of ``arrow_keys`` in ``mapInArrow``. Applied
         once to a stream's DataFrame, Spark analyses the expressions once per query, not
-        once per batch."""
+        once per batch. Float and double key columns have -0.0 made 0.0 first, as Spark
+        groups them (one key, one key group)."""
+        combined = _zero_signed_float_keys(combined, key_columns)
         if sql_encodable(key_schema_json):
             cache_key = (key_schema_json, parallelism, max_parallelism)
             levels = self._key_group_columns.get(cache_key)
@@ -553,7 +576,7 @@ class KeyedBatches:
             for level in levels[:-1]:
                 routed = routed.select("*", *level)
             names = combined.schema.names
-            return routed.select(*[F.col(_quoted(name)) for name in names], *levels[-1])
+            return routed.select(*[F.col(quoted(name)) for name in names], *levels[-1])
         schema = combined.schema
         udf_key = (schema.json(), key_schema_json, parallelism, max_parallelism)
         assign = self._key_group_udfs.get(udf_key)

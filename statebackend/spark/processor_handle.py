@@ -19,10 +19,11 @@ backend's clock (``BatchClock``), as Spark computes expiry from the batch timest
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import ListState as SparkListState
 from pyspark.sql.streaming.stateful_processor import MapState as SparkMapState
 from pyspark.sql.streaming.stateful_processor import StatefulProcessorHandle, TimerValues
@@ -154,6 +155,13 @@ def _row_tuple(value: Any) -> tuple[Any, ...]:
         return value  # already what _plain would make of it
     plain = _plain(value)
     return tuple(plain) if isinstance(plain, (tuple, list)) else plain
+
+
+def _nested_row(names: list[str]) -> Callable[[list[Any]], Row]:
+    """How a state gives a nested struct of fields ``names``: as a ``Row``, as Spark's
+    handle does (the state's value itself stays a tuple)."""
+    row = Row(*names)
+    return lambda values: row(*values)
 
 
 class _StateVariable:
@@ -333,8 +341,10 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     def _schema(self, schema: StructType | str) -> RowTupleSerializer:
         if self.phase is Phase.PRE_INIT:
-            return RowTupleSerializer(self.catalog.record(schema, self._parse_ddl), _row_tuple)
-        return RowTupleSerializer(self.catalog.lookup(schema), _row_tuple)
+            return RowTupleSerializer(
+                self.catalog.record(schema, self._parse_ddl), _row_tuple, _nested_row
+            )
+        return RowTupleSerializer(self.catalog.lookup(schema), _row_tuple, _nested_row)
 
     def _check_declaration(self, operation: str, name: str) -> None:
         if self.phase not in (Phase.PRE_INIT, Phase.CREATED):

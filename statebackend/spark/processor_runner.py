@@ -243,16 +243,22 @@ def _run_records(
     return [None if kind == CONTROL else next(given) for kind in kinds]
 
 
+def output_arrow_schema(schema: StructType) -> pa.Schema:
+    """The Arrow schema of a processor's output rows, staged and shuffled as they are
+    (timestamps as UTC instants, as Spark's Arrow exchange carries them)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema, timezone="UTC")
+
+
 class OutputBuilder:
     """Collects a processor's output (Rows/tuples/dicts or pandas DataFrames) into Arrow
     record batches of the output schema (``ready``, taken with ``take_ready``); a value
     that does not fit names its column."""
 
     def __init__(self, schema: StructType) -> None:
-        from pyspark.sql.pandas.types import to_arrow_schema
-
         self.schema = schema
-        self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
+        self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
         self._rows: list[tuple[Any, ...]] = []
         """Row-mode output not in a record batch yet (``Row``s are tuples of the values)."""

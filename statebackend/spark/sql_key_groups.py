@@ -63,13 +63,14 @@ def _signed(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _quoted(name: str) -> str:
+def quoted(name: str) -> str:
+    """A column name as a SQL identifier (any name: dots, spaces, backticks)."""
     return "`" + name.replace("`", "``") + "`"
 
 
 def _value(name: str, spark_type: str) -> str:
     """The column's value as a BIGINT whose low bytes are its RowTupleSerializer bytes."""
-    column = _quoted(name)
+    column = quoted(name)
     if spark_type == "boolean":
         return f"IF({column}, 1L, 0L)"
     if spark_type == "date":
@@ -153,7 +154,7 @@ class _Chain:
 
     def finish(self, outputs: dict[str, str]) -> list[list[str]]:
         """The levels, the last one giving ``outputs`` (column name -> step)."""
-        last = [f"{self._pending[step]} AS {_quoted(column)}" for column, step in outputs.items()]
+        last = [f"{self._pending[step]} AS {quoted(column)}" for column, step in outputs.items()]
         return [*self.levels, last]
 
     @staticmethod
@@ -198,7 +199,7 @@ def key_group_projections(
     pattern = None
     if nullable:
         flags = " + ".join(
-            f"IF({_quoted(fields[index]['name'])} IS NULL, {1 << index}, 0)" for index in nullable
+            f"IF({quoted(fields[index]['name'])} IS NULL, {1 << index}, 0)" for index in nullable
         )
         pattern = chain.add(f"({flags})")
 

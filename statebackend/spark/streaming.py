@@ -100,6 +100,7 @@ from statebackend.spark.tasks import StorageSpec
 _log = logging.getLogger(__name__)
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
+CASE_SENSITIVE_KEY = "spark.sql.caseSensitive"
 DEFAULT_SOURCE_KEY = "spark.sql.sources.default"
 """Spark's format for a sink given a path and no format."""
 WATERMARK_METADATA = "spark.watermarkDelayMs"
@@ -127,17 +128,31 @@ def _parse_struct(schema: object, what: str) -> StructType:
 
 
 def _key_columns(df: DataFrame, key_by: object) -> tuple[str, ...]:
+    """The DataFrame's own names of the ``key_by`` columns, matched as Spark's
+    ``groupBy`` matches them (ignoring case unless ``spark.sql.caseSensitive``)."""
     names = [key_by] if isinstance(key_by, str) else key_by
     if not isinstance(names, (list, tuple)) or not names:
         raise ConfigurationError(
             f"key_by {key_by!r} is invalid: give a column name or a list of column names"
         )
+    case_sensitive = df.sparkSession.conf.get(CASE_SENSITIVE_KEY, "false") == "true"
+    resolved = []
     for name in names:
-        if not isinstance(name, str) or name not in df.columns:
+        matches = [
+            column
+            for column in df.columns
+            if isinstance(name, str)
+            and (column == name if case_sensitive else column.lower() == name.lower())
+        ]
+        if name in matches:
+            matches = [name]
+        if len(matches) != 1:
+            problem = "ambiguous" if matches else "unknown"
             raise ConfigurationError(
-                f"unknown key column {name!r}: the DataFrame has columns {df.columns}"
+                f"{problem} key column {name!r}: the DataFrame has columns {df.columns}"
             )
-    return tuple(names)
+        resolved.append(matches[0])
+    return tuple(resolved)
 
 
 def _initial_state_frame(initial_state: object, key_columns: tuple[str, ...]) -> DataFrame | None:
@@ -514,12 +529,12 @@ class StatefulStreamWriter:
             )
         return self
 
-    def partitionBy(self, *cols: str) -> StatefulStreamWriter:  # noqa: N802
+    def partitionBy(self, *cols: str | list[str]) -> StatefulStreamWriter:  # noqa: N802
         """Partition a file or table sink's output by ``cols``, as Spark's writer does."""
         self._partition_by = _column_names(cols, "partitionBy")
         return self
 
-    def clusterBy(self, *cols: str) -> StatefulStreamWriter:  # noqa: N802
+    def clusterBy(self, *cols: str | list[str]) -> StatefulStreamWriter:  # noqa: N802
         """Cluster a table sink's output by ``cols`` (``toTable`` only), as Spark's writer."""
         self._cluster_by = _column_names(cols, "clusterBy")
         return self
@@ -651,15 +666,54 @@ class StatefulStreamWriter:
             writer = writer.queryName(self._query_name)
         return writer.start()
 
-    def start(self, path: str | None = None) -> StreamingQuery:
-        """Start the query (``path``: the sink's path, as ``option("path", ...)``)."""
+    def start(
+        self,
+        path: str | None = None,
+        format: str | None = None,  # noqa: A002 - Spark's keyword
+        outputMode: str | None = None,  # noqa: N803
+        partitionBy: str | list[str] | None = None,  # noqa: N803
+        queryName: str | None = None,  # noqa: N803
+        **options: Any,
+    ) -> StreamingQuery:
+        """Start the query; the arguments as Spark's ``DataStreamWriter.start`` takes them
+        (``path``: the sink's path, as ``option("path", ...)``)."""
         if path is not None:
             self._options["path"] = path
+        self._apply(format, outputMode, partitionBy, queryName, options)
         return self._start(None)
 
-    def toTable(self, tableName: str) -> StreamingQuery:  # noqa: N802,N803
-        """Start the query appending each batch's output to table ``tableName``."""
+    def toTable(  # noqa: N802
+        self,
+        tableName: str,  # noqa: N803
+        format: str | None = None,  # noqa: A002 - Spark's keyword
+        outputMode: str | None = None,  # noqa: N803
+        partitionBy: str | list[str] | None = None,  # noqa: N803
+        queryName: str | None = None,  # noqa: N803
+        **options: Any,
+    ) -> StreamingQuery:
+        """Start the query appending each batch's output to table ``tableName``; the other
+        arguments as Spark's ``DataStreamWriter.toTable`` takes them."""
+        self._apply(format, outputMode, partitionBy, queryName, options)
         return self._start(tableName)
+
+    def _apply(
+        self,
+        sink_format: str | None,
+        output_mode: str | None,
+        partition_by: str | list[str] | None,
+        query_name: str | None,
+        options: dict[str, Any],
+    ) -> None:
+        """The keyword arguments of ``start``/``toTable``, as their methods take them."""
+        if sink_format is not None:
+            self.format(sink_format)
+        if output_mode is not None:
+            self.outputMode(output_mode)
+        if partition_by is not None:
+            self.partitionBy(partition_by)
+        if query_name is not None:
+            self.queryName(query_name)
+        self.options(**options)
 
 
 def transform_with_state(

@@ -5,6 +5,7 @@ and both equal a plain-Python computation."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 from pyspark.sql.types import (
     ArrayType,
+    DoubleType,
     LongType,
     MapType,
     StringType,
@@ -659,3 +661,78 @@ def test_ticks_fire_processing_time_timers_and_ttl_without_input(
             expected[(fired, (user, expiry, int(note_exists)))] += 1
     assert max(batch_id for batch_id, _ in expected) >= len(batches)  # without input
     assert ours == expected
+
+
+SIGNED_INPUT = StructType(
+    [
+        StructField("x", DoubleType()),
+        StructField("amount", LongType()),
+        StructField("ts", TimestampType()),
+    ]
+)
+SIGNED_OUTPUT = StructType(
+    [
+        StructField("x", DoubleType()),
+        StructField("n", LongType()),
+        StructField("sum", LongType()),
+        StructField("latest", TimestampType()),
+    ]
+)
+
+
+class NestedCounts(StatefulProcessor):
+    """Per key a value state (n, struct<sum>) whose nested struct is read by field name,
+    as Spark's handle allows; emits the newest event time as a timestamp column."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.state = handle.getValueState("state", "n long, totals struct<sum: long>")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Row]:
+        rows = list(rows)
+        current = self.state.get()
+        n = (current[0] if current else 0) + len(rows)
+        total = (current[1].sum if current else 0) + sum(row.amount for row in rows)
+        self.state.update((n, (total,)))
+        yield Row(x=key[0], n=n, sum=total, latest=max(row.ts for row in rows))
+
+    def close(self) -> None:
+        pass
+
+
+def expected_latest(rows: list[dict[str, Any]]) -> datetime:
+    """The newest ``ts`` of ``rows`` as ``collect()`` shows a timestamp: naive, local."""
+    latest = max(datetime.fromisoformat(row["ts"]) for row in rows)
+    return datetime.fromtimestamp(latest.timestamp())
+
+
+def test_signed_zero_keys_timestamps_and_nested_state_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """-0.0 and 0.0 are one key, a timestamp output column is written, and a nested
+    struct in state reads back as a Row: as in Spark. Spark groups -0.0 with 0.0 within
+    a batch but keeps the state of a later batch's -0.0 apart (its store keys the bytes
+    of the key, not the normalized value): its batch 1 differs there, ours does not."""
+    batches = [
+        [
+            {"x": 0.0, "amount": 1, "ts": _at(1)},
+            {"x": -0.0, "amount": 2, "ts": _at(2)},
+            {"x": 1.5, "amount": 4, "ts": _at(3)},
+        ],
+        [{"x": -0.0, "amount": 8, "ts": _at(5)}, {"x": 1.5, "amount": 16, "ts": _at(4)}],
+    ]
+    case = ParityCase(SIGNED_INPUT, ["X"], NestedCounts, SIGNED_OUTPUT)  # "X": as groupBy
+    theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    seen: dict[float, tuple[int, int]] = {}
+    for batch_id, batch in enumerate(batches):
+        for key in sorted({abs(row["x"]) for row in batch}):  # abs: -0.0 is 0.0
+            rows = [row for row in batch if abs(row["x"]) == key]
+            n, total = seen.get(key, (0, 0))
+            seen[key] = (n + len(rows), total + sum(row["amount"] for row in rows))
+            expected[(batch_id, (key, *seen[key], expected_latest(rows)))] += 1
+    assert ours == expected
+    assert [math.copysign(1, x) for (_, (x, *_)) in ours] == [1.0] * len(ours)
+    assert {k: n for k, n in theirs.items() if k[0] == 0} == {
+        k: n for k, n in expected.items() if k[0] == 0
+    }
+    assert (1, (-0.0, 1, 8, expected_latest(batches[1]))) in theirs  # Spark's own split

@@ -191,3 +191,72 @@ def test_writer_mode_checks_are_one_clear_error_each(spark: SparkSession, tmp_pa
             .options(path=str(tmp_path / "out"), checkpointLocation=str(tmp_path / "ckpt"))
             .start()
         )
+
+
+def test_start_and_to_table_take_sparks_keyword_arguments(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    query = (
+        transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "keywords")
+        .writeStream.trigger(availableNow=True)
+        .start(
+            path=str(out),
+            format="json",
+            outputMode="update",
+            partitionBy="user",
+            queryName="keywords",
+            checkpointLocation=str(tmp_path / "ckpt"),
+        )
+    )
+    assert query.name == "keywords"
+    query.awaitTermination()
+    assert read_back(spark, "json", out) == expected_rows()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("_")) == [
+        "user=a",
+        "user=b",
+        "user=c",
+    ]
+
+    table = "keyword_totals"
+    query = (
+        transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "table")
+        .writeStream.trigger(availableNow=True)
+        .toTable(
+            table,
+            format="parquet",
+            outputMode="Update",
+            checkpointLocation=str(tmp_path / "table-ckpt"),
+        )
+    )
+    query.awaitTermination()
+    try:
+        assert sorted(tuple(row) for row in spark.table(table).collect()) == expected_rows()
+    finally:
+        spark.sql(f"DROP TABLE IF EXISTS {table}")
+
+
+class DottedTotals(Totals):
+    """Totals of the column named ``a.b`` (a dot in the name, not a nested field)."""
+
+    def handleInputRows(self, key: Any, rows: Iterator[Row], timerValues: Any) -> Iterator[Row]:
+        yield Row(user=key[0], total=self._add(sum(row["a.b"] for row in rows)))
+
+
+def test_columns_with_dots_in_their_names(spark: SparkSession, tmp_path: Path) -> None:
+    """Spark's own transformWithState fails on such a column; ours takes it."""
+    renamed = source(spark, tmp_path).withColumnRenamed("amount", "a.b")
+    collected: list[tuple[str, int]] = []
+
+    def collect(df: DataFrame, batch_id: int) -> None:
+        collected.extend((row.user, row.total) for row in df.collect())
+
+    query = (
+        transform_with_state(renamed, "user", DottedTotals(), OUTPUT, "dots")
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    assert sorted(collected) == expected_rows()
