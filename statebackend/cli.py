@@ -661,7 +661,8 @@ from a manifest, each subtask also replays the changelog records that hold its k
   {PROG} read /data/checkpoints/my-job/latest --operator user-totals --state total
 a manifest's state is rebuilt (base + changelog) in a temporary local directory first.
 --key takes the key as text for str keys, a number for int keys, JSON otherwise
-(e.g. '["alice", 3]' for a tuple key). Pickled keys and values are printed as
+(e.g. '["alice", 3]' for a tuple key); a transform_with_state key as the value of its
+one key column or a JSON array of its key columns. Pickled keys and values are printed as
 {{"serializer": "pickle", "base64": ...}}: unpickling runs code named by the checkpoint, so
 --allow-pickle is only for checkpoints nobody else can write (or that are signed)""",
     "savepoint": f"""examples:

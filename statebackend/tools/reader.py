@@ -34,6 +34,7 @@ from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import (
     OpaqueValue,
+    RowTupleSerializer,
     Serializer,
     SerializerConfig,
     reading_serializer,
@@ -110,9 +111,12 @@ def select_timers(ref: CheckpointRef, operator_id: str) -> StateSelection:
 def parse_key(text: str, config: SerializerConfig) -> Any:
     """The key written as ``text`` on the command line, for the key serializer ``config``:
     text for ``str``, a number for ``int``/``float``, JSON otherwise (a JSON array is a
-    tuple for ``tuple`` and ``pickle`` keys), falling back to the text itself."""
+    tuple for ``tuple``, ``row-tuple`` and ``pickle`` keys; a ``row-tuple`` key of one
+    field may also be written as that field alone), falling back to the text itself."""
     identity = config.get("identity")
     try:
+        if identity == RowTupleSerializer.identity:
+            return _row_tuple_key(text, json.loads(str(config["schema_json"])))
         if identity == "str":
             return text
         if identity == "int":
@@ -139,6 +143,26 @@ def parse_key(text: str, config: SerializerConfig) -> Any:
     except ValueError:
         return text
     return tuple(value) if isinstance(value, list) and identity == "pickle" else value
+
+
+def _row_tuple_key(text: str, schema: dict[str, Any]) -> tuple[Any, ...]:
+    """A ``transform_with_state`` key (a tuple of the key columns) written as a JSON array
+    of its fields, or, for one key column, as that column's value: text for a string
+    column, JSON for others. ValueError naming the fields if it is neither."""
+    fields = schema.get("fields", [])
+    try:
+        items = json.loads(text)
+    except ValueError:
+        items = None
+    if isinstance(items, list) and len(items) == len(fields):
+        return tuple(items)
+    if len(fields) == 1:
+        if fields[0]["type"] == "string":
+            return (text,)
+        if items is not None:
+            return (items,)
+    names = [field["name"] for field in fields]
+    raise ValueError(f"give a JSON array of the {len(fields)} key columns {names}")
 
 
 class _Decoder:

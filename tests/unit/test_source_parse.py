@@ -79,8 +79,9 @@ _JSON_VALUES = st.recursive(
     | st.integers(min_value=-(1 << 70), max_value=1 << 70)
     | st.floats()
     | st.text(),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=4), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4)
+    ),
     max_leaves=12,
 )
 

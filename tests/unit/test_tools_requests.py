@@ -3,6 +3,7 @@ and the key parsing of ``statebackend read --key``."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -22,11 +23,30 @@ from statebackend.serializers import (
     IntSerializer,
     JsonSerializer,
     PickleSerializer,
+    RowTupleSerializer,
     Serializer,
     StrSerializer,
     TupleSerializer,
 )
 from statebackend.tools.reader import parse_key
+
+
+def _schema(*fields: tuple[str, str]) -> str:
+    """A key schema's JSON, as ``StructType.json()`` writes it."""
+    return json.dumps(
+        {
+            "type": "struct",
+            "fields": [
+                {"name": name, "type": kind, "nullable": True, "metadata": {}}
+                for name, kind in fields
+            ],
+        }
+    )
+
+
+ONE_STRING = _schema(("user", "string"))
+ONE_LONG = _schema(("n", "long"))
+STRING_AND_LONG = _schema(("user", "string"), ("n", "long"))
 
 
 @pytest.fixture
@@ -92,6 +112,10 @@ def test_waiting_times_out_with_a_clear_error(fs: CheckpointFileSystem, job_dir:
         ('{"a": 1}', JsonSerializer(), {"a": 1}),
         ("[1, 2]", PickleSerializer(), (1, 2)),
         ("plain text", PickleSerializer(), "plain text"),
+        ("u8", RowTupleSerializer(ONE_STRING), ("u8",)),
+        ('["u8"]', RowTupleSerializer(ONE_STRING), ("u8",)),
+        ("7", RowTupleSerializer(ONE_LONG), (7,)),
+        ('["a", 7]', RowTupleSerializer(STRING_AND_LONG), ("a", 7)),
     ],
 )
 def test_keys_are_parsed_for_their_serializer(
@@ -103,3 +127,5 @@ def test_keys_are_parsed_for_their_serializer(
 def test_a_key_that_does_not_fit_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="does not fit"):
         parse_key("abc", IntSerializer().config())
+    with pytest.raises(ConfigurationError, match=r"2 key columns \['user', 'n'\]"):
+        parse_key("alice", RowTupleSerializer(STRING_AND_LONG).config())
