@@ -372,20 +372,25 @@ def parse_selection_key(selection: StateSelection, text: str) -> Any:
     return parse_key(text, info.serializers[KEY_ROLE])
 
 
+def _json_key(key: Any) -> Any:
+    """A dict key as JSON can hold it: an ``OpaqueValue`` as its base64 text, a tuple (a
+    map state's row-tuple user key) as its JSON text, anything else as it is."""
+    if isinstance(key, OpaqueValue):
+        return f"{key.serializer}:{key.to_json()['base64']}"
+    if isinstance(key, tuple):
+        return json.dumps(to_jsonable(key), ensure_ascii=False)
+    return key
+
+
 def _expose_opaque(value: Any) -> Any:
     """``value`` with every ``OpaqueValue`` in it (in lists, tuples, dict values) as its
-    JSON, and as its base64 text where it is a dict key."""
+    JSON, and dict keys as ``_json_key`` gives them."""
     if isinstance(value, OpaqueValue):
         return value.to_json()
     if isinstance(value, (list, tuple)):
         return [_expose_opaque(item) for item in value]
     if isinstance(value, dict):
-        return {
-            (f"{k.serializer}:{k.to_json()['base64']}" if isinstance(k, OpaqueValue) else k): (
-                _expose_opaque(v)
-            )
-            for k, v in value.items()
-        }
+        return {_json_key(k): _expose_opaque(v) for k, v in value.items()}
     return value
 
 

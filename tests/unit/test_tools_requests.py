@@ -28,7 +28,7 @@ from statebackend.serializers import (
     StrSerializer,
     TupleSerializer,
 )
-from statebackend.tools.reader import parse_key
+from statebackend.tools.reader import parse_key, to_jsonable
 
 
 def _schema(*fields: tuple[str, str]) -> str:
@@ -129,3 +129,15 @@ def test_a_key_that_does_not_fit_is_a_configuration_error() -> None:
         parse_key("abc", IntSerializer().config())
     with pytest.raises(ConfigurationError, match=r"2 key columns \['user', 'n'\]"):
         parse_key("alice", RowTupleSerializer(STRING_AND_LONG).config())
+
+
+def test_a_map_state_with_tuple_user_keys_prints_as_a_json_object() -> None:
+    """A transform_with_state map state's user keys are tuples of its key schema: they
+    become the JSON text of their fields, so the map stays a JSON object, not a repr."""
+    value = {("x", 1): [9], ("y", 2): {"nested": (3, 4)}}
+    jsonable = to_jsonable(value)
+    assert jsonable == {'["x", 1]': [9], '["y", 2]': {"nested": [3, 4]}}
+    assert {tuple(json.loads(k)): v for k, v in json.loads(json.dumps(jsonable)).items()} == {
+        ("x", 1): [9],
+        ("y", 2): {"nested": [3, 4]},
+    }
