@@ -481,12 +481,19 @@ def _mapped(decode: _Decoder, convert: Callable[[Any], Any]) -> _Decoder:
     return mapped
 
 
-def _nullable(codec: tuple[_Encoder, _Decoder]) -> tuple[_Encoder, _Decoder]:
-    """One tag byte (0 = null, 1 = a value) before the value."""
+class _NotNullable(TypeError):
+    """None given for a field its schema declares not nullable (named by the struct)."""
+
+
+def _nullable(codec: tuple[_Encoder, _Decoder], nullable: bool = True) -> tuple[_Encoder, _Decoder]:
+    """One tag byte (0 = null, 1 = a value) before the value; a field that is not
+    ``nullable`` has the same bytes but refuses to encode None."""
     inner_encode, inner_decode = codec
 
     def encode(value: Any, out: list[bytes]) -> None:
         if value is None:
+            if not nullable:
+                raise _NotNullable
             out.append(b"\x00")
         else:
             out.append(b"\x01")
@@ -606,7 +613,10 @@ def _struct_codec(
 ) -> tuple[_Encoder, _Decoder]:
     fields = struct_type.get("fields", [])
     names = [field["name"] for field in fields]
-    codecs = [_nullable(_field_codec(field["type"], struct_of)) for field in fields]
+    codecs = [
+        _nullable(_field_codec(field["type"], struct_of), field.get("nullable", True) is not False)
+        for field in fields
+    ]
     flat = _flat_struct(fields)
     tags = (1,) * len(fields)
     make = struct_of(names) if nested and struct_of is not None else None
@@ -616,8 +626,11 @@ def _struct_codec(
             value = tuple(value.get(name) for name in names)
         if not isinstance(value, (tuple, list)) or len(value) != len(codecs):
             raise TypeError(f"{_describe(value)} is not a tuple of {len(codecs)} fields {names}")
-        for (field_encode, _), item in zip(codecs, value, strict=True):
-            field_encode(item, out)
+        for (field_encode, _), item, name in zip(codecs, value, names, strict=True):
+            try:
+                field_encode(item, out)
+            except _NotNullable:
+                raise TypeError(f"field {name!r} is not nullable: it cannot be None") from None
 
     def decode_fields(view: memoryview, position: int) -> tuple[Any, int]:
         if flat is not None and len(view) - position >= flat[0].size:

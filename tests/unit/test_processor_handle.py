@@ -16,6 +16,7 @@ from pyspark.sql.streaming.stateful_processor import StatefulProcessorHandle
 from pyspark.sql.types import (
     ArrayType,
     DoubleType,
+    IntegerType,
     LongType,
     StringType,
     StructField,
@@ -131,6 +132,48 @@ def test_value_list_and_map_state_match_plain_python(backend: KeyedStateBackend)
             for letter in "abc":
                 assert scores.getValue((letter,)) == expected_map.get((letter,))
                 assert scores.containsKey((letter,)) == ((letter,) in expected_map)
+
+
+def test_nested_structs_read_back_as_rows_and_not_null_fields_refuse_none(
+    backend: KeyedStateBackend,
+) -> None:
+    """As Spark's handle gives them, a nested struct is a Row (by field name) in values,
+    list elements and map keys and values; the value itself stays a tuple. A None for a
+    field declared not null is refused, naming the field (Spark's own handle stores it and
+    reads back 0)."""
+
+    def struct(*fields: tuple[str, Any], nullable: bool = True) -> StructType:
+        return StructType([StructField(name, kind, nullable) for name, kind in fields])
+
+    def nested(name: str, *fields: tuple[str, Any]) -> StructType:
+        return struct((name, struct(*fields)))
+
+    totals = struct(("sum", LongType()), ("max", LongType()))
+    handle = _handle(backend)
+    value = handle.getValueState(
+        "v", StructType([StructField("n", LongType(), False), StructField("totals", totals)])
+    )
+    listed = handle.getListState("l", nested("pair", ("a", StringType()), ("b", LongType())))
+    mapped = handle.getMapState(
+        "m", nested("k", ("day", IntegerType())), nested("v", ("n", LongType()))
+    )
+    handle.phase = Phase.INITIALIZED
+    backend.set_current_key(("alice",))
+    value.update((1, (10, 7)))
+    listed.put([(("x", 1),), (("y", 2),)])
+    mapped.updateValue(((3,),), ((5,),))
+    stored = value.get()
+    assert type(stored) is tuple and stored == (1, (10, 7))
+    assert (stored[1].sum, stored[1].max) == (10, 7)
+    assert [(row[0].a, row[0].b) for row in listed.get()] == [("x", 1), ("y", 2)]
+    [(user_key, user_value)] = list(mapped.iterator())
+    assert (user_key[0].day, user_value[0].n) == (3, 5)
+    with pytest.raises(Exception, match="field 'n' is not nullable"):
+        value.update((None, (1, 1)))
+    value.update((2, None))  # the struct itself and its fields are nullable
+    assert value.get() == (2, None)
+    value.update((3, (None, None)))
+    assert value.get() == (3, (None, None))
 
 
 def test_numpy_values_are_stored_as_python_values(backend: KeyedStateBackend) -> None:
