@@ -585,7 +585,7 @@ class StatefulStreamWriter:
             output.show(truncate=False)
             return
         storage = stream.committer.storage
-        options = {k: v for k, v in self._options.items() if k not in ("checkpointLocation",)}
+        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
         sink_format = self._format or output.sparkSession.conf.get(DEFAULT_SOURCE_KEY, "parquet")
         if table is None and sink_format == "parquet" and not self._partition_by:
             publish_parquet(storage, manifest, options["path"], stream.conf.storage_options)
