@@ -94,6 +94,7 @@ from statebackend.spark.streaming_commit import (
     publish_once,
     publish_parquet,
 )
+from statebackend.spark.streaming_tables import publish_to_table
 from statebackend.spark.streaming_ticks import with_ticks, without_ticks
 from statebackend.spark.tasks import StorageSpec
 
@@ -601,6 +602,19 @@ class StatefulStreamWriter:
         writer = self._writer(output, self._format, options).mode("append")
         if table is not None and self._cluster_by:
             writer = writer.clusterBy(*self._cluster_by)
+        if table is not None:
+
+            def create(empty: DataFrame) -> None:
+                creator = self._writer(empty, self._format, options)
+                if self._cluster_by:
+                    creator = creator.clusterBy(*self._cluster_by)
+                creator.saveAsTable(table)
+
+            conf = stream.conf
+            if publish_to_table(
+                storage, batch_id, output, table, create, options, conf.storage_options
+            ):
+                return
         save = (lambda: writer.saveAsTable(table)) if table is not None else writer.save
         publish_once(storage, batch_id, save)
 

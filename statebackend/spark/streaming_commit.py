@@ -20,11 +20,12 @@ driver then:
    ``part-<N>-<subtask>.parquet`` (overwriting is idempotent); other file sinks (any
    format, partitioned or not) get the files Spark writes into a hidden staging
    directory moved to ``part-<N>-<k>`` names, and an earlier attempt's extra files
-   deleted (``publish_files``); other sinks are appended to and guarded by a
-   ``published/<N>`` marker written after the write: a crash between the two appends the
-   batch again. ``foreachBatch`` functions must, as with Spark, be
-   idempotent by batch id. Every staged file is checked against the checksum manifest N
-   holds for it (``OUTPUT_CHECKSUMS_PROPERTY``) before it is published; with a signing
+   deleted (``publish_files``), and so do file-source catalog tables
+   (``streaming_tables``); other sinks are appended to and guarded by a ``published/<N>``
+   marker written after the write: a crash between the two appends the batch again.
+   ``foreachBatch`` functions must, as with Spark, be idempotent by batch id. Every
+   staged file is checked against the checksum manifest N holds for it
+   (``OUTPUT_CHECKSUMS_PROPERTY``) before it is published; with a signing
    key that is a SHA-256 under the manifest's signature, so a staged file changed after
    its batch ran is refused (CheckpointCorruptedError naming it) instead of published.
 

@@ -260,3 +260,69 @@ def test_columns_with_dots_in_their_names(spark: SparkSession, tmp_path: Path) -
     )
     query.awaitTermination()
     assert sorted(collected) == expected_rows()
+
+
+@pytest.mark.parametrize(("provider", "partition_by"), [("parquet", []), ("json", ["user"])])
+def test_file_tables_hold_each_row_once_also_after_a_rerun_over_a_dead_attempt(
+    spark: SparkSession, tmp_path: Path, provider: str, partition_by: list[str]
+) -> None:
+    table, checkpoint = f"totals_{provider}", tmp_path / "ckpt"
+
+    def run() -> None:
+        writer = transform_with_state(
+            source(spark, tmp_path), "user", Totals(), OUTPUT, "tables"
+        ).writeStream.format(provider)
+        if partition_by:
+            writer = writer.partitionBy(*partition_by)
+        query = (
+            writer.option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .toTable(table)
+        )
+        query.awaitTermination()
+
+    def rows() -> list[tuple[str, int]]:
+        return sorted((row.user, row.total) for row in spark.table(table).collect())
+
+    try:
+        run()
+        assert rows() == expected_rows()
+        location = Path(
+            next(
+                str(row[1])
+                for row in spark.sql(f"DESCRIBE TABLE EXTENDED {table}").collect()
+                if row[0] == "Location"
+            ).removeprefix("file:")
+        )
+        # A driver killed while publishing batch 2 left a file of its attempt that the
+        # re-run does not write, and its staging directory; Spark runs batch 2 again.
+        published = sorted(p for p in location.rglob("part-2-*") if p.is_file())
+        assert published
+        stale = published[0].with_name("part-2-00099." + published[0].name.partition(".")[2])
+        shutil.copy(published[0], stale)
+        (location / STAGING_DIR / "2-deadbeef").mkdir(parents=True)
+        for name in ("2", ".2.crc"):
+            (checkpoint / "commits" / name).unlink(missing_ok=True)
+        spark.catalog.refreshTable(table)
+        assert len(rows()) > len(expected_rows())  # the stale file duplicates rows now
+        run()
+        assert rows() == expected_rows()
+        assert not stale.exists() and not (location / STAGING_DIR).exists()
+    finally:
+        spark.sql(f"DROP TABLE IF EXISTS {table}")
+
+
+def test_a_table_of_other_columns_is_one_clear_error(spark: SparkSession, tmp_path: Path) -> None:
+    spark.sql("CREATE TABLE other_totals (user STRING, amount DOUBLE) USING parquet")
+    try:
+        query = (
+            transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "other")
+            .writeStream.option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .toTable("other_totals")
+        )
+        with pytest.raises(Exception, match="table other_totals has columns"):
+            query.awaitTermination()
+        assert spark.table("other_totals").count() == 0
+    finally:
+        spark.sql("DROP TABLE IF EXISTS other_totals")
