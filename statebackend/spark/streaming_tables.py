@@ -86,7 +86,10 @@ def publish_to_table(
 ) -> bool:
     """Publish a committed batch's rows into ``table`` exactly once if it is (or, created
     by ``create(empty output)``, becomes) a file-source table; False (nothing done) if it
-    is not, for the caller to append. ``options`` are the sink's writer options."""
+    is not, for the caller to append. ``options`` are the sink's writer options. A
+    partitioned table whose partitions the catalog tracks has them recovered after each
+    batch (``ALTER TABLE ... RECOVER PARTITIONS``, a listing of its partition
+    directories), as Spark's ``MSCK REPAIR`` would."""
     spark = output.sparkSession
     if not spark.catalog.tableExists(table):
         create(output.limit(0))
