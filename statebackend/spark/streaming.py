@@ -94,7 +94,7 @@ from statebackend.spark.streaming_commit import (
     publish_once,
     publish_parquet,
 )
-from statebackend.spark.streaming_tables import publish_to_table
+from statebackend.spark.streaming_tables import check_table, publish_to_table
 from statebackend.spark.streaming_ticks import with_ticks, without_ticks
 from statebackend.spark.tasks import StorageSpec
 
@@ -581,17 +581,20 @@ class StatefulStreamWriter:
         if self._foreach is not None:
             output.rdd.mapPartitionsWithIndex(self._foreach).count()
             return
-        if self._format == "console":
+        if self._format_name() == "console":
             print(f"Batch: {batch_id}")
             output.show(truncate=False)
             return
         storage = stream.committer.storage
         options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
-        sink_format = self._format or output.sparkSession.conf.get(DEFAULT_SOURCE_KEY, "parquet")
-        if table is None and sink_format == "parquet" and not self._partition_by:
+        sink_format = self._format or str(
+            output.sparkSession.conf.get(DEFAULT_SOURCE_KEY, "parquet")
+        )
+        file_format = sink_format.lower()  # Spark takes its formats' names in any case
+        if table is None and file_format == "parquet" and not self._partition_by:
             publish_parquet(storage, manifest, options["path"], stream.conf.storage_options)
             return
-        if table is None and sink_format in FILE_FORMATS:
+        if table is None and file_format in FILE_FORMATS:
             path = options.pop("path")
 
             def write(rows: DataFrame, target: str) -> None:
@@ -618,6 +621,10 @@ class StatefulStreamWriter:
         save = (lambda: writer.saveAsTable(table)) if table is not None else writer.save
         publish_once(storage, batch_id, save)
 
+    def _format_name(self) -> str | None:
+        """The sink's format as Spark matches short names: in lower case."""
+        return None if self._format is None else self._format.lower()
+
     def _writer(self, rows: DataFrame, sink_format: str | None, options: dict[str, str]) -> Any:
         """A ``DataFrameWriter`` of ``rows`` with the sink's format, options and partitioning."""
         writer = rows.write.options(**options)
@@ -629,7 +636,7 @@ class StatefulStreamWriter:
 
     def _start(self, table: str | None) -> StreamingQuery:
         stream = self._stream
-        if self._format == "memory":
+        if self._format_name() == "memory":
             raise ConfigurationError(
                 "format 'memory' is not supported: use foreachBatch or a file format"
             )
@@ -641,13 +648,15 @@ class StatefulStreamWriter:
             self._foreach_batch is None
             and self._foreach is None
             and table is None
-            and self._format != "console"
+            and self._format_name() != "console"
             and ("path" not in self._options)
         ):
             raise ConfigurationError(
                 "no sink: give .format(...).option('path', ...), toTable(name), foreachBatch "
                 "or foreach"
             )
+        if table is not None:
+            check_table(stream.df.sparkSession, table, stream.output_schema, self._format)
         checkpoint = self._options.get("checkpointLocation")
         if not checkpoint:
             raise ConfigurationError(

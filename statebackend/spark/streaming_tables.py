@@ -16,6 +16,7 @@ from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import ConfigurationError
@@ -61,18 +62,35 @@ def describe_file_table(spark: SparkSession, table: str) -> FileTable | None:
     )
 
 
-def _check_columns(table: str, described: FileTable, output: DataFrame) -> None:
-    """ConfigurationError unless the output has the table's columns (by name, as
-    ``saveAsTable`` appends), with their types."""
-    table_types = {
-        field.name.lower(): field.dataType for field in output.sparkSession.table(table).schema
-    }
-    output_types = {field.name.lower(): field.dataType for field in output.schema}
+def _check_columns(
+    spark: SparkSession, table: str, described: FileTable, schema: StructType
+) -> None:
+    """ConfigurationError unless the output ``schema`` has the table's columns (by name,
+    as ``saveAsTable`` appends), with their types."""
+    table_types = {field.name.lower(): field.dataType for field in spark.table(table).schema}
+    output_types = {field.name.lower(): field.dataType for field in schema}
     if table_types != output_types:
         raise ConfigurationError(
             f"table {table} has columns {described.columns} of other names or types than the "
-            f"output schema {output.schema.simpleString()}: write to a table of the output schema"
+            f"output schema {schema.simpleString()}: write to a table of the output schema"
         )
+
+
+def check_table(
+    spark: SparkSession, table: str, schema: StructType, sink_format: str | None
+) -> None:
+    """Before a query starts: ConfigurationError if ``table`` is a file-source table with
+    other columns than the output ``schema``, or of another format than ``sink_format``
+    (if given), as Spark's writer refuses them."""
+    described = describe_file_table(spark, table)
+    if described is None:
+        return
+    if sink_format is not None and sink_format.lower() != described.provider:
+        raise ConfigurationError(
+            f"table {table} is a {described.provider} table, not {sink_format}: give its "
+            f"format or none"
+        )
+    _check_columns(spark, table, described, schema)
 
 
 def publish_to_table(
@@ -96,7 +114,7 @@ def publish_to_table(
     described = describe_file_table(spark, table)
     if described is None:
         return False
-    _check_columns(table, described, output)
+    _check_columns(spark, table, described, output.schema)
 
     writer_options = {key: value for key, value in options.items() if key != "path"}
 

@@ -71,7 +71,7 @@ def read_back(spark: SparkSession, sink_format: str, out: Path) -> list[tuple[st
 
 @pytest.mark.parametrize(
     ("sink_format", "partition_by"),
-    [("json", ["user"]), ("csv", []), ("parquet", ["user"])],
+    [("JSON", ["user"]), ("csv", []), ("parquet", ["user"])],  # Spark takes "JSON" too
 )
 def test_file_sinks_hold_each_row_once_also_after_a_rerun_over_a_dead_attempt(
     spark: SparkSession, tmp_path: Path, sink_format: str, partition_by: list[str]
@@ -312,17 +312,23 @@ def test_file_tables_hold_each_row_once_also_after_a_rerun_over_a_dead_attempt(
         spark.sql(f"DROP TABLE IF EXISTS {table}")
 
 
-def test_a_table_of_other_columns_is_one_clear_error(spark: SparkSession, tmp_path: Path) -> None:
+def test_a_table_of_other_columns_or_format_is_one_clear_error_before_any_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
     spark.sql("CREATE TABLE other_totals (user STRING, amount DOUBLE) USING parquet")
+    spark.sql("CREATE TABLE parquet_totals (user STRING, total BIGINT) USING parquet")
+    writer = (
+        transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "other")
+        .writeStream.option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+    )
     try:
-        query = (
-            transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "other")
-            .writeStream.option("checkpointLocation", str(tmp_path / "ckpt"))
-            .trigger(availableNow=True)
-            .toTable("other_totals")
-        )
-        with pytest.raises(Exception, match="table other_totals has columns"):
-            query.awaitTermination()
-        assert spark.table("other_totals").count() == 0
+        with pytest.raises(ConfigurationError, match="table other_totals has columns"):
+            writer.toTable("other_totals")
+        with pytest.raises(ConfigurationError, match="parquet_totals is a parquet table, not json"):
+            writer.toTable("parquet_totals", format="json")
+        assert spark.table("other_totals").count() == spark.table("parquet_totals").count() == 0
+        assert not (tmp_path / "ours" / "other").exists()  # no batch ran
     finally:
         spark.sql("DROP TABLE IF EXISTS other_totals")
+        spark.sql("DROP TABLE IF EXISTS parquet_totals")
