@@ -66,9 +66,11 @@ def _check_columns(
     spark: SparkSession, table: str, described: FileTable, schema: StructType
 ) -> None:
     """ConfigurationError unless the output ``schema`` has the table's columns (by name,
-    as ``saveAsTable`` appends), with their types."""
-    table_types = {field.name.lower(): field.dataType for field in spark.table(table).schema}
-    output_types = {field.name.lower(): field.dataType for field in schema}
+    as ``saveAsTable`` appends), with their types (nullability aside)."""
+    table_types = {
+        field.name.lower(): field.dataType.simpleString() for field in spark.table(table).schema
+    }
+    output_types = {field.name.lower(): field.dataType.simpleString() for field in schema}
     if table_types != output_types:
         raise ConfigurationError(
             f"table {table} has columns {described.columns} of other names or types than the "
