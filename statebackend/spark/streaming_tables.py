@@ -39,10 +39,8 @@ class FileTable:
 
 
 def describe_file_table(spark: SparkSession, table: str) -> FileTable | None:
-    """The table's location and layout if it is a file-source table without buckets or
-    clustering, else None; None also if it does not exist."""
-    if not spark.catalog.tableExists(table):
-        return None
+    """The location and layout of the existing ``table`` if it is a file-source table
+    without buckets or clustering, else None."""
     columns = spark.catalog.listColumns(table)
     if any(column.isBucket or getattr(column, "isCluster", False) for column in columns):
         return None
@@ -84,6 +82,8 @@ def check_table(
     """Before a query starts: ConfigurationError if ``table`` is a file-source table with
     other columns than the output ``schema``, or of another format than ``sink_format``
     (if given), as Spark's writer refuses them."""
+    if not spark.catalog.tableExists(table):
+        return
     described = describe_file_table(spark, table)
     if described is None:
         return
