@@ -100,13 +100,19 @@ def _write_json(fs: CheckpointFileSystem, path: str, document: dict[str, Any]) -
     fs.write_atomic(path, json.dumps(document, sort_keys=True).encode("utf-8"))
 
 
+def _options_for(url: str, storage: CheckpointStorage, options: dict[str, Any]) -> dict[str, Any]:
+    """The storage options for ``url`` (a sink, or Spark's checkpointLocation): our
+    checkpoints' if it has their protocol, else none."""
+    same = get_protocol(url) == get_protocol(storage.layout.checkpoint_dir)
+    return options if same else {}
+
+
 def location_filesystem(
     url: str, storage: CheckpointStorage, options: dict[str, Any]
 ) -> CheckpointFileSystem:
-    """The file system of ``url`` (a sink, or Spark's checkpointLocation); our storage
-    options apply if it is the same protocol as our checkpoints'."""
-    same = get_protocol(url) == get_protocol(storage.layout.checkpoint_dir)
-    return open_filesystem(url, options if same else None)
+    """The file system of ``url`` (a sink, or Spark's checkpointLocation), opened with
+    ``_options_for`` it."""
+    return open_filesystem(url, _options_for(url, storage, options))
 
 
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
@@ -296,10 +302,9 @@ starts with '_' is skipped by every reader of the path, as Spark's ``_spark_meta
 def _sink_filesystem(
     storage: CheckpointStorage, path: str, options: dict[str, Any]
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec file system and root of a sink ``path``; the job's storage options
-    apply where the sink uses the checkpoints' protocol."""
-    same = get_protocol(path) == get_protocol(storage.layout.checkpoint_dir)
-    sink, root = fsspec.core.url_to_fs(path, **(options if same else {}))
+    """The fsspec file system and root of a sink ``path``, opened with ``_options_for``
+    it."""
+    sink, root = fsspec.core.url_to_fs(path, **_options_for(path, storage, options))
     return sink, root.rstrip("/")
 
 
