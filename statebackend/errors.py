@@ -98,6 +98,11 @@ class ProcessorFailedError(StateBackendError):
     micro-batch; names the processor and the batch. The batch is not committed."""
 
 
+class BatchInterruptedError(StateBackendError):
+    """A Structured Streaming batch was interrupted by ``StreamingQuery.stop()``; it is not
+    committed and runs again when the query restarts."""
+
+
 class OutputSchemaError(StateBackendError):
     """A processor's output does not fit the declared output schema (names the column)."""
 

@@ -21,17 +21,32 @@ def job_group_id(job_id: str, operator_id: str, batch_id: int | None = None) -> 
     return group if batch_id is None else f"{group}:{batch_id}"
 
 
+def current_job_group(sc: SparkContext) -> str | None:
+    """The job group of the Spark jobs this thread starts (None: no group)."""
+    return sc.getLocalProperty(_GROUP)
+
+
 @contextmanager
 def job_group(
     sc: SparkContext, job_id: str, operator_id: str, phase: str, batch_id: int | None = None
 ) -> Iterator[str]:
-    """Label the Spark jobs started in the block (on this thread) with the group
-    ``job_group_id(...)`` and a description naming the phase; the labels the thread had
-    before are restored after. Yields the group id."""
-    group = job_group_id(job_id, operator_id, batch_id)
+    """Label the Spark jobs started in the block (on this thread) with a description
+    naming the phase and, unless the thread is in a job group already, the group
+    ``job_group_id(...)``; the labels the thread had before are restored after. Yields
+    the group the jobs run in.
+
+    A group the thread has is kept: a streaming query's batch runs in the query's group,
+    which ``StreamingQuery.stop()`` cancels (with the thread interrupted), so a stopped
+    query leaves no job of ours running; a user's own group likewise cancels ours."""
     batch = "" if batch_id is None else f" batch {batch_id}"
-    previous = sc.getLocalProperty(_GROUP), sc.getLocalProperty(_DESCRIPTION)
-    sc.setJobGroup(group, f"statebackend {job_id} / {operator_id}{batch}: {phase}")
+    previous = current_job_group(sc), sc.getLocalProperty(_DESCRIPTION)
+    description = f"statebackend {job_id} / {operator_id}{batch}: {phase}"
+    if previous[0]:
+        group = previous[0]
+        sc.setJobDescription(description)
+    else:
+        group = job_group_id(job_id, operator_id, batch_id)
+        sc.setJobGroup(group, description)
     try:
         yield group
     finally:

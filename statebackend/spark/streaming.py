@@ -75,7 +75,7 @@ from statebackend.spark.arrow_path import (
 )
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
-from statebackend.spark.job_groups import job_group
+from statebackend.spark.job_groups import current_job_group, job_group
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
     BatchTimes,
@@ -84,6 +84,7 @@ from statebackend.spark.processor_handle import (
     parse_time_mode,
 )
 from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
+from statebackend.spark.query_stop import stop_interruption
 from statebackend.spark.streaming_commit import (
     FILE_FORMATS,
     BatchCommitter,
@@ -675,10 +676,17 @@ class StatefulStreamWriter:
         offsets = BatchTimesReader(location_filesystem(checkpoint, storage, options), checkpoint)
 
         def run(batch_df: DataFrame, batch_id: int) -> None:
-            times = offsets.read(batch_id)
-            if tick is not None:
-                batch_df = without_ticks(batch_df)
-            self._publish(stream.run_batch(batch_df, batch_id, times), table)
+            try:
+                times = offsets.read(batch_id)
+                if tick is not None:
+                    batch_df = without_ticks(batch_df)
+                self._publish(stream.run_batch(batch_df, batch_id, times), table)
+            except Exception as exc:
+                group = current_job_group(batch_df.sparkSession.sparkContext)
+                stopped = stop_interruption(exc, batch_id, group)
+                if stopped is None:
+                    raise
+                raise stopped from None
 
         keyed = stream.with_key_groups(stream.df)
         source = keyed if tick is None else with_ticks(keyed, tick)

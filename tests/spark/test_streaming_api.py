@@ -4,12 +4,15 @@ DataFrame as one batch with initial state, and writeStream to a file sink."""
 from __future__ import annotations
 
 import sys
+import time
+import traceback
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from py4j.protocol import Py4JJavaError
 from pyspark import cloudpickle
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.streaming.stateful_processor import (
@@ -21,6 +24,7 @@ from pyspark.sql.streaming.stateful_processor import (
 from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import KeyedBatches
 from statebackend.spark.processor_runner import SUBTASK_COLUMN
+from statebackend.spark.query_stop import stop_interruption
 from statebackend.spark.streaming import transform_with_state
 from tests.spark.jobs import streaming_session
 from tests.spark.streaming_parity import write_batches
@@ -235,3 +239,106 @@ def test_non_replayable_source_is_one_clear_error(spark: SparkSession) -> None:
     socket = spark.readStream.format("socket").option("host", "127.0.0.1").option("port", 9).load()
     with pytest.raises(ConfigurationError, match="source 'socket' cannot replay a batch"):
         transform_with_state(socket, "value", Totals(), OUTPUT, "socket")
+
+
+class Stalling(Totals):
+    """Totals over the non-negative amounts; with a ``marker`` path, a key with a negative
+    amount creates the file and stalls its keyed task for two minutes."""
+
+    def __init__(self, marker: str | None) -> None:
+        self.marker = marker
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        amounts = [row.amount for row in rows]
+        if self.marker is not None and min(amounts) < 0:
+            Path(self.marker).touch()
+            time.sleep(120)
+        yield Row(user=key[0], total=self._add(sum(a for a in amounts if a >= 0)))
+
+
+def _wait_for(condition: Any, what: str, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_stop_during_a_batch_cancels_its_job_and_the_batch_runs_again_on_restart(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """stop() while batch 1's keyed job runs: the query ends as stopped (no exception),
+    the job is cancelled with it (none of ours keeps running), and the restarted query
+    runs batch 1 again: every output row once."""
+    batches = [
+        [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}],
+        [{"user": "a", "amount": -1}, {"user": "c", "amount": 3}],
+        [{"user": "a", "amount": 4}],
+    ]
+    write_batches(tmp_path / "input", batches)
+    out, marker = tmp_path / "out", tmp_path / "stalled"
+
+    def start(processor: Stalling) -> Any:
+        source = (
+            spark.readStream.schema("user string, amount long")
+            .option("maxFilesPerTrigger", 1)
+            .json(str(tmp_path / "input"))
+        )
+        return (
+            transform_with_state(source, "user", processor, OUTPUT, "stopped")
+            .writeStream.format("parquet")
+            .options(path=str(out), checkpointLocation=str(tmp_path / "ckpt"))
+            .start()
+        )
+
+    query = start(Stalling(str(marker)))
+    _wait_for(marker.exists, "batch 1's keyed task")
+    query.stop()
+    assert query.exception() is None
+    tracker = spark.sparkContext.statusTracker()
+    _wait_for(lambda: not tracker.getActiveJobsIds(), "the stopped batch's job to end", 30)
+
+    restarted = start(Stalling(None))
+    _wait_for(lambda: restarted.lastProgress and restarted.lastProgress["batchId"] >= 2, "batch 2")
+    restarted.stop()
+    totals: dict[str, int] = defaultdict(int)
+    expected = []
+    for batch in batches:
+        for user in sorted({r["user"] for r in batch}):
+            totals[user] += sum(
+                r["amount"] for r in batch if r["user"] == user and r["amount"] >= 0
+            )
+            expected.append((user, totals[user]))
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == sorted(expected)
+
+
+def test_a_batch_interrupted_by_stop_reads_as_a_stop_to_spark(spark: SparkSession) -> None:
+    """Spark takes a foreachBatch error for the query's stop only if its regex
+    ``StreamExecution.PROXY_ERROR`` finds an interruption in the Python traceback; ours
+    is short and matches (a Java stack trace there overflows the regex's stack)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    try:
+        jvm.java.lang.Thread.currentThread().interrupt()
+        jvm.java.lang.Thread.sleep(60_000)
+    except Py4JJavaError as exc:
+        interrupted = exc
+    stopped = stop_interruption(RuntimeError("publishing failed"), 4, None)
+    assert stopped is None
+    try:
+        try:
+            raise RuntimeError("publishing failed") from interrupted
+        except RuntimeError as exc:
+            stopped = stop_interruption(exc, 4, None)
+            assert stopped is not None
+            raise stopped from None
+    except Exception:
+        sent = (
+            "An exception was raised by the Python Proxy. Return Message: " + traceback.format_exc()
+        )
+    assert "batch 4 was interrupted by the query's stop()" in sent
+    assert len(sent) < 1000
+    proxy_error = jvm.org.apache.spark.sql.execution.streaming.runtime.StreamExecution.PROXY_ERROR()
+    assert proxy_error.findFirstIn(sent).isDefined()
