@@ -475,8 +475,7 @@ class StatefulStream:
 
     def output(self, manifest: BatchManifest) -> DataFrame:
         """The output rows of a committed batch, read from its staged files."""
-        storage = self.committer.storage
-        return batch_output(self.df.sparkSession, storage, manifest, self.output_schema)
+        return batch_output(self.df.sparkSession, self.storage_spec, manifest, self.output_schema)
 
 
 def _column_names(cols: tuple[Any, ...], method: str) -> list[str]:

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.utils import get_protocol
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.types import (
@@ -61,6 +63,7 @@ from statebackend.checksums import algorithm_of, checksum
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.processor_handle import BatchTimes
+from statebackend.spark.tasks import StorageSpec
 
 SPARK_BINDING_FILE = "statebackend-binding.json"
 """Our file in the Spark checkpointLocation, naming the state job it is bound to."""
@@ -279,17 +282,23 @@ def staged_output(storage: CheckpointStorage, manifest: BatchManifest, subtask: 
 
 
 def batch_output(
-    spark: SparkSession, storage: CheckpointStorage, manifest: BatchManifest, schema: StructType
+    spark: SparkSession, spec: StorageSpec, manifest: BatchManifest, schema: StructType
 ) -> DataFrame:
-    """The output rows of a committed batch, read from its staged files; with a signing
-    key each file is checked first (``staged_output``)."""
-    paths = BatchCommitter.outputs(manifest)
-    if not paths:
+    """The output rows of a committed batch: one task per subtask reads its staged file
+    through the job's storage (fsspec, with the job's storage options: Spark's own
+    readers know neither ``s3://`` nor those options) and checks it (``staged_output``)."""
+    subtasks = len(BatchCommitter.outputs(manifest))
+    if not subtasks:
         return spark.createDataFrame([], schema)
-    if storage.signing_key is not None:
-        for subtask in range(len(paths)):
-            staged_output(storage, manifest, subtask)
-    return spark.read.schema(schema).parquet(*paths)
+
+    def read(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        storage = spec.open()
+        for batch in ids:
+            for subtask in batch.column(0).to_pylist():
+                data = staged_output(storage, manifest, subtask)
+                yield from pq.read_table(pa.BufferReader(data)).to_batches()
+
+    return spark.range(0, subtasks, 1, subtasks).mapInArrow(read, schema)
 
 
 FILE_FORMATS = frozenset({"parquet", "json", "csv", "orc", "text", "avro"})

@@ -27,6 +27,7 @@ from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.state_reader import read_state
 from statebackend.spark.streaming import transform_with_state
+from tests.conftest import Storage
 from tests.scripts import REPO, load_script
 from tests.spark.jobs import lose_local_state, streaming_session
 
@@ -149,6 +150,35 @@ def restart_at_another_parallelism(spark: SparkSession, tmp_path: Path) -> None:
     assert max(written.values()) == 1  # no row twice
 
 
+@pytest.mark.s3
+def test_state_on_s3_restarts_at_another_parallelism_exactly(
+    spark_local: SparkSession, tmp_path: Path, s3_storage: Storage
+) -> None:
+    """Our state on S3 (the local endpoint), materialized every 2 batches: four batches
+    at parallelism 2, the executor-local copies lost (as on other hosts), then three at
+    3 rebuilt from S3 alone: the output equals plain Python, no row twice, and so does
+    the state read back from S3."""
+    options = s3_storage.storage_options.items()
+    pairs = [
+        ("spark.statebackend.checkpoint.dir", s3_storage.url),
+        (MATERIALIZE_EVERY, "2"),
+        *((f"spark.statebackend.storage.{key}", str(value)) for key, value in options),
+    ]
+    batches = make_batches(7, seed=13)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    with streaming_session(spark_local, tmp_path, *pairs) as spark:
+        write_batch_files(input_dir, batches[:4])
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+        lose_local_state(tmp_path / "local")
+        write_batch_files(input_dir, batches[4:], first=4)
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=3)
+        written = read_output(spark, out)
+        totals = state_totals(spark, f"{s3_storage.url}/totals", s3_storage.storage_options)
+    assert written == expected_output(batches)
+    assert max(written.values()) == 1
+    assert totals == expected_totals(batches)
+
+
 def test_signed_job_refuses_a_forged_changelog_record_on_rebuild(
     spark: SparkSession, tmp_path: Path
 ) -> None:
@@ -258,9 +288,11 @@ def expected_totals(batches: Batches) -> dict[str, tuple[int, int]]:
     return totals
 
 
-def state_totals(spark: SparkSession, job_dir: Path) -> dict[str, tuple[int, int]]:
+def state_totals(
+    spark: SparkSession, job_dir: Path | str, storage_options: dict[str, Any] | None = None
+) -> dict[str, tuple[int, int]]:
     """The ``totals`` state at the job's newest manifest, read with ``read_state``."""
-    frame = read_state(spark, str(job_dir / "latest"), OPERATOR_ID, "totals")
+    frame = read_state(spark, f"{job_dir}/latest", OPERATOR_ID, "totals", storage_options)
     totals = {}
     for key, value in frame.collect():  # row tuples come as JSON arrays
         (user,), (count, total) = json.loads(key), json.loads(value)

@@ -296,10 +296,10 @@ def test_file_tables_hold_each_row_once_also_after_a_rerun_over_a_dead_attempt(
         )
         # A driver killed while publishing batch 2 left a file of its attempt that the
         # re-run does not write, and its staging directory; Spark runs batch 2 again.
-        published = sorted(p for p in location.rglob("part-2-*") if p.is_file())
-        assert published
-        stale = published[0].with_name("part-2-00099." + published[0].name.partition(".")[2])
-        shutil.copy(published[0], stale)
+        published = [p for p in location.rglob("part-2-*") if p.is_file()]
+        with_rows = max(published, key=lambda p: p.stat().st_size)  # not a 0-row file
+        stale = with_rows.with_name("part-2-00099." + with_rows.name.partition(".")[2])
+        shutil.copy(with_rows, stale)
         (location / STAGING_DIR / "2-deadbeef").mkdir(parents=True)
         for name in ("2", ".2.crc"):
             (checkpoint / "commits" / name).unlink(missing_ok=True)
