@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 CRC32 = "crc32"
 SHA256 = "sha256"
@@ -61,3 +63,34 @@ def algorithm_of(value: str) -> str | None:
     algorithm = value.split(":", 1)[0] if isinstance(value, str) else None
     pattern = _PATTERNS.get(algorithm or "")
     return algorithm if pattern is not None and pattern.fullmatch(value) else None
+
+
+DOCUMENT_CHECKSUM = "checksum"
+"""The field of a JSON document (``_metadata``, a batch manifest) that holds the CRC-32 of
+its other fields as written (``with_document_checksum``)."""
+
+
+def with_document_checksum(
+    document: dict[str, Any], serialize: Callable[[dict[str, Any]], bytes]
+) -> dict[str, Any]:
+    """``document`` with a ``DOCUMENT_CHECKSUM`` field: the checksum of ``serialize(document)``
+    (a canonical serialization: the reader serializes what it parsed the same way)."""
+    return {**document, DOCUMENT_CHECKSUM: checksum(serialize(document))}
+
+
+def document_checksum_problem(
+    document: dict[str, Any], serialize: Callable[[dict[str, Any]], bytes]
+) -> str | None:
+    """Remove ``DOCUMENT_CHECKSUM`` from a parsed ``document`` and say what is wrong if the
+    rest does not match it (None if it does, or if the document has none: an older
+    release wrote it)."""
+    expected = document.pop(DOCUMENT_CHECKSUM, None)
+    if expected is None:
+        return None
+    algorithm = algorithm_of(expected)
+    if algorithm is None:
+        return f"its checksum {expected!r} is malformed"
+    actual = checksum(serialize(document), algorithm)
+    if actual != expected:
+        return f"its content does not match its checksum ({actual} != {expected})"
+    return None

@@ -8,7 +8,9 @@ records of every batch after the base up to B, one accepted record per subtask a
 Free-form ``properties`` carry what else the job commits with the batch (watermarks,
 source offsets): the changelog carries keyed state only, so the operator state a driver
 holds (the source offsets) is committed there. Paths are relative to the manifests
-directory (``../chk-<N>``, ``../changelog/<B>/...``), like every handle's.
+directory (``../chk-<N>``, ``../changelog/<B>/...``), like every handle's. A
+``"checksum"`` field (the CRC-32 of the rest, as in ``_metadata``) makes damage to any
+of it, the source offsets included, a CheckpointCorruptedError when it is read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from statebackend.checkpoint.signing import (
     check_signable,
     check_signature,
 )
-from statebackend.checksums import algorithm_of
+from statebackend.checksums import algorithm_of, document_checksum_problem, with_document_checksum
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.snapshot.changelog_format import ChangelogHandle
@@ -165,7 +167,7 @@ class BatchManifest:
         """The manifest file's bytes; with ``signing_key`` signed (HMAC-SHA256 over the
         bytes without the signature, as ``_metadata``). Raises CheckpointError if signing
         was asked for but a record has no SHA-256 checksum."""
-        document = self.to_json()
+        document = with_document_checksum(self.to_json(), _compact)
         if signing_key is None:
             return _compact(document)
         check_signable(
@@ -210,6 +212,11 @@ class BatchManifest:
         signature = document.pop(SIGNATURE, None)
         if signing_key is not None:
             check_signature(_compact(document), signature, signing_key, where)
+        damage = document_checksum_problem(document, _compact)
+        if damage is not None:
+            raise CheckpointCorruptedError(
+                f"{where} is damaged: {damage}; restore from an earlier manifest or checkpoint"
+            )
         if not isinstance(version, int) or not 1 <= version <= MANIFEST_FORMAT_VERSION:
             raise IncompatibleStateError(
                 f"{where} has manifest format version {version!r}; this statebackend reads up "

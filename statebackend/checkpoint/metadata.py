@@ -10,9 +10,12 @@ savepoint holds copies of them).
 per operator the subtasks are exactly 0..P-1, each once, their key-group ranges cover
 0..M-1 exactly, and every handle is well formed (paths inside the job's directory, sizes,
 checksums, indexes within their files). A violation is a CheckpointCorruptedError naming
-the file and what is wrong. A signed ``_metadata`` (format version 2, ``signing.py``)
-carries ``"signature": {"algorithm": "hmac-sha256", "value": <hex>}`` over the same
-document without that field.
+the file and what is wrong. Its ``"checksum"`` field, the CRC-32 of the rest of the
+document, is checked first: damage that leaves valid JSON (a digit of an index, an
+offset in the properties) would otherwise go unnoticed (a file without the field, from an
+older release, is read as before). A signed ``_metadata`` (format version 2,
+``signing.py``) carries ``"signature": {"algorithm": "hmac-sha256", "value": <hex>}``
+over the same document without that field.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from statebackend.checkpoint.signing import (
     check_signable,
     check_signature,
 )
-from statebackend.checksums import algorithm_of
+from statebackend.checksums import algorithm_of, document_checksum_problem, with_document_checksum
 from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.handles import StoredFile
@@ -194,7 +197,7 @@ class CheckpointMetadata:
         SHA-256 checksum (it was written by a file system opened without signing).
         """
         document = {
-            "format_version": _UNSIGNED_VERSION,
+            "format_version": _UNSIGNED_VERSION if signing_key is None else FORMAT_VERSION,
             "job_id": self.job_id,
             "checkpoint_id": self.checkpoint_id,
             "kind": "savepoint" if self.is_savepoint else "checkpoint",
@@ -210,6 +213,7 @@ class CheckpointMetadata:
                 for operator_id, op in sorted(self.operators.items())
             },
         }
+        document = with_document_checksum(document, _canonical)
         if signing_key is None:
             return _canonical(document)
         check_signable(
@@ -217,7 +221,6 @@ class CheckpointMetadata:
             f"checkpoint {self.checkpoint_id}",
             "write checkpoints with the signing key set",
         )
-        document["format_version"] = FORMAT_VERSION
         signature = signing_key.sign(_canonical(document))
         return _canonical({**document, SIGNATURE: {"algorithm": ALGORITHM, "value": signature}})
 
@@ -245,6 +248,11 @@ class CheckpointMetadata:
         signature = document.pop(SIGNATURE, None)
         if signing_key is not None:
             check_signature(_canonical(document), signature, signing_key, where)
+        damage = document_checksum_problem(document, _canonical)
+        if damage is not None:
+            raise CheckpointCorruptedError(
+                f"{where} is damaged: {damage}; restore from an earlier checkpoint"
+            )
         try:
             operators = {}
             for operator_id, op in document["operators"].items():

@@ -28,6 +28,7 @@ from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot.changelog_format import ChangelogHandle
@@ -220,6 +221,27 @@ def test_a_manifest_is_written_once(checkpoint_url: Storage) -> None:
         changelog.commit(0, {OPERATOR: [accepted]}, max_parallelism=MAX_PARALLELISM)
     assert changelog.fs.read_file(path) == written
     assert changelog.manifest_ids() == [1]
+
+
+def test_a_manifest_changed_after_it_was_written_is_refused(checkpoint_url: Storage) -> None:
+    """One digit of a source offset changed in a manifest (still valid JSON) made a
+    resumed job read a partition again from its start, silently; the manifest's own
+    checksum refuses it now. A manifest without one (an older release's) still loads."""
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handle = record_of(changelog, 1, "a", "user-1", 10)
+    offsets = {"offsets": [[1, 513887]]}
+    changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM, properties=offsets)
+    path = changelog.layout.manifest_path(1)
+    written = changelog.fs.read_file(path)
+    assert changelog.load_manifest(1).properties == offsets
+    changelog.fs.write_atomic(path, written.replace(b"[1,513887]", b"[3,513887]"))
+    restarted = ChangelogStorage(open_storage(checkpoint_url))  # nothing cached
+    with pytest.raises(CheckpointCorruptedError, match=f"{path} is damaged: .* checksum"):
+        restarted.load_manifest(1)
+    older = json.loads(written)
+    del older[DOCUMENT_CHECKSUM]
+    changelog.fs.write_atomic(path, json.dumps(older).encode())
+    assert ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1).properties == offsets
 
 
 def test_a_manifest_is_validated_on_load(checkpoint_url: Storage) -> None:

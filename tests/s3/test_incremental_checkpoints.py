@@ -35,6 +35,7 @@ from statebackend.checkpoint.restore import (
 )
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.errors import CheckpointCancelledError, CheckpointCorruptedError, CheckpointError
 from statebackend.keygroups import (
     assign_to_key_group,
@@ -555,10 +556,13 @@ def edit_inline_file(
     job: Job, checkpoint_id: int, prefix: str, edit: Callable[[dict[str, Any]], None]
 ) -> str:
     """Apply ``edit`` to the JSON of the first inline private file whose name starts with
-    ``prefix`` in checkpoint N's ``_metadata`` (one subtask), written back; its name."""
+    ``prefix`` in checkpoint N's ``_metadata`` (one subtask), written back without the
+    document's own checksum (as a release before it wrote it), so that what is checked
+    is the inline file's own size and checksum; its name."""
     path = join(job.storage.resolve(checkpoint_id), "_metadata")
     fs = raw_fs(job.location)
     document = json.loads(fs.cat_file(path))
+    del document[DOCUMENT_CHECKSUM]
     (ack,) = document["operators"][OPERATOR]["subtasks"]
     file = next(f for f in ack["keyed"]["private"] if f["name"].startswith(prefix))
     edit(file)
