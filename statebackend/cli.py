@@ -954,6 +954,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that what it buffers is not written at exit."""
+    with suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -964,9 +970,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. piped into head: stop quietly, as other tools do
-        with suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _discard_stdout()
         return 141
+    except OSError as exc:  # a local file or the output stream (a full disk, a directory)
+        _discard_stdout()  # what stdout still buffers would fail again at exit
+        where = f": {exc.filename}" if exc.filename else " (writing the output)"
+        print(f"{PROG}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

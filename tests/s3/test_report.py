@@ -146,6 +146,17 @@ def test_report_of_a_directory_without_a_job_fails_in_one_line(
     assert err.startswith("statebackend: error: ") and len(err.strip().splitlines()) == 1
 
 
+def test_a_report_that_cannot_be_written_fails_in_one_line(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    """An output in a missing directory, or a directory: one line naming it, no traceback."""
+    for output, reason in ((tmp_path / "no" / "x.html", "No such file"), (tmp_path, "directory")):
+        status, out, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(output))
+        assert (status, out) == (1, ""), err
+        assert err.startswith("statebackend: error: ") and len(err.splitlines()) == 1
+        assert reason in err and str(output) in err
+
+
 def test_plan_prints_the_imbalance_of_the_parallelism_asked_for(
     capsys: pytest.CaptureFixture[str], job: ReportJob
 ) -> None:
