@@ -782,6 +782,27 @@ def _schema_identity(schema: dict[str, Any]) -> list[Any]:
     ]
 
 
+def _fields_text(identity: list[Any]) -> str:
+    """A ``_schema_identity`` as DDL-like text: ``count long, totals struct<sum long>``."""
+
+    def of_type(data_type: Any) -> str:
+        if not isinstance(data_type, dict):
+            return str(data_type)
+        if "struct" in data_type:
+            return f"struct<{_fields_text(data_type['struct'])}>"
+        if "array" in data_type:
+            return f"array<{of_type(data_type['array'])}>"
+        if "map" in data_type:
+            key, value = data_type["map"]
+            return f"map<{of_type(key)}, {of_type(value)}>"
+        return json.dumps(data_type)
+
+    return ", ".join(
+        f"{name} {of_type(data_type)}{'' if nullable else ' not null'}"
+        for name, data_type, nullable in identity
+    )
+
+
 def _decodes_immutable(data_type: Any) -> bool:
     """Whether the row-tuple decoding of a Spark data type (JSON form) is immutable: every
     type but arrays (lists) and maps (dicts), structs if all their fields are."""
@@ -858,7 +879,7 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         return cls(str(config["schema_json"]))
 
     def __repr__(self) -> str:
-        return f"RowTupleSerializer({self.field_names})"
+        return f"RowTupleSerializer({_fields_text(self._schema)})"
 
 
 @dataclass(frozen=True)
@@ -966,9 +987,13 @@ def resolve_serializer(
         return None
     if verdict is Compatibility.COMPATIBLE_AFTER_MIGRATION:
         return serializer_from_config(stored)
+    try:
+        written: object = serializer_from_config(stored)
+    except Exception:  # a config of an unknown or damaged serializer: show it as it is
+        written = stored
     raise IncompatibleStateError(
-        f"state {state_name!r} was written with serializer {stored} which {new!r} cannot "
-        f"read: restore with a compatible serializer or start without this state"
+        f"state {state_name!r} was written as {written!r}, which {new!r} cannot read: "
+        f"declare the state as it was written, or start without this state (a new job_id)"
     )
 
 

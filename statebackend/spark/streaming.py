@@ -90,6 +90,7 @@ from statebackend.spark.streaming_commit import (
     BatchCommitter,
     batch_output,
     bind,
+    check_same_query,
     location_filesystem,
     publish_files,
     publish_once,
@@ -265,9 +266,14 @@ class StatefulStream:
         self.max_parallelism = max_parallelism
         self.conf = conf
         key_fields = {field.name: field for field in df.schema.fields}
-        self.key_schema_json = str(
-            StructType([key_fields[name] for name in spec.key_columns]).json()
-        )
+        key_schema = StructType([key_fields[name] for name in spec.key_columns])
+        self.key_schema_json = str(key_schema.json())
+        self.query = {
+            "time_mode": spec.time_mode,
+            "output_mode": output_mode,
+            "key": [[f.name, f.dataType.simpleString()] for f in key_schema.fields],
+        }
+        """What a restart must keep (``check_same_query``), committed with every batch."""
         self._generation = uuid.uuid4().hex
         self._previous_batch: int | None = None
         self.output_schema = spec.output_schema
@@ -287,10 +293,14 @@ class StatefulStream:
         """The query's metrics history: a record per batch (``metrics.latest`` is the
         newest of each kind, as ``StreamingQuery.lastProgress``)."""
         newest = self.committer.newest_batch()
-        if newest is not None and conf.max_parallelism is None:
-            # Key groups are fixed for the job's life: a restart at another parallelism keeps them.
-            self.max_parallelism = self.committer.changelog.load_manifest(newest).max_parallelism
-            check_parallelism(parallelism, self.max_parallelism)
+        if newest is not None:
+            committed = self.committer.changelog.load_manifest(newest)
+            check_same_query(committed, self.query, job_id)
+            if conf.max_parallelism is None:
+                # Key groups are fixed for the job's life: a restart at another parallelism
+                # keeps them.
+                self.max_parallelism = committed.max_parallelism
+                check_parallelism(parallelism, self.max_parallelism)
         self.binding_id: str | None = None
         """The id of the binding to a Spark checkpointLocation, once a query started."""
         reuse = df.sparkSession.sparkContext.getConf().get("spark.python.worker.reuse", "true")
@@ -371,7 +381,7 @@ class StatefulStream:
                 combined = combined_input(batch_df, self.spec, initial, self.with_key_groups)
                 rows = self._keyed_batches.run(combined, plan)
             manifest = self.committer.commit(
-                batch_id, rows, self.parallelism, self.max_parallelism, times
+                batch_id, rows, self.parallelism, self.max_parallelism, times, self.query
             )
         except BaseException as exc:
             if checkpoint_id is not None:  # it would cut no committed state

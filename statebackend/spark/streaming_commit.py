@@ -35,6 +35,7 @@ Invariant: ``commits/N`` exists => manifest N exists => state(N) = base + change
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -54,7 +55,7 @@ from pyspark.sql.types import (
 )
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
-from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_url, open_filesystem
 from statebackend.checkpoint.layout import batch_ids, join
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.signing import FILE_CHECKSUM
@@ -118,6 +119,48 @@ def location_filesystem(
     return open_filesystem(url, _options_for(url, storage, options))
 
 
+QUERY_PROPERTY = "query"
+"""Manifest property: what a restart of the query must keep (``check_same_query``)."""
+
+
+def check_same_query(manifest: BatchManifest, query: dict[str, Any], job_id: str) -> None:
+    """Raise ConfigurationError naming the setting if ``query`` (``time_mode``,
+    ``output_mode``, ``key``: the key columns' [name, type] pairs) differs from the query
+    that committed ``manifest``. Spark refuses another time or output mode on restart,
+    and state keyed by other columns cannot be read. A manifest of an older release,
+    without the property, passes."""
+    committed = manifest.properties.get(QUERY_PROPERTY)
+    if committed is None:
+        return
+    restart = "or start a new job_id with a new checkpointLocation"
+    for name in ("time_mode", "output_mode"):
+        if committed[name] != query[name]:
+            raise ConfigurationError(
+                f"[STATE_STORE_INVALID_CONFIG_AFTER_RESTART] cannot change {name} from "
+                f"{committed[name]!r} to {query[name]!r} between restarts of state job "
+                f"{job_id!r} (committed up to batch {manifest.batch_id}): set {name}="
+                f"{committed[name]!r}, {restart}"
+            )
+    if committed["key"] != query["key"]:
+        before, now = (", ".join(" ".join(pair) for pair in q["key"]) for q in (committed, query))
+        raise ConfigurationError(
+            f"state job {job_id!r} is keyed by ({before}), this query by ({now}): its state "
+            f"cannot be read with other keys; key_by the same columns, {restart}"
+        )
+
+
+def spark_location(checkpoint_location: str) -> str:
+    """The one spelling of a Spark ``checkpointLocation``, which Spark resolves the same
+    way: a path or ``file:`` URL is an absolute local path (a relative one from the
+    driver's working directory), any URL is ``normalize_url``'d."""
+    location = checkpoint_location
+    if location.startswith("file:"):
+        location = "/" + location.removeprefix("file:").lstrip("/")
+    elif "://" not in location:
+        location = os.path.abspath(location)
+    return normalize_url(location)
+
+
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
     """Bind the Spark ``checkpointLocation`` to the job of ``storage`` (first start) or
     check that they are bound to each other; the binding's id.
@@ -126,7 +169,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     or if the job has a partner location whose binding file is gone (a new Spark
     checkpoint would re-run batches the job has committed).
     """
-    location = checkpoint_location.rstrip("/")
+    location = spark_location(checkpoint_location)
     spark_fs = location_filesystem(location, storage, options)
     spark_path = join(location, SPARK_BINDING_FILE)
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
@@ -138,7 +181,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
             f"{theirs.get('checkpoint_dir')}, not to job {storage.job_id!r} in "
             f"{storage.layout.checkpoint_dir}: use that job_id, or a new checkpointLocation"
         )
-    if job_side is not None and job_side.get("checkpoint_location") != location:
+    if job_side is not None and spark_location(job_side["checkpoint_location"]) != location:
         raise ConfigurationError(
             f"state job {storage.job_id!r} in {storage.layout.checkpoint_dir} belongs to "
             f"checkpointLocation {job_side.get('checkpoint_location')}, not to {location}: use "
@@ -211,10 +254,11 @@ class BatchCommitter:
         parallelism: int,
         max_parallelism: int,
         times: BatchTimes,
+        query: dict[str, Any],
     ) -> BatchManifest:
         """Write manifest ``batch_id`` accepting the subtask attempts of ``rows`` (the
-        collected metadata rows, one per subtask). Raises CheckpointError if a subtask's
-        row is missing."""
+        collected metadata rows, one per subtask), with the ``query`` that ran it
+        (``check_same_query``). Raises CheckpointError if a subtask's row is missing."""
         by_subtask = {int(row.subtask): row for row in rows}
         missing = sorted(set(range(parallelism)) - set(by_subtask))
         if missing:
@@ -230,6 +274,7 @@ class BatchCommitter:
             OUTPUTS_PROPERTY: [str(row.output) for row in ordered],
             OUTPUT_CHECKSUMS_PROPERTY: [str(row.output_checksum) for row in ordered],
             "rows": sum(int(row.rows) for row in ordered),
+            QUERY_PROPERTY: query,
         }
         manifest = self.changelog.commit(
             batch_id,

@@ -249,6 +249,49 @@ def test_checkpoint_location_is_bound_to_one_job(spark: SparkSession, tmp_path: 
     start("bound", first)  # its own location still works
 
 
+def test_a_restart_keeps_time_mode_output_mode_and_key(spark: SparkSession, tmp_path: Path) -> None:
+    """Another time mode or output mode (Spark refuses both) or other key columns on
+    restart: one clear error naming the setting, before any batch. The same
+    checkpointLocation spelled as a relative path or a file:// URL is the same."""
+    input_dir, checkpoint = tmp_path / "in", tmp_path / "ckpt"
+    write_batch_files(input_dir, make_batches(2, seed=3))
+    source = spark.readStream.schema(example.INPUT_SCHEMA).json(str(input_dir))
+
+    def stateful(**changes: Any) -> Any:
+        arguments: dict[str, Any] = {
+            "key_by": "user",
+            "processor": example.UserTotals(),
+            "output_schema": example.OUTPUT_SCHEMA,
+            "job_id": "kept",
+            **changes,
+        }
+        return transform_with_state(source, **arguments)
+
+    def run(location: str) -> None:
+        query = (
+            stateful()
+            .writeStream.foreachBatch(lambda df, batch_id: None)
+            .option("checkpointLocation", location)
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run(str(checkpoint))
+    run(os.path.relpath(checkpoint))
+    run(checkpoint.as_uri())
+    with pytest.raises(
+        ConfigurationError, match="cannot change time_mode from 'None' to 'ProcessingTime'"
+    ):
+        stateful(time_mode="ProcessingTime")
+    with pytest.raises(ConfigurationError, match="cannot change output_mode from 'Update'"):
+        stateful(output_mode="Append")
+    with pytest.raises(
+        ConfigurationError, match=r"keyed by \(user string\), this query by \(amount bigint\)"
+    ):
+        stateful(key_by="amount")
+
+
 def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_path: Path) -> None:
     batches = make_batches(3, seed=7)
     input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"

@@ -162,9 +162,13 @@ def test_schema_is_part_of_the_identity() -> None:
     )
     assert longs.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
     assert with_metadata.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
-    for other in (strings, renamed):
+    for other, written in ((strings, "n string"), (renamed, "m long")):
         assert longs.compatibility_with(other.config()) is Compatibility.INCOMPATIBLE
-        with pytest.raises(IncompatibleStateError, match="'count'"):
+        # The message shows both schemas, as a StatefulProcessor declares them.
+        expected = rf"'count' was written as RowTupleSerializer\({written}\), which "
+        with pytest.raises(
+            IncompatibleStateError, match=expected + r"RowTupleSerializer\(n long\)"
+        ):
             resolve_serializer("count", longs, other.config())
     assert longs.compatibility_with(PickleSerializer().config()) is Compatibility.INCOMPATIBLE
     rebuilt = serializer_from_config(longs.config())
