@@ -198,6 +198,19 @@ def task_errors(exc: BaseException) -> list[StateBackendError]:
     return found
 
 
+def error_line(exc: BaseException) -> str:
+    """One line saying why a batch failed: the first statebackend error of its tasks, else
+    the exception's first line, or the last for a Python worker's traceback (whose first
+    line only says that a worker raised)."""
+    ours = task_errors(exc)
+    if ours:
+        return " ".join(str(ours[0]).split())
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return repr(exc)
+    return lines[-1] if "Traceback (most recent call last)" in str(exc) else lines[0]
+
+
 def task_error(exc: BaseException) -> StateBackendError | None:
     """The first statebackend error a Spark job failed with that retrying cannot fix
     (``recoverable`` False), if any."""
@@ -556,7 +569,7 @@ class StatefulJob:
             # The failed batch's own checkpoint (its cut may be partial), and any when the
             # run stops or falls back; one that cut an earlier, committed batch uploads on.
             self._tracker.abort(f"the job failed: {exc}")
-        error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        error = error_line(exc)
         if fatal is not None:
             self._failed(error, "none: a deterministic error stops the run")
             raise fatal from None
@@ -573,7 +586,7 @@ class StatefulJob:
         if retries > self.conf.max_retries:
             raise JobFailedError(
                 f"job {self.job_id} failed {retries} times in a row, giving up; the last "
-                f"error: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}. "
+                f"error: {error}. "
                 f"Its completed checkpoints are intact: fix the cause and rerun with "
                 f"--restore latest"
             ) from exc
@@ -722,10 +735,13 @@ class StatefulJob:
         for result in results:
             for subtask, share in result.source_offsets.items():
                 offsets[subtask] = share
+        restored_from = self._restore_point  # the commit makes the new manifest the next one
         committing = time.perf_counter()
         self._commit(results, batch_id, offsets)
         committed = time.perf_counter() - committing
-        self._record_batch(batch_id, results, seconds, waited, committed, checkpoint_id)
+        self._record_batch(
+            batch_id, results, seconds, waited, committed, checkpoint_id, restored_from
+        )
         self._apply(results, batch_id, offsets)
         if checkpoint_id is not None:
             self._tracker.uploads_started()
@@ -755,8 +771,10 @@ class StatefulJob:
         waited: float,
         committed: float,
         checkpoint_id: int | None,
+        restored_from: str | None,
     ) -> None:
-        """Record the batch's metrics (and a restore, if subtasks restored): the Spark
+        """Record the batch's metrics (and a restore from ``restored_from``, if subtasks
+        restored): the Spark
         job's time beyond its slowest keyed subtask counts as source and shuffle, the
         wait for the previous checkpoint before the batch as waiting, ``committed`` the
         manifest's commit."""
@@ -776,7 +794,7 @@ class StatefulJob:
         if restored:
             self.metrics.record(
                 RestoreMetrics(
-                    self._restore_point or "",
+                    restored_from or "",
                     sum(r.restored_bytes for r in restored),
                     max(r.restore_seconds for r in restored),
                     len(restored),

@@ -13,6 +13,7 @@ from statebackend.checkpoint.layout import JobLayout
 from statebackend.checkpoint.metrics import (
     BatchMetrics,
     CheckpointMetrics,
+    RestoreMetrics,
     read_history,
     records_of,
 )
@@ -65,6 +66,21 @@ def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
     assert sorted(s.subtask for s in keyed) == [0, 1]
     assert all(s.entries is not None and s.entries > 0 for s in keyed)
     assert sum(s.entries or 0 for s in keyed) >= 30
+
+    # A run at another parallelism records the restore from what it restored (not from
+    # the manifest its own first batch commits).
+    generate_events(tmp_path / "input", EVENTS, 30, 3, 12)
+    resumed = user_totals_job(
+        spark_local,
+        job_id="observed",
+        input_dir=tmp_path / "input",
+        parallelism=3,
+        conf=conf,
+        batch_size=60,
+        checkpoint_every=2,
+    ).run()
+    (restore,) = records_of(_history(url, "observed"), RestoreMetrics)
+    assert resumed.restored_from and restore.checkpoint == resumed.restored_from
 
     tracker = spark_local.sparkContext.statusTracker()
     for batch_id in range(summary.batches):

@@ -12,7 +12,7 @@ from statebackend.errors import (
     StateBackendError,
     StatefulProcessorError,
 )
-from statebackend.spark.runner import task_error, task_errors
+from statebackend.spark.runner import error_line, task_error, task_errors
 
 DETERMINISTIC = {
     "ConfigurationError",
@@ -74,3 +74,18 @@ def test_an_error_with_its_own_arguments_is_rebuilt_from_its_text():
     fatal = task_error(failure)
     assert isinstance(fatal, StatefulProcessorError)
     assert "wrong phase" in str(fatal)
+
+
+def test_the_failure_record_names_what_failed_in_one_line():
+    """A failed batch's record: our task error, else the worker's exception (the last
+    line of its traceback: the first only says a worker raised), else the first line."""
+    ours = _spark_failure("statebackend.errors.SourceError: p-1.jsonl line 3: not JSON")
+    assert error_line(ours) == "p-1.jsonl line 3: not JSON"
+    worker = RuntimeError(
+        "An exception was thrown from the Python worker:\nTraceback (most recent call "
+        'last):\n  File "rocksdb.py", line 3, in put\nOSError: No space left on device\n'
+    )
+    assert error_line(worker) == "OSError: No space left on device"
+    java = RuntimeError("Job aborted: executor lost\n\tat org.apache.spark.Scheduler.run")
+    assert error_line(java) == "Job aborted: executor lost"
+    assert error_line(RuntimeError("")) == "RuntimeError('')"
