@@ -45,6 +45,7 @@ from statebackend.tools.location import (
     open_state,
 )
 from statebackend.tools.manifests import (
+    committed_source_offsets,
     fold_manifest,
     inspect_manifest,
     manifest_bytes,
@@ -459,6 +460,15 @@ def cmd_read(args: argparse.Namespace) -> int:
     if (args.state is None) == (not args.timers):
         raise ConfigurationError("give either --state NAME or --timers")
     ref = open_state(args.checkpoint, _options(args), _signing_key(args))
+    operators, properties = (
+        (ref.metadata.operators, ref.metadata.properties)
+        if isinstance(ref, CheckpointRef)
+        else (ref.manifest.operators, ref.manifest.properties)
+    )
+    offsets = committed_source_offsets(properties, args.operator, args.state)
+    if args.operator not in operators and offsets is not None:
+        _write_records(iter(offsets), args.format, sys.stdout)  # the driver's, in the properties
+        return 0
     if isinstance(ref, CheckpointRef):
         return _read(args, ref)
     with tempfile.TemporaryDirectory(prefix="statebackend-read-") as local:

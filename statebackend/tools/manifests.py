@@ -50,6 +50,7 @@ from statebackend.state.timers import is_timer_state
 from statebackend.tools.listing import describe_roles, describe_serializer
 from statebackend.tools.location import ManifestRef, checkpoint_directory
 from statebackend.tools.plan import keyed_sources_json
+from statebackend.tools.reader import Record
 from statebackend.tools.report import KeyGroupBytes, key_group_bytes, split_key_groups
 from statebackend.tools.verify import Problem, referenced_bytes, verify_checkpoint
 
@@ -480,3 +481,22 @@ def fold_manifest(
         checkpoint_id=0 if manifest.base is None else manifest.base.checkpoint_id,
         properties=properties,
     )
+
+
+SOURCE_OPERATOR = "source"
+"""The operator id of a ``StatefulJob``'s source, whose ``offsets`` state its driver holds."""
+SOURCE_OFFSETS = "offsets"
+"""The properties key, and the source's state name, of the committed source offsets."""
+
+
+def committed_source_offsets(
+    properties: dict[str, Any], operator_id: str, state_name: str | None
+) -> list[Record] | None:
+    """The source offsets a job's driver committed in a manifest's properties (which a
+    savepoint folded from it carries), as ``read`` shows the source's ``offsets`` state in
+    a checkpoint: ``{"value": [partition, offset]}`` per partition. None unless
+    ``operator_id``/``state_name`` name that state and the properties hold offsets."""
+    offsets = properties.get(SOURCE_OFFSETS)
+    if (operator_id, state_name) != (SOURCE_OPERATOR, SOURCE_OFFSETS) or offsets is None:
+        return None
+    return [{"value": list(pair)} for share in offsets for pair in share]

@@ -273,6 +273,9 @@ def test_read_equals_the_plain_python_computation(
     assert source_offsets(capsys, example.storage, example.checkpoint) == end_offsets(
         example.input_dir
     )
+    # The driver commits them in each manifest too: the last batch's has the same.
+    manifest = join(example.job_dir, "manifests", str(example.summary.batches - 1))
+    assert source_offsets(capsys, example.storage, manifest) == end_offsets(example.input_dir)
 
 
 def test_verify_passes_then_catches_missing_truncated_and_flipped_files(
