@@ -9,6 +9,7 @@ later batch (or the job has no manifests).
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from statebackend.errors import (
     CheckpointNotFoundError,
 )
 
+_log = logging.getLogger(__name__)
 _LOCAL_PROTOCOLS = ("file", "local")
 
 
@@ -164,7 +166,14 @@ def _latest(
             f"directory from `statebackend list`"
         )
     if checkpoint is not None:
-        batch = checkpoint_batch(load_metadata(fs, checkpoint, signing_key))
+        try:
+            batch = checkpoint_batch(load_metadata(fs, checkpoint, signing_key))
+        except CheckpointCorruptedError as exc:
+            if not manifests:
+                raise
+            # As a restore does: the job goes on from its newest manifest.
+            _log.warning("%s; %s/latest is the newest manifest", exc, job_dir)
+            return job_dir, manifests[-1]
         if not manifests or (batch is not None and batch > manifests[-1]):
             return checkpoint, None
     return job_dir, manifests[-1]

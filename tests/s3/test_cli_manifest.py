@@ -129,6 +129,20 @@ def test_latest_is_the_newest_manifest_or_a_later_checkpoint(
     assert (status, info["kind"], info["checkpoint_id"]) == (0, "checkpoint", 3)
 
 
+def test_latest_passes_over_a_damaged_newest_checkpoint_to_the_newest_manifest(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, job: ChangelogJob
+) -> None:
+    """The newest checkpoint's ``_metadata`` damaged, its manifests and their base intact:
+    ``latest`` is the newest manifest, as a restore falls back to it, with a warning."""
+    newest = job.checkpoints.layout.checkpoint_path(
+        checkpoint(job.changelog, job.coordinator, job.backends, 6)
+    )
+    job.checkpoints.fs.write_atomic(join(newest, "_metadata"), b"{damaged")
+    status, out, err = cli(capsys, job.storage, "verify", join(job.job_dir, "latest"))
+    assert status == 0, err
+    assert "manifests/5" in out and "not a checkpoint metadata file" in caplog.text
+
+
 def test_verify_a_manifest_catches_damaged_records_and_base(
     capsys: pytest.CaptureFixture[str], job: ChangelogJob
 ) -> None:
