@@ -180,7 +180,7 @@ class IntSerializer(Serializer[int]):
         if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
             raise TypeError("not an int")
         if not -(1 << 63) <= value < (1 << 63):
-            raise OverflowError("outside the signed 64-bit range; use PickleSerializer")
+            raise OverflowError("outside the signed 64-bit range")
         return _INT.pack(value)
 
     def _decode(self, data: bytes) -> int:

@@ -195,7 +195,7 @@ class LogSource:
                     raise SourceError(
                         f"{path} line {_line_number(path, offset)}: malformed record "
                         f"({type(exc).__name__}: {exc}): fix the line, or run with "
-                        f"on_malformed='skip' to skip and count such lines"
+                        f"on_malformed='skip' (--on-malformed skip) to skip and count such lines"
                     ) from None
                 records.append((key, record))
                 offset += len(line)

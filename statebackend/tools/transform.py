@@ -54,6 +54,11 @@ def plan_transform(
         drops.setdefault(operator_id, set()).add(state)
     renames: dict[str, dict[str, str]] = {}
     for operator_id, old, new in rename_states:
+        if old in drops.get(operator_id, ()) or operator_id in drop_operators:
+            raise ConfigurationError(
+                f"state {operator_id}/{old} is both dropped and renamed to {new!r}: "
+                f"give one of the two"
+            )
         renames.setdefault(operator_id, {})[old] = new
     rewrites = [
         OperatorRewrite(

@@ -239,6 +239,14 @@ def test_transform_errors(checkpoint_url: Storage, capsys: pytest.CaptureFixture
         (["--rename-state", "enrich/count=events"], "cannot rename 'count' to 'events'"),
         (["--rename-state", "enrich/count"], "is not OPERATOR/STATE=NEW"),
         (["--drop-state", "count"], "is not OPERATOR/STATE"),
+        (
+            ["--drop-state", "enrich/count", "--rename-state", "enrich/count=c"],
+            "state enrich/count is both dropped and renamed to 'c'",
+        ),
+        (
+            ["--drop-operator", "enrich", "--rename-state", "enrich/count=c"],
+            "state enrich/count is both dropped and renamed to 'c'",
+        ),
         (["-p", str(M + 1)], "parallelism"),
     ]
     for more, message in cases:
