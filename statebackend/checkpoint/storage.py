@@ -24,7 +24,12 @@ from statebackend.checkpoint.layout import (
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.signing import FILE_CHECKSUM, SigningKey
 from statebackend.checksums import CRC32
-from statebackend.errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
+from statebackend.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointUnreadableError,
+    ConfigurationError,
+)
 from statebackend.snapshot.incremental import SharedLocation
 from statebackend.snapshot.target import AbortSignal, SnapshotDirectory
 
@@ -254,7 +259,8 @@ class CheckpointStorage:
         """The metadata of a completed checkpoint or savepoint.
 
         Raises CheckpointNotFoundError if there is no ``_metadata`` (a pending or aborted
-        checkpoint, or not a checkpoint at all).
+        checkpoint, or not a checkpoint at all), CheckpointUnreadableError if it cannot be
+        read.
         """
         return load_metadata(self.fs, self.resolve(path_or_id), self.signing_key)
 
@@ -263,7 +269,9 @@ def load_metadata(
     fs: CheckpointFileSystem, directory: str, signing_key: SigningKey | None = None
 ) -> CheckpointMetadata:
     """The ``_metadata`` of the checkpoint or savepoint in ``directory``, checked (and
-    with ``signing_key``, its signature checked: ``CheckpointMetadata.from_bytes``)."""
+    with ``signing_key``, its signature checked: ``CheckpointMetadata.from_bytes``).
+    CheckpointNotFoundError if there is none, CheckpointUnreadableError if it cannot be
+    read (after the file system's retries)."""
     path = metadata_path(directory)
     if not fs.exists(path):
         raise CheckpointNotFoundError(
@@ -273,5 +281,7 @@ def load_metadata(
     try:
         data = fs.read_file(path)
     except CheckpointError as exc:
-        raise CheckpointNotFoundError(f"cannot read {path}: {exc}") from exc
+        # Not "not found": what an existing _metadata references must never count as
+        # unreferenced (the registry, gc), nor the checkpoint as pending (list).
+        raise CheckpointUnreadableError(f"cannot read {path}: {exc}") from exc
     return CheckpointMetadata.from_bytes(data, path, signing_key)

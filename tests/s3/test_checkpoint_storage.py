@@ -37,6 +37,7 @@ from statebackend.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointUnreadableError,
     IncompatibleStateError,
 )
 from statebackend.keygroups import (
@@ -49,6 +50,7 @@ from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.snapshot.keyed_format import FullKeyedStateHandle, read_keyed_entries
 from statebackend.state.descriptors import ListStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import ListState, ValueState
+from statebackend.tools.listing import summarize
 from tests.conftest import S3Endpoint, Storage
 
 M = 128
@@ -557,6 +559,28 @@ def test_a_path_that_is_not_a_checkpoint(two_checkpoints: tuple[Job, int, int]) 
         job.storage.load(elsewhere)
     assert job.storage.completed_checkpoint_ids() == [first, second]
     assert_restores(job, second)
+
+
+def test_a_metadata_that_cannot_be_read_is_unreadable_not_missing(
+    two_checkpoints: tuple[Job, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``_metadata`` that exists but cannot be read (permissions, storage failing past
+    its retries) was taken for a missing one: ``list`` showed the checkpoint as pending
+    and the shared-file registry as referencing nothing. Now it is unreadable."""
+    job, first, second = two_checkpoints
+    path = job.storage.layout.metadata_path(second)
+    read_file = job.storage.fs.read_file
+
+    def permission_denied(name: str, *args: Any, **kwargs: Any) -> bytes:
+        if name == path:
+            raise CheckpointError(f"{name}: [Errno 13] Permission denied")
+        return read_file(name, *args, **kwargs)
+
+    monkeypatch.setattr(job.storage.fs, "read_file", permission_denied)
+    with pytest.raises(CheckpointUnreadableError, match=f"cannot read {path}"):
+        job.storage.load(second)
+    summary = summarize(job.storage.fs, job.storage.resolve(second), second)
+    assert summary.status.startswith(f"unreadable: cannot read {path}")
 
 
 def test_max_parallelism_mismatch(two_checkpoints: tuple[Job, int, int]) -> None:
