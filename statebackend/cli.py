@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import os
+import posixpath
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -199,7 +200,7 @@ def _manifest_row(summary: ManifestSummary) -> list[str]:
         f"manifests/{summary.batch_id}",
         summary.status,
         _time(info["committed_at"]),
-        "-" if base is None else f"chk-{base['checkpoint_id']} (batch {base['batch_id']})",
+        "-" if base is None else f"{posixpath.basename(base['path'])} (batch {base['batch_id']})",
         str(info["records"]),
         _size(info["record_bytes"]),
         _operators(info["operators"]),

@@ -167,10 +167,12 @@ def list_job(fs: CheckpointFileSystem, job_dir: str) -> JobSummary:
     """The checkpoints, savepoints (in its ``savepoints/`` directory) and batch
     manifests of one job, checkpoints marked with the batch they materialize."""
     manifests = summarize_manifests(fs, job_dir)
-    materialized = {
+    materialized = {  # the job's own checkpoints (a base may be a savepoint elsewhere)
         m.manifest.base.checkpoint_id: m.manifest.base.batch_id
         for m in manifests
-        if m.manifest is not None and m.manifest.base is not None
+        if m.manifest is not None
+        and m.manifest.base is not None
+        and m.manifest.base.path == f"../chk-{m.manifest.base.checkpoint_id}"
     }
     checkpoints = tuple(
         dataclasses.replace(

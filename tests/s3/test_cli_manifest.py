@@ -8,6 +8,7 @@ batches 1-3 at P=2), manifests 4 and 5 on chk-1, the materialization of batch 2 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -95,6 +96,28 @@ def test_list_shows_manifests_and_materializations(
     status, out, _ = cli(capsys, job.storage, "list", job.job_dir)
     assert status == 0
     assert "manifests/5" in out and "chk-1 (batch 2)" in out and "batch 2" in out
+
+
+def test_list_names_a_savepoint_base_by_its_directory(
+    capsys: pytest.CaptureFixture[str], job: ChangelogJob
+) -> None:
+    """A job restored from a savepoint builds its manifests on it: ``list`` names the
+    savepoint (its checkpoint id is the savepoint's, not one of the job's ``chk-N``),
+    and no checkpoint of the job is marked as materializing its batch."""
+    savepoint = "/backup/savepoints/savepoint-rescale-x"
+    for batch_id in (4, 5):  # the manifests built on chk-1
+        manifest = job.changelog.load_manifest(batch_id)
+        assert manifest.base is not None and manifest.base.checkpoint_id == 1
+        base = dataclasses.replace(manifest.base, path=savepoint)
+        path = job.changelog.layout.manifest_path(batch_id)
+        job.checkpoints.fs.write_atomic(path, dataclasses.replace(manifest, base=base).to_bytes())
+    status, out, err = cli(capsys, job.storage, "list", job.job_dir)
+    assert status == 0, err
+    row = next(line for line in out.splitlines() if "manifests/5" in line)
+    assert "savepoint-rescale-x (batch 2)" in row and "chk-1 (batch 2)" not in out
+    status, out, _ = cli(capsys, job.storage, "list", job.job_dir, "--json")
+    [listed] = json.loads(out)
+    assert [c["materializes"] for c in listed["checkpoints"]] == [None]
 
 
 @pytest.mark.parametrize("batch_id", [3, 5])
