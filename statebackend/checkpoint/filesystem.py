@@ -203,6 +203,14 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
         raise
     except FileNotFoundError as exc:
         raise CheckpointCorruptedError(f"{path} is missing (could not {action} it)") from exc
+    except TypeError as exc:
+        if "unexpected keyword argument" not in str(exc):
+            raise CheckpointError(f"could not {action} {path}: {exc}") from exc
+        # fsspec passes the storage options on as keywords, to the client it creates.
+        raise ConfigurationError(
+            f"a storage option is not one the file system of {path} takes ({exc}): check "
+            f"the names given by --storage-option or spark.statebackend.storage.*"
+        ) from exc
     except Exception as exc:
         raise CheckpointError(f"could not {action} {path}: {exc}") from exc
 

@@ -565,3 +565,17 @@ def test_python_dash_m() -> None:
     )
     assert result.returncode == 1 and result.stdout == ""
     assert_one_error_line(result.stderr)
+
+
+@pytest.mark.s3
+def test_a_misspelt_storage_option_is_one_error_naming_it(
+    capsys: pytest.CaptureFixture[str], s3_storage: Storage
+) -> None:
+    """fsspec hands storage options to the client it creates: a typo used to end in the
+    client's own TypeError text. Now one line says it is a storage option."""
+    options = {**s3_storage.storage_options}
+    options["endpoint_ur"] = options.pop("endpoint_url")
+    status, out, err = cli(capsys, Storage(s3_storage.url, options), "list", s3_storage.url)
+    assert (status, out) == (1, "")
+    assert_one_error_line(err)
+    assert "a storage option is not one the file system" in err and "endpoint_ur" in err
