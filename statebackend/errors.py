@@ -8,6 +8,7 @@ executor) is retried up to ``max_retries`` times.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import ClassVar
 
 
@@ -113,3 +114,13 @@ class JobFailedError(StateBackendError):
     """A job kept failing after ``max_retries`` recoveries (or cannot go on at all)."""
 
     recoverable = False
+
+
+def error_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from (``__cause__``, else ``__context__``),
+    each once."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        yield error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__

@@ -48,6 +48,7 @@ from statebackend.errors import (
     CheckpointError,
     ConfigurationError,
     StateBackendError,
+    error_chain,
 )
 from statebackend.snapshot.handles import normalize_path
 
@@ -115,14 +116,7 @@ def is_transient(exc: BaseException) -> bool:
     """Whether ``exc``, or an error it was raised from, is a transient I/O failure
     (a reset or refused connection, a timeout, a response cut short) worth retrying."""
     transient = _transient_error_types()
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, transient):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(error, transient) for error in error_chain(exc))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from py4j.protocol import Py4JJavaError
 
-from statebackend.errors import BatchInterruptedError
+from statebackend.errors import BatchInterruptedError, error_chain
 
 INTERRUPTIONS = (
     "java.lang.InterruptedException",
@@ -51,15 +51,9 @@ def stop_interruption(
     )
 
 
-def _py4j_error(error: BaseException | None) -> Py4JJavaError | None:
+def _py4j_error(error: BaseException) -> Py4JJavaError | None:
     """The first Py4JJavaError among ``error`` and the errors it was raised from."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, Py4JJavaError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
+    return next((e for e in error_chain(error) if isinstance(e, Py4JJavaError)), None)
 
 
 def _interruption(java_exception: Any, query_group: str | None) -> str | None:

@@ -171,6 +171,21 @@ def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:
     assert written == [("a", 1), ("a", 6), ("b", 2)]
 
 
+def expected_totals(batches: list[list[dict[str, Any]]]) -> list[tuple[str, int]]:
+    """Per batch, each user of the batch with the running total of its non-negative
+    amounts after it (Update mode's output of ``Fragile("fixed")`` and
+    ``Stalling(None)``), in plain Python, sorted."""
+    totals: dict[str, int] = defaultdict(int)
+    expected = []
+    for batch in batches:
+        for user in sorted({r["user"] for r in batch}):
+            totals[user] += sum(
+                r["amount"] for r in batch if r["user"] == user and r["amount"] >= 0
+            )
+            expected.append((user, totals[user]))
+    return sorted(expected)
+
+
 class Fragile(Totals):
     """Totals that, on a negative amount, raises (mode "raise"), returns a row without
     the output schema's ``total`` (mode "misfit"), or skips the amount (mode "fixed")."""
@@ -223,16 +238,8 @@ def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
     with pytest.raises(Exception, match="output row .* has no column 'total'"):
         run("misfit")
     run("fixed")
-    totals: dict[str, int] = defaultdict(int)
-    expected = []
-    for batch in batches:
-        for user in sorted({r["user"] for r in batch}):
-            totals[user] += sum(
-                r["amount"] for r in batch if r["user"] == user and r["amount"] >= 0
-            )
-            expected.append((user, totals[user]))
     written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
-    assert written == sorted(expected)
+    assert written == expected_totals(batches)
 
 
 def test_non_replayable_source_is_one_clear_error(spark: SparkSession) -> None:
@@ -302,16 +309,8 @@ def test_stop_during_a_batch_cancels_its_job_and_the_batch_runs_again_on_restart
     restarted = start(Stalling(None))
     _wait_for(lambda: restarted.lastProgress and restarted.lastProgress["batchId"] >= 2, "batch 2")
     restarted.stop()
-    totals: dict[str, int] = defaultdict(int)
-    expected = []
-    for batch in batches:
-        for user in sorted({r["user"] for r in batch}):
-            totals[user] += sum(
-                r["amount"] for r in batch if r["user"] == user and r["amount"] >= 0
-            )
-            expected.append((user, totals[user]))
     written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
-    assert written == sorted(expected)
+    assert written == expected_totals(batches)
 
 
 def test_a_batch_interrupted_by_stop_reads_as_a_stop_to_spark(spark: SparkSession) -> None:
