@@ -36,6 +36,14 @@ from statebackend.snapshot.handles import StoredFile
 MANIFEST_FORMAT_VERSION = 1
 _KIND = "batch-manifest"
 SIGNATURE = "signature"
+SOURCE_OPERATOR = "source"
+"""The operator id of a ``StatefulJob``'s source, whose offsets its driver holds."""
+SOURCE_OFFSETS_STATE = "offsets"
+"""The source operator's split list state: (partition, byte offset) per owned partition."""
+SOURCE_OFFSETS_PROPERTY = "offsets"
+"""Property of a ``StatefulJob``'s manifests (and of savepoints folded from them): the
+source offsets after the batch, ``[[partition, offset], ...]`` per source subtask, which
+are the source's ``offsets`` operator state in its checkpoints."""
 FOLDED_FROM_PROPERTY = "folded_from_manifest"
 """Savepoint property: the batch of the manifest the savepoint was folded from. Such a
 savepoint holds no driver-held operator state: a job restoring it takes that state from

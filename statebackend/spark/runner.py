@@ -68,7 +68,12 @@ from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import validate_id
-from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY, BatchManifest
+from statebackend.checkpoint.manifest import (
+    FOLDED_FROM_PROPERTY,
+    SOURCE_OFFSETS_PROPERTY,
+    SOURCE_OPERATOR,
+    BatchManifest,
+)
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.metrics import (
     FailureMetrics,
@@ -124,7 +129,6 @@ from statebackend.spark.tasks import (
 
 _log = logging.getLogger(__name__)
 
-SOURCE_OPERATOR = "source"
 _TASK_ERROR = re.compile(r"statebackend\.errors\.(\w+): ([^\n]*)")
 
 
@@ -522,12 +526,12 @@ class StatefulJob:
     def _committed_offsets(self, properties: Mapping[str, Any]) -> list[OperatorStateBackend]:
         """The source subtasks' states from the offsets a batch manifest committed (or a
         savepoint folded from one carries), split anew if the parallelism changed."""
-        if "offsets" not in properties:
+        if SOURCE_OFFSETS_PROPERTY not in properties:
             raise CheckpointCorruptedError(
                 f"{self._restore_point} names no source offsets: it was not written by a "
                 f"StatefulJob; restore from one of this job's checkpoints or manifests"
             )
-        shares = [list(map(tuple, share)) for share in properties["offsets"]]
+        shares = [list(map(tuple, share)) for share in properties[SOURCE_OFFSETS_PROPERTY]]
         if len(shares) != self.parallelism:
             shares = split_offsets([pair for share in shares for pair in share], self.parallelism)
         states = [OperatorStateBackend() for _ in shares]
@@ -822,7 +826,7 @@ class StatefulJob:
             max_parallelism=self._max_parallelism,
             properties={
                 "next_batch": batch_id + 1,
-                "offsets": [[list(pair) for pair in share] for share in offsets],
+                SOURCE_OFFSETS_PROPERTY: [[list(pair) for pair in share] for share in offsets],
                 "key_by": _describe_key_by(self.key_by),
                 "operator": self.operator_id,
                 "source": self.source.directory,

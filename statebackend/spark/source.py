@@ -27,11 +27,9 @@ from typing import Any, BinaryIO
 import orjson
 
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.checkpoint.manifest import SOURCE_OFFSETS_STATE
 from statebackend.errors import ConfigurationError, SourceError
 from statebackend.serializers import IntSerializer, TupleSerializer
-
-OFFSETS_STATE = "offsets"
-"""The source operator's split list state: (partition, byte offset) per owned partition."""
 
 OFFSET_SERIALIZER = TupleSerializer(IntSerializer(), IntSerializer())
 MALFORMED_POLICIES = ("fail", "skip")
@@ -296,7 +294,7 @@ def split_offsets(offsets: Offsets, parallelism: int) -> list[Offsets]:
 
 def offsets_state(backend: OperatorStateBackend) -> Any:
     """The ``offsets`` split list state of a source subtask's operator state."""
-    return backend.get_list_state(OFFSETS_STATE, OFFSET_SERIALIZER)
+    return backend.get_list_state(SOURCE_OFFSETS_STATE, OFFSET_SERIALIZER)
 
 
 def iter_owned(offsets: list[Offsets]) -> Iterator[tuple[int, int]]:

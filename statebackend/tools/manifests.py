@@ -31,7 +31,12 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state, rebuild_operator_state
 from statebackend.checkpoint.filesystem import open_filesystem
-from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
+from statebackend.checkpoint.manifest import (
+    FOLDED_FROM_PROPERTY,
+    SOURCE_OFFSETS_PROPERTY,
+    SOURCE_OFFSETS_STATE,
+    SOURCE_OPERATOR,
+)
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import plan_restore
 from statebackend.checkpoint.savepoints import Progress
@@ -483,12 +488,6 @@ def fold_manifest(
     )
 
 
-SOURCE_OPERATOR = "source"
-"""The operator id of a ``StatefulJob``'s source, whose ``offsets`` state its driver holds."""
-SOURCE_OFFSETS = "offsets"
-"""The properties key, and the source's state name, of the committed source offsets."""
-
-
 def committed_source_offsets(
     properties: dict[str, Any], operator_id: str, state_name: str | None
 ) -> list[Record] | None:
@@ -496,7 +495,7 @@ def committed_source_offsets(
     savepoint folded from it carries), as ``read`` shows the source's ``offsets`` state in
     a checkpoint: ``{"value": [partition, offset]}`` per partition. None unless
     ``operator_id``/``state_name`` name that state and the properties hold offsets."""
-    offsets = properties.get(SOURCE_OFFSETS)
-    if (operator_id, state_name) != (SOURCE_OPERATOR, SOURCE_OFFSETS) or offsets is None:
+    offsets = properties.get(SOURCE_OFFSETS_PROPERTY)
+    if (operator_id, state_name) != (SOURCE_OPERATOR, SOURCE_OFFSETS_STATE) or offsets is None:
         return None
     return [{"value": list(pair)} for share in offsets for pair in share]
