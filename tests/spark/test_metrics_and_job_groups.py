@@ -19,9 +19,10 @@ from statebackend.checkpoint.metrics import (
 )
 from statebackend.spark.arrow_path import OPERATOR_ID as STREAM_OPERATOR_ID
 from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import OPERATOR_ID, generate_events, user_totals_job
+from statebackend.spark.example import OPERATOR_ID, generate_events
 from statebackend.spark.job_groups import job_group_id
 from statebackend.spark.streaming import transform_with_state
+from tests.spark.jobs import run_user_totals
 from tests.spark.test_streaming_api import OUTPUT, Totals
 
 EVENTS = 400
@@ -38,16 +39,10 @@ def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
     url = (tmp_path / "checkpoints").as_uri()
     generate_events(tmp_path / "input", EVENTS, 30, 3, 11)
     conf = StateBackendConf(checkpoint_dir=url, local_dir=str(tmp_path / "local"))
-    summary = user_totals_job(
-        spark_local,
-        job_id="observed",
-        input_dir=tmp_path / "input",
-        parallelism=2,
-        conf=conf,
-        batch_size=60,
-        checkpoint_every=2,
-        output_dir=str(tmp_path / "output"),
-    ).run()
+    options = {"job_id": "observed", "batch_size": 60, "checkpoint_every": 2}
+    summary = run_user_totals(
+        spark_local, tmp_path, conf, parallelism=2, output_dir=str(tmp_path / "output"), **options
+    )
 
     history = _history(url, "observed")
     batches = records_of(history, BatchMetrics)
@@ -70,15 +65,7 @@ def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
     # A run at another parallelism records the restore from what it restored (not from
     # the manifest its own first batch commits).
     generate_events(tmp_path / "input", EVENTS, 30, 3, 12)
-    resumed = user_totals_job(
-        spark_local,
-        job_id="observed",
-        input_dir=tmp_path / "input",
-        parallelism=3,
-        conf=conf,
-        batch_size=60,
-        checkpoint_every=2,
-    ).run()
+    resumed = run_user_totals(spark_local, tmp_path, conf, parallelism=3, **options)
     (restore,) = records_of(_history(url, "observed"), RestoreMetrics)
     assert resumed.restored_from and restore.checkpoint == resumed.restored_from
 
