@@ -485,14 +485,26 @@ def _read(args: argparse.Namespace, ref: CheckpointRef) -> int:
         key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
         with _progress("reading", read_bytes(ref, selection, key)) as advance:
             timers = read_timers(ref, selection, key, advance, allow_pickle=args.allow_pickle)
-            _write_records(timers, args.format, sys.stdout)
+            written = _write_records(timers, args.format, sys.stdout)
+        _note_absent_key(args, written, "timers")
         return 0
     selection = select_state(ref, args.operator, args.state)
     key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
     with _progress("reading", read_bytes(ref, selection, key)) as advance:
         records = read_state(ref, selection, key, progress=advance, allow_pickle=args.allow_pickle)
-        _write_records(records, args.format, sys.stdout)
+        written = _write_records(records, args.format, sys.stdout)
+    _note_absent_key(args, written, f"state {args.state!r}")
     return 0
+
+
+def _note_absent_key(args: argparse.Namespace, written: int, what: str) -> None:
+    """An empty answer to ``--key`` says so on stderr, so a mistyped key is not mistaken for
+    an empty state."""
+    if args.key is not None and written == 0:
+        print(
+            f"{PROG}: note: key {args.key!r} has no {what} in operator {args.operator!r}",
+            file=sys.stderr,
+        )
 
 
 def cmd_savepoint_create(args: argparse.Namespace) -> int:
@@ -812,7 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
             parents=[parent],
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, command_parser=p)
         return p
 
     p = command("list", "the jobs in a directory and their checkpoints and savepoints", cmd_list)
@@ -973,7 +985,9 @@ def _discard_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's, names what it takes
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.run(args))
     except StateBackendError as exc:

@@ -248,10 +248,11 @@ def test_read_matches_the_model(capsys: pytest.CaptureFixture[str], job: Job) ->
     assert status == 0
     assert jsonl(out) == [{"key": user, "value": job.model.items[user]}]
     metadata_file = checkpoint + "/_metadata"
-    status, out, _ = cli(
+    status, out, err = cli(
         capsys, job.storage, *read_cmd(metadata_file, "user-totals", "total", "--key", "nobody")
     )
     assert (status, out) == (0, "")
+    assert "key 'nobody' has no state 'total' in operator 'user-totals'" in err
     status, out, _ = cli(
         capsys, job.storage, *read_cmd(checkpoint, "user-totals", "total", "--format", "csv")
     )
@@ -551,6 +552,21 @@ def test_help_has_examples_for_every_command(capsys: pytest.CaptureFixture[str])
             main([*argv, "--help"])
         assert exit_info.value.code == 0
         assert "examples:" in capsys.readouterr().out, argv
+
+
+def test_a_mistyped_option_shows_the_usage_of_its_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, usage in (
+        (["read", "/x/chk-1", "--operator", "op", "--state", "s", "--kye", "k"], "read"),
+        (["savepoint", "create", "--from", "a", "--to", "b", "--paralelism", "3"], "create"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"usage: statebackend {' '.join(argv[: argv.index(usage) + 1])}" in err
+        assert f"unrecognized arguments: {argv[-2]} {argv[-1]}" in err
 
 
 def test_python_dash_m() -> None:
