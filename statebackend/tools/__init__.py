@@ -1,5 +1,5 @@
 """What the ``statebackend`` command does, as functions over checkpoint storage.
 
-Between ``checkpoint/`` and ``cli.py``: each module here reads (and for ``gc`` deletes)
-checkpoints and returns plain data; ``cli.py`` only parses arguments and prints.
+Between ``checkpoint/`` and ``cli/``: each module here reads (and for ``gc`` deletes)
+checkpoints and returns plain data; ``cli/`` only parses arguments and prints.
 """

@@ -1,0 +1,124 @@
+"""What the ``statebackend`` command prints: sizes, times, tables, JSON, records and a
+progress bar on stderr."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, TextIO
+
+from statebackend.tools.reader import Record, to_jsonable
+
+PROG = "statebackend"
+
+
+def out(line: str = "") -> None:
+    """Print one line of the command's answer on stdout."""
+    print(line, file=sys.stdout)
+
+
+def size(n: int | None) -> str:
+    """A byte count for people: ``512 B``, ``1.5 MiB``; ``-`` when unknown."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def state_size(info: dict[str, Any]) -> str:
+    """``inspect``'s state size: all of it, and where it is kept."""
+    inline = info["inline_bytes"]
+    in_files = f"{size(info['state_bytes'] - inline)} in {info['files']} files"
+    if not inline:
+        return in_files
+    return f"{size(info['state_bytes'])}: {in_files}, {size(inline)} inline in _metadata"
+
+
+def local_time(timestamp: float | None) -> str:
+    """A Unix timestamp as local ISO time to the second; ``-`` when unknown."""
+    if timestamp is None:
+        return "-"
+    return datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "") -> None:
+    """Print rows as columns aligned under their headers."""
+    rows = [list(map(str, row)) for row in rows]
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
+    for row in [list(headers), *rows]:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        out((indent + "  ".join(cells)).rstrip())
+
+
+def json_document(document: Any) -> None:
+    """Print a document as indented JSON with sorted keys."""
+    out(json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False, default=repr))
+
+
+def cell(value: Any) -> str:
+    """A value in a CSV or table cell: strings as they are, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(to_jsonable(value), ensure_ascii=False, sort_keys=True)
+
+
+@contextmanager
+def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A byte-counting progress bar on stderr, shown only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def write_records(records: Iterator[Record], output_format: str, stream: TextIO) -> int:
+    """Write records as ``jsonl``, ``csv`` or an aligned ``table`` (on stdout); returns how many."""
+    count = 0
+    if output_format == "jsonl":
+        for record in records:
+            jsonable = {k: to_jsonable(v) for k, v in record.items()}
+            stream.write(json.dumps(jsonable, ensure_ascii=False, sort_keys=True) + "\n")
+            count += 1
+        return count
+    rows = []
+    headers: list[str] = []
+    writer = csv.writer(stream) if output_format == "csv" else None
+    for record in records:
+        if not headers:
+            headers = list(record)
+            if writer is not None:
+                writer.writerow(headers)
+        row = [cell(record[h]) for h in headers]
+        if writer is not None:
+            writer.writerow(row)
+        else:
+            rows.append(row)
+        count += 1
+    if writer is None and headers:
+        table([h.upper() for h in headers], rows)
+    return count
