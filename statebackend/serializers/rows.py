@@ -1,333 +1,28 @@
-"""Serializers: how keys and values become bytes, and whether stored bytes still fit.
-
-Every serializer has an ``identity`` and a ``version``; its ``config()`` is written into
-every snapshot. On restore, ``compatibility_with(stored_config)`` says whether the stored
-bytes are readable as they are, readable after migration (decode with the stored
-serializer, re-encode with the new one: see ``migrate``), or not at all.
-"""
+"""``RowTupleSerializer``: tuples of a Spark schema's fields (StructType JSON), encoded field
+by field, as transform_with_state keeps keys and state values."""
 
 from __future__ import annotations
 
-import base64
 import calendar
 import datetime
 import decimal
 import functools
 import json
 import numbers
-import pickle
 import struct
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from enum import Enum
 from types import CodeType
-from typing import Any, ClassVar, Generic, TypeVar, cast
-
-from statebackend.errors import ConfigurationError, IncompatibleStateError, SerializationError
-
-T = TypeVar("T")
-
-SerializerConfig = dict[str, Any]
-"""A serializer's JSON-able description: ``{"identity": ..., "version": ..., ...}``."""
-
-
-class Compatibility(Enum):
-    """How a new serializer relates to the one that wrote stored state."""
-
-    COMPATIBLE_AS_IS = "compatible-as-is"
-    COMPATIBLE_AFTER_MIGRATION = "compatible-after-migration"
-    INCOMPATIBLE = "incompatible"
-
-
-def _describe(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-class Serializer(ABC, Generic[T]):
-    """Encodes values of one kind to bytes and back; the bytes of equal values are equal."""
-
-    identity: ClassVar[str]
-    version: ClassVar[int] = 1
-    migrates_from: ClassVar[frozenset[str]] = frozenset()
-    """Identities of other serializers whose stored bytes this one can take over."""
-    migratable_by_any: ClassVar[bool] = True
-    """Whether a serializer that takes over any stored state (pickle) may take over this
-    one's bytes: False for envelopes such as TTL, whose decoded values are not the user's."""
-    decodes_immutable: bool = False
-    """Whether every value ``deserialize`` returns is immutable all the way down (numbers,
-    strings, bytes, tuples of such), so that one decoded value may be handed out more
-    than once: a batch then decodes a value once (``keyed_states.ValueStateImpl``)."""
-
-    def serialize(self, value: T) -> bytes:
-        """The bytes of ``value``; SerializationError if this serializer cannot encode it."""
-        try:
-            return self._encode(value)
-        except SerializationError:
-            raise
-        except Exception as exc:
-            raise SerializationError(
-                f"{self.identity} serializer cannot encode {_describe(value)} "
-                f"(a {type(value).__name__}): {exc}; use a serializer that fits the value"
-            ) from exc
-
-    def deserialize(self, data: bytes) -> T:
-        """The value encoded in ``data``; SerializationError if the bytes are not one."""
-        try:
-            return self._decode(data)
-        except Exception as exc:
-            raise SerializationError(
-                f"{self.identity} serializer cannot decode {len(data)} bytes: {exc}"
-            ) from exc
-
-    def encoder(self) -> Callable[[T], bytes]:
-        """``serialize`` without its error-wrapping frame, for hot paths: a function that
-        gives ``serialize``'s bytes for every value ``serialize`` accepts and raises some
-        exception (not necessarily a SerializationError) for any other. Call it inside
-        ``try`` and, on an exception, call ``serialize`` for the value's clear error."""
-        return self._encode
-
-    def decoder(self) -> Callable[[bytes], T]:
-        """``deserialize`` without its error-wrapping frame, as ``encoder`` is to
-        ``serialize``: on an exception, call ``deserialize`` for the clear error."""
-        return self._decode
-
-    @abstractmethod
-    def _encode(self, value: T) -> bytes: ...
-
-    @abstractmethod
-    def _decode(self, data: bytes) -> T: ...
-
-    def config(self) -> SerializerConfig:
-        """The JSON-able identity, version and parameters written into snapshots."""
-        return {"identity": self.identity, "version": self.version}
-
-    def compatibility_with(self, stored: SerializerConfig) -> Compatibility:
-        """Whether state written by the serializer described by ``stored`` fits this one."""
-        identity, version = stored.get("identity"), stored.get("version", 0)
-        if identity == self.identity:
-            if version == self.version and stored == self.config():
-                return Compatibility.COMPATIBLE_AS_IS
-            if isinstance(version, int) and version <= self.version and identity in _REGISTRY:
-                return Compatibility.COMPATIBLE_AFTER_MIGRATION
-            return Compatibility.INCOMPATIBLE
-        if identity in self.migrates_from or (
-            self.migrates_from == _ANY
-            and identity in _REGISTRY
-            and _REGISTRY[str(identity)].migratable_by_any
-        ):
-            return Compatibility.COMPATIBLE_AFTER_MIGRATION
-        return Compatibility.INCOMPATIBLE
-
-    @classmethod
-    def from_config(cls, config: SerializerConfig) -> Serializer[Any]:
-        """Rebuild this kind of serializer from its ``config()``."""
-        return cls()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Serializer) and self.config() == other.config()
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.config(), sort_keys=True))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-_ANY = frozenset({"*"})
-
-
-class StrSerializer(Serializer[str]):
-    """UTF-8 text."""
-
-    identity = "str"
-    decodes_immutable = True
-
-    def _encode(self, value: str) -> bytes:
-        if type(value) is not str and not isinstance(value, str):
-            raise TypeError("not a str")
-        return value.encode()
-
-    def _decode(self, data: bytes) -> str:
-        return str(data, "utf-8")
-
-    def encoder(self) -> Callable[[str], bytes]:
-        # Native: str.encode takes exactly the str values (subclasses too), UTF-8.
-        return str.encode
-
-
-_INT = struct.Struct(">q")
-_FLOAT = struct.Struct(">d")
-
-
-def _encode_exact_int(value: int) -> bytes:
-    """``IntSerializer``'s encoder: the bytes of an exact int; struct.error out of range
-    and TypeError for anything else (int subclasses too: ``serialize`` takes those)."""
-    if type(value) is int:
-        return _INT.pack(value)
-    raise TypeError("not an exact int")
-
-
-class IntSerializer(Serializer[int]):
-    """Signed 64-bit integers, 8 bytes big-endian."""
-
-    identity = "int"
-    decodes_immutable = True
-
-    def _encode(self, value: int) -> bytes:
-        if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
-            raise TypeError("not an int")
-        if not -(1 << 63) <= value < (1 << 63):
-            raise OverflowError("outside the signed 64-bit range")
-        return _INT.pack(value)
-
-    def _decode(self, data: bytes) -> int:
-        return _INT.unpack(data)[0]  # "q" unpacks an int
-
-    def encoder(self) -> Callable[[int], bytes]:
-        return _encode_exact_int
-
-
-class FloatSerializer(Serializer[float]):
-    """IEEE-754 doubles, 8 bytes big-endian; takes over state stored as int."""
-
-    identity = "float"
-    migrates_from = frozenset({"int"})
-    decodes_immutable = True
-
-    def _encode(self, value: float) -> bytes:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError("not a float")
-        return _FLOAT.pack(float(value))
-
-    def _decode(self, data: bytes) -> float:
-        return float(_FLOAT.unpack(data)[0])
-
-
-class BoolSerializer(Serializer[bool]):
-    """One byte, 0 or 1."""
-
-    identity = "bool"
-    decodes_immutable = True
-
-    def _encode(self, value: bool) -> bytes:
-        if not isinstance(value, bool):
-            raise TypeError("not a bool")
-        return b"\x01" if value else b"\x00"
-
-    def _decode(self, data: bytes) -> bool:
-        if bytes(data) not in (b"\x00", b"\x01"):
-            raise ValueError("not a bool byte")
-        return data == b"\x01"
-
-
-class BytesSerializer(Serializer[bytes]):
-    """Bytes as they are."""
-
-    identity = "bytes"
-    decodes_immutable = True
-
-    def _encode(self, value: bytes) -> bytes:
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise TypeError("not bytes")
-        return bytes(value)
-
-    def _decode(self, data: bytes) -> bytes:
-        return bytes(data)
-
-
-class JsonSerializer(Serializer[Any]):
-    """JSON-able values (dict keys sorted, so equal values have equal bytes)."""
-
-    identity = "json"
-    migrates_from = frozenset({"str", "int", "float", "bool"})
-
-    def _encode(self, value: Any) -> bytes:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        ).encode("utf-8")
-
-    def _decode(self, data: bytes) -> Any:
-        return json.loads(bytes(data))
-
-
-class PickleSerializer(Serializer[Any]):
-    """Any picklable Python object (pickle protocol 5); takes over any stored serializer.
-
-    Unpickling runs code the bytes name: never decode pickled state of a checkpoint that
-    others can write to (see ``reading_serializer`` and ``checkpoint/signing.py``).
-    """
-
-    identity = "pickle"
-    migrates_from = _ANY
-    PROTOCOL: ClassVar[int] = 5
-
-    def _encode(self, value: Any) -> bytes:
-        return pickle.dumps(value, protocol=self.PROTOCOL)
-
-    def _decode(self, data: bytes) -> Any:
-        return pickle.loads(data)
-
-
-_LENGTH = struct.Struct(">I")
-
-
-class TupleSerializer(Serializer[tuple[Any, ...]]):
-    """Fixed-arity tuples, each field with its own serializer, length-prefixed."""
-
-    identity = "tuple"
-
-    def __init__(self, *fields: Serializer[Any]) -> None:
-        if not fields:
-            raise ValueError("a TupleSerializer needs at least one field serializer")
-        self.fields = fields
-        self.decodes_immutable = all(field.decodes_immutable for field in fields)
-
-    def _encode(self, value: tuple[Any, ...]) -> bytes:
-        if not isinstance(value, tuple) or len(value) != len(self.fields):
-            raise TypeError(f"not a tuple of {len(self.fields)} fields")
-        parts = []
-        for field, item in zip(self.fields, value, strict=True):
-            encoded = field.serialize(item)
-            parts.append(_LENGTH.pack(len(encoded)))
-            parts.append(encoded)
-        return b"".join(parts)
-
-    def _decode(self, data: bytes) -> tuple[Any, ...]:
-        view, position, items = memoryview(data), 0, []
-        for field in self.fields:
-            (length,) = _LENGTH.unpack_from(view, position)
-            position += _LENGTH.size
-            items.append(field.deserialize(bytes(view[position : position + length])))
-            position += length
-        if position != len(view):
-            raise ValueError("trailing bytes after the last field")
-        return tuple(items)
-
-    def config(self) -> SerializerConfig:
-        return {**super().config(), "fields": [field.config() for field in self.fields]}
-
-    def compatibility_with(self, stored: SerializerConfig) -> Compatibility:
-        stored_fields = stored.get("fields")
-        if stored.get("identity") != self.identity or not isinstance(stored_fields, list):
-            return super().compatibility_with(stored)
-        if len(stored_fields) != len(self.fields):
-            return Compatibility.INCOMPATIBLE
-        results = {f.compatibility_with(s) for f, s in zip(self.fields, stored_fields, strict=True)}
-        for worst in (Compatibility.INCOMPATIBLE, Compatibility.COMPATIBLE_AFTER_MIGRATION):
-            if worst in results:
-                return worst
-        return Compatibility.COMPATIBLE_AS_IS
-
-    @classmethod
-    def from_config(cls, config: SerializerConfig) -> TupleSerializer:
-        return cls(*(serializer_from_config(field) for field in config.get("fields", [])))
-
-    def __repr__(self) -> str:
-        return f"TupleSerializer({', '.join(map(repr, self.fields))})"
-
+from typing import Any, cast
+
+from statebackend.errors import ConfigurationError
+from statebackend.serializers.base import (
+    LENGTH_PREFIX,
+    Compatibility,
+    Serializer,
+    SerializerConfig,
+    describe_value,
+)
 
 _Encoder = Callable[[Any, list[bytes]], None]
 _Decoder = Callable[[memoryview, int], tuple[Any, int]]
@@ -349,19 +44,19 @@ def _fixed(fmt: str, convert: Callable[[Any], Any]) -> tuple[_Encoder, _Decoder]
 
 def _integral(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{_describe(value)} is not an integer")
+        raise TypeError(f"{describe_value(value)} is not an integer")
     return int(value)
 
 
 def _real(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{_describe(value)} is not a number")
+        raise TypeError(f"{describe_value(value)} is not a number")
     return float(value)
 
 
 def _boolean(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{_describe(value)} is not a bool")
+        raise TypeError(f"{describe_value(value)} is not a bool")
     return value
 
 
@@ -370,12 +65,12 @@ def _sized(
 ) -> tuple[_Encoder, _Decoder]:
     def encode(value: Any, out: list[bytes]) -> None:
         data = to_bytes(value)
-        out.append(_LENGTH.pack(len(data)))
+        out.append(LENGTH_PREFIX.pack(len(data)))
         out.append(data)
 
     def decode(view: memoryview, position: int) -> tuple[Any, int]:
-        (length,) = _LENGTH.unpack_from(view, position)
-        start = position + _LENGTH.size
+        (length,) = LENGTH_PREFIX.unpack_from(view, position)
+        start = position + LENGTH_PREFIX.size
         return from_bytes(bytes(view[start : start + length])), start + length
 
     return encode, decode
@@ -383,26 +78,26 @@ def _sized(
 
 def _utf8(value: Any) -> bytes:
     if not isinstance(value, str):
-        raise TypeError(f"{_describe(value)} is not a str")
+        raise TypeError(f"{describe_value(value)} is not a str")
     return value.encode("utf-8")
 
 
 def _binary(value: Any) -> bytes:
     if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise TypeError(f"{_describe(value)} is not bytes")
+        raise TypeError(f"{describe_value(value)} is not bytes")
     return bytes(value)
 
 
 def _days(value: Any) -> int:
     if isinstance(value, datetime.datetime) or not isinstance(value, datetime.date):
-        raise TypeError(f"{_describe(value)} is not a datetime.date")
+        raise TypeError(f"{describe_value(value)} is not a datetime.date")
     return (value - _EPOCH_DATE).days
 
 
 def _micros(value: Any) -> int:
     """Spark's internal timestamp: microseconds since the epoch (naive = local time)."""
     if not isinstance(value, datetime.datetime):
-        raise TypeError(f"{_describe(value)} is not a datetime.datetime")
+        raise TypeError(f"{describe_value(value)} is not a datetime.datetime")
     seconds = (
         calendar.timegm(value.utctimetuple()) if value.tzinfo else time.mktime(value.timetuple())
     )
@@ -417,7 +112,7 @@ def _from_micros(micros: int) -> datetime.datetime:
 
 def _ntz_micros(value: Any) -> int:
     if not isinstance(value, datetime.datetime) or value.tzinfo is not None:
-        raise TypeError(f"{_describe(value)} is not a naive datetime.datetime")
+        raise TypeError(f"{describe_value(value)} is not a naive datetime.datetime")
     return (value - datetime.datetime(1970, 1, 1)) // datetime.timedelta(microseconds=1)
 
 
@@ -625,7 +320,9 @@ def _struct_codec(
         if isinstance(value, dict):
             value = tuple(value.get(name) for name in names)
         if not isinstance(value, (tuple, list)) or len(value) != len(codecs):
-            raise TypeError(f"{_describe(value)} is not a tuple of {len(codecs)} fields {names}")
+            raise TypeError(
+                f"{describe_value(value)} is not a tuple of {len(codecs)} fields {names}"
+            )
         for (field_encode, _), item, name in zip(codecs, value, names, strict=True):
             try:
                 field_encode(item, out)
@@ -698,15 +395,15 @@ def _array_codec(element_type: Any, struct_of: StructOf | None) -> tuple[_Encode
 
     def encode(value: Any, out: list[bytes]) -> None:
         if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
-            raise TypeError(f"{_describe(value)} is not a list")
+            raise TypeError(f"{describe_value(value)} is not a list")
         items = list(value)
-        out.append(_LENGTH.pack(len(items)))
+        out.append(LENGTH_PREFIX.pack(len(items)))
         for item in items:
             element_encode(item, out)
 
     def decode(view: memoryview, position: int) -> tuple[Any, int]:
-        (count,) = _LENGTH.unpack_from(view, position)
-        position += _LENGTH.size
+        (count,) = LENGTH_PREFIX.unpack_from(view, position)
+        position += LENGTH_PREFIX.size
         items = []
         for _ in range(count):
             item, position = element_decode(view, position)
@@ -724,8 +421,8 @@ def _map_codec(
 
     def encode(value: Any, out: list[bytes]) -> None:
         if not isinstance(value, dict):
-            raise TypeError(f"{_describe(value)} is not a dict")
-        out.append(_LENGTH.pack(len(value)))
+            raise TypeError(f"{describe_value(value)} is not a dict")
+        out.append(LENGTH_PREFIX.pack(len(value)))
         # Sorted by encoded key, so that equal maps have equal bytes.
         entries = []
         for key, item in value.items():
@@ -737,8 +434,8 @@ def _map_codec(
             value_encode(item, out)
 
     def decode(view: memoryview, position: int) -> tuple[Any, int]:
-        (count,) = _LENGTH.unpack_from(view, position)
-        position += _LENGTH.size
+        (count,) = LENGTH_PREFIX.unpack_from(view, position)
+        position += LENGTH_PREFIX.size
         result = {}
         for _ in range(count):
             key, position = key_decode(view, position)
@@ -753,11 +450,12 @@ def _parse_struct(schema_json: str) -> dict[str, Any]:
         schema = json.loads(schema_json)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
-            f"row-tuple schema {_describe(schema_json)} is not JSON: give StructType.json()"
+            f"row-tuple schema {describe_value(schema_json)} is not JSON: give StructType.json()"
         ) from exc
     if not isinstance(schema, dict) or schema.get("type") != "struct":
         raise ConfigurationError(
-            f"row-tuple schema {_describe(schema_json)} is not a struct: give StructType.json()"
+            f"row-tuple schema {describe_value(schema_json)} is not a struct: "
+            "give StructType.json()"
         )
     return schema
 
@@ -880,123 +578,3 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
 
     def __repr__(self) -> str:
         return f"RowTupleSerializer({_fields_text(self._schema)})"
-
-
-@dataclass(frozen=True)
-class OpaqueValue:
-    """Stored bytes shown without decoding them: a pickled value read where unpickling
-    is not allowed."""
-
-    serializer: str
-    data: bytes
-
-    def to_json(self) -> dict[str, str]:
-        """``{"serializer": ..., "base64": ...}``."""
-        return {"serializer": self.serializer, "base64": base64.b64encode(self.data).decode()}
-
-
-class OpaqueSerializer(Serializer[OpaqueValue]):
-    """Reads stored bytes of the serializer named ``of`` as ``OpaqueValue``s, decoding
-    nothing; ``reading_serializer`` puts it in place of the pickle serializer."""
-
-    identity = "opaque"
-    migratable_by_any = False
-
-    def __init__(self, of: str = PickleSerializer.identity) -> None:
-        self.of = of
-
-    def _encode(self, value: OpaqueValue) -> bytes:
-        if not isinstance(value, OpaqueValue):
-            raise TypeError("not an OpaqueValue")
-        return value.data
-
-    def _decode(self, data: bytes) -> OpaqueValue:
-        return OpaqueValue(self.of, bytes(data))
-
-    def config(self) -> SerializerConfig:
-        return {**super().config(), "of": self.of}
-
-    @classmethod
-    def from_config(cls, config: SerializerConfig) -> OpaqueSerializer:
-        return cls(str(config.get("of", PickleSerializer.identity)))
-
-
-def _without_pickle(config: Any) -> Any:
-    """``config`` with every pickle serializer in it, however nested, made opaque."""
-    if isinstance(config, list):
-        return [_without_pickle(item) for item in config]
-    if not isinstance(config, dict):
-        return config
-    if config.get("identity") == PickleSerializer.identity:
-        return OpaqueSerializer().config()
-    return {key: _without_pickle(value) for key, value in config.items()}
-
-
-def reading_serializer(config: SerializerConfig, allow_pickle: bool) -> Serializer[Any]:
-    """The serializer to decode stored state of ``config`` with: the recorded one, except
-    that without ``allow_pickle`` pickled values (also inside tuples or TTL values) come
-    out as ``OpaqueValue``s, so reading a checkpoint never runs code it carries."""
-    return serializer_from_config(config if allow_pickle else _without_pickle(config))
-
-
-_REGISTRY: dict[str, type[Serializer[Any]]] = {
-    cls.identity: cls
-    for cls in (
-        StrSerializer,
-        IntSerializer,
-        FloatSerializer,
-        BoolSerializer,
-        BytesSerializer,
-        JsonSerializer,
-        PickleSerializer,
-        TupleSerializer,
-        RowTupleSerializer,
-        OpaqueSerializer,
-    )
-}
-
-
-def serializer_from_config(config: SerializerConfig) -> Serializer[Any]:
-    """Rebuild the serializer a snapshot recorded; IncompatibleStateError if unknown."""
-    identity = config.get("identity")
-    cls = _REGISTRY.get(str(identity))
-    if cls is None:
-        raise IncompatibleStateError(
-            f"unknown serializer {identity!r} in stored state: "
-            f"install the statebackend version that wrote it"
-        )
-    return cls.from_config(config)
-
-
-def register_serializer(cls: type[Serializer[Any]]) -> None:
-    """Make a serializer class known to ``serializer_from_config`` by its identity."""
-    _REGISTRY[cls.identity] = cls
-
-
-def resolve_serializer(
-    state_name: str, new: Serializer[Any], stored: SerializerConfig
-) -> Serializer[Any] | None:
-    """Check ``new`` against the ``stored`` config of state ``state_name``.
-
-    Returns None when stored bytes are readable as they are, or the stored serializer
-    to decode them with before re-encoding with ``new`` (migration). Raises
-    IncompatibleStateError naming the state otherwise.
-    """
-    verdict = new.compatibility_with(stored)
-    if verdict is Compatibility.COMPATIBLE_AS_IS:
-        return None
-    if verdict is Compatibility.COMPATIBLE_AFTER_MIGRATION:
-        return serializer_from_config(stored)
-    try:
-        written: object = serializer_from_config(stored)
-    except Exception:  # a config of an unknown or damaged serializer: show it as it is
-        written = stored
-    raise IncompatibleStateError(
-        f"state {state_name!r} was written as {written!r}, which {new!r} cannot read: "
-        f"declare the state as it was written, or start without this state (a new job_id)"
-    )
-
-
-def migrate(data: bytes, old: Serializer[Any], new: Serializer[Any]) -> bytes:
-    """Re-encode bytes written by ``old`` so that ``new`` reads them."""
-    return new.serialize(old.deserialize(data))
