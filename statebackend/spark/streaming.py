@@ -44,17 +44,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 from pyspark.sql import DataFrame, GroupedData, Row
-from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
-from statebackend.checkpoint.filesystem import CheckpointFileSystem
-from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.metrics import (
@@ -74,8 +69,8 @@ from statebackend.spark.arrow_path import (
     combined_input,
 )
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
-from statebackend.spark.conf import TICK_INTERVAL_KEY, StateBackendConf
-from statebackend.spark.job_groups import current_job_group, job_group
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
     BatchTimes,
@@ -84,28 +79,17 @@ from statebackend.spark.processor_handle import (
     parse_time_mode,
 )
 from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
-from statebackend.spark.query_stop import stop_interruption
 from statebackend.spark.streaming_commit import (
-    FILE_FORMATS,
     BatchCommitter,
     batch_output,
-    bind,
     check_same_query,
-    location_filesystem,
-    publish_files,
-    publish_once,
-    publish_parquet,
 )
-from statebackend.spark.streaming_tables import check_table, publish_to_table
-from statebackend.spark.streaming_ticks import with_ticks, without_ticks
+from statebackend.spark.streaming_writer import OUTPUT_MODES, StatefulStreamWriter
 from statebackend.spark.tasks import StorageSpec
 
 _log = logging.getLogger(__name__)
 
-OUTPUT_MODES = {"update": "Update", "append": "Append"}
 CASE_SENSITIVE_KEY = "spark.sql.caseSensitive"
-DEFAULT_SOURCE_KEY = "spark.sql.sources.default"
-"""Spark's format for a sink given a path and no format."""
 WATERMARK_METADATA = "spark.watermarkDelayMs"
 NON_REPLAYABLE_SOURCES = frozenset({"socket"})
 """Spark's streaming sources that keep no data to run a batch again (``sourceName``)."""
@@ -203,42 +187,6 @@ def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
         "time_mode 'EventTime' needs an event-time column: call df.withWatermark(column, "
         "delay) before transform_with_state"
     )
-
-
-class BatchTimesReader:
-    """Batch N's timestamp and watermarks from Spark's ``offsets/N`` (and ``offsets/N-1``
-    for the late-events watermark) in the query's checkpointLocation, read through the
-    file system its binding file is written with (no py4j round trips); batch N's entry
-    is kept for batch N+1, which reads it again (Spark never rewrites an offsets entry)."""
-
-    def __init__(self, fs: CheckpointFileSystem, checkpoint_location: str) -> None:
-        self._fs = fs
-        self._location = checkpoint_location.rstrip("/")
-        self._kept: tuple[int, dict[str, Any]] | None = None
-
-    def _metadata(self, batch_id: int) -> dict[str, Any]:
-        if self._kept is not None and self._kept[0] == batch_id:
-            return self._kept[1]
-        path = join(self._location, "offsets", str(batch_id))
-        if not self._fs.exists(path):
-            raise ConfigurationError(
-                f"{path} does not exist: checkpointLocation must be the query's own "
-                f"checkpoint directory"
-            )
-        lines = self._fs.read_file(path).decode("utf-8").splitlines()
-        return dict(json.loads(lines[1]))  # lines[0] is the log version, "v1"
-
-    def read(self, batch_id: int) -> BatchTimes:
-        """The times of batch ``batch_id``; ConfigurationError if its offsets entry (or
-        the previous batch's) is missing."""
-        current = self._metadata(batch_id)
-        late = self._metadata(batch_id - 1).get("batchWatermarkMs", 0) if batch_id > 0 else 0
-        self._kept = (batch_id, current)
-        return BatchTimes(
-            int(current.get("batchTimestampMs", 0)),
-            int(late),
-            int(current.get("batchWatermarkMs", 0)),
-        )
 
 
 class StatefulStream:
@@ -486,274 +434,6 @@ class StatefulStream:
     def output(self, manifest: BatchManifest) -> DataFrame:
         """The output rows of a committed batch, read from its staged files."""
         return batch_output(self.df.sparkSession, self.storage_spec, manifest, self.output_schema)
-
-
-def _column_names(cols: tuple[Any, ...], method: str) -> list[str]:
-    """Column names given as Spark's writer takes them: names, or one list of names."""
-    names = list(cols[0]) if len(cols) == 1 and isinstance(cols[0], (list, tuple)) else list(cols)
-    if not names or not all(isinstance(name, str) and name for name in names):
-        raise ConfigurationError(f"{method} {cols!r} is invalid: give column names")
-    return names
-
-
-class StatefulStreamWriter:
-    """Mirrors ``DataStreamWriter`` (format, option, options, outputMode, partitionBy,
-    clusterBy, trigger, queryName, foreach, foreachBatch, start, toTable); the query
-    itself is a ``foreachBatch`` query that publishes each committed batch to the sink
-    (``streaming_commit``)."""
-
-    def __init__(self, stream: StatefulStream) -> None:
-        self._stream = stream
-        self._format: str | None = None
-        self._options: dict[str, str] = {}
-        self._trigger: dict[str, Any] = {}
-        self._query_name: str | None = None
-        self._foreach_batch: Callable[[DataFrame, int], None] | None = None
-        self._foreach: Callable[[Any, Any], Any] | None = None
-        self._partition_by: list[str] = []
-        self._cluster_by: list[str] = []
-
-    def format(self, source: str) -> StatefulStreamWriter:
-        """The sink's format (any batch-writable format, or "console")."""
-        self._format = source
-        return self
-
-    def option(self, key: str, value: Any) -> StatefulStreamWriter:
-        """A sink option; ``checkpointLocation`` is the query's checkpoint directory."""
-        self._options[key] = str(value)
-        return self
-
-    def options(self, **options: Any) -> StatefulStreamWriter:
-        """Several sink options."""
-        for key, value in options.items():
-            self.option(key, value)
-        return self
-
-    def outputMode(self, outputMode: str) -> StatefulStreamWriter:  # noqa: N802,N803
-        """Accepted as Spark's writer takes it, but the output mode is
-        ``transform_with_state``'s ``output_mode``: another one is a ConfigurationError."""
-        given = OUTPUT_MODES.get(str(outputMode).lower())
-        if given != self._stream.output_mode:
-            raise ConfigurationError(
-                f"outputMode {outputMode!r} differs from transform_with_state's output_mode "
-                f"{self._stream.output_mode!r}: give the mode to transform_with_state"
-            )
-        return self
-
-    def partitionBy(self, *cols: str | list[str]) -> StatefulStreamWriter:  # noqa: N802
-        """Partition a file or table sink's output by ``cols``, as Spark's writer does."""
-        self._partition_by = _column_names(cols, "partitionBy")
-        return self
-
-    def clusterBy(self, *cols: str | list[str]) -> StatefulStreamWriter:  # noqa: N802
-        """Cluster a table sink's output by ``cols`` (``toTable`` only), as Spark's writer."""
-        self._cluster_by = _column_names(cols, "clusterBy")
-        return self
-
-    def trigger(self, **trigger: Any) -> StatefulStreamWriter:
-        """The query's trigger, as ``DataStreamWriter.trigger`` takes it."""
-        if "continuous" in trigger or "realTime" in trigger:
-            raise ConfigurationError(
-                f"trigger {trigger} is not supported: use processingTime, once or availableNow"
-            )
-        self._trigger = trigger
-        return self
-
-    def queryName(self, queryName: str) -> StatefulStreamWriter:  # noqa: N802,N803
-        """The query's name."""
-        self._query_name = queryName
-        return self
-
-    def foreachBatch(  # noqa: N802
-        self, func: Callable[[DataFrame, int], None]
-    ) -> StatefulStreamWriter:
-        """Give each batch's output to ``func(df, batch_id)`` instead of a sink format."""
-        self._foreach_batch = func
-        return self
-
-    def foreach(self, f: Any) -> StatefulStreamWriter:
-        """Give each output row to ``f``: a function of the row, or an object with
-        ``process(row)`` and optional ``open(partition_id, epoch_id)`` and ``close(error)``,
-        called as Spark's ``foreach`` sink calls them (epoch_id: the batch id; a re-run
-        batch has the same rows in the same partitions, so the pair can deduplicate)."""
-        self._foreach = DataStreamWriter._construct_foreach_function(f)
-        return self
-
-    def _publish(self, manifest: BatchManifest, table: str | None) -> None:
-        """Publish committed batch N to the sink, idempotently by N (module docstring of
-        ``streaming_commit``)."""
-        stream = self._stream
-        batch_id = manifest.batch_id
-        output = stream.output(manifest)
-        if self._foreach_batch is not None:
-            self._foreach_batch(output, batch_id)
-            return
-        if self._foreach is not None:
-            output.rdd.mapPartitionsWithIndex(self._foreach).count()
-            return
-        if self._format_name() == "console":
-            print(f"Batch: {batch_id}")
-            output.show(truncate=False)
-            return
-        storage = stream.committer.storage
-        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
-        sink_format = self._format or str(
-            output.sparkSession.conf.get(DEFAULT_SOURCE_KEY, "parquet")
-        )
-        file_format = sink_format.lower()  # Spark takes its formats' names in any case
-        if table is None and file_format == "parquet" and not self._partition_by:
-            publish_parquet(storage, manifest, options["path"], stream.conf.storage_options)
-            return
-        if table is None and file_format in FILE_FORMATS:
-            path = options.pop("path")
-
-            def write(rows: DataFrame, target: str) -> None:
-                self._writer(rows, sink_format, options).save(target)
-
-            publish_files(storage, batch_id, output, path, write, stream.conf.storage_options)
-            return
-        writer = self._writer(output, self._format, options).mode("append")
-        if table is not None and self._cluster_by:
-            writer = writer.clusterBy(*self._cluster_by)
-        if table is not None:
-
-            def create(empty: DataFrame) -> None:
-                creator = self._writer(empty, self._format, options)
-                if self._cluster_by:
-                    creator = creator.clusterBy(*self._cluster_by)
-                creator.saveAsTable(table)
-
-            conf = stream.conf
-            if publish_to_table(
-                storage, batch_id, output, table, create, options, conf.storage_options
-            ):
-                return
-        save = (lambda: writer.saveAsTable(table)) if table is not None else writer.save
-        publish_once(storage, batch_id, save)
-
-    def _format_name(self) -> str | None:
-        """The sink's format as Spark matches short names: in lower case."""
-        return None if self._format is None else self._format.lower()
-
-    def _writer(self, rows: DataFrame, sink_format: str | None, options: dict[str, str]) -> Any:
-        """A ``DataFrameWriter`` of ``rows`` with the sink's format, options and partitioning."""
-        writer = rows.write.options(**options)
-        if sink_format is not None:
-            writer = writer.format(sink_format)
-        if self._partition_by:
-            writer = writer.partitionBy(*self._partition_by)
-        return writer
-
-    def _start(self, table: str | None) -> StreamingQuery:
-        stream = self._stream
-        if self._format_name() == "memory":
-            raise ConfigurationError(
-                "format 'memory' is not supported: use foreachBatch or a file format"
-            )
-        if self._cluster_by and table is None:
-            raise ConfigurationError(
-                f"clusterBy{tuple(self._cluster_by)} needs a table sink: use toTable(name)"
-            )
-        if (
-            self._foreach_batch is None
-            and self._foreach is None
-            and table is None
-            and self._format_name() != "console"
-            and ("path" not in self._options)
-        ):
-            raise ConfigurationError(
-                "no sink: give .format(...).option('path', ...), toTable(name), foreachBatch "
-                "or foreach"
-            )
-        if table is not None:
-            check_table(stream.df.sparkSession, table, stream.output_schema, self._format)
-        checkpoint = self._options.get("checkpointLocation")
-        if not checkpoint:
-            raise ConfigurationError(
-                "no checkpointLocation: set .option('checkpointLocation', dir); the batch "
-                "times are read from its offsets/ log"
-            )
-        tick = stream.conf.tick_interval
-        trigger = self._trigger or ({} if tick is None else {"processingTime": f"{tick} seconds"})
-        if tick is not None and "processingTime" not in trigger:
-            raise ConfigurationError(
-                f"trigger {trigger} ends the query, so {TICK_INTERVAL_KEY} has nothing to "
-                f"tick: use trigger(processingTime=...) or unset {TICK_INTERVAL_KEY}"
-            )
-        storage, options = stream.committer.storage, stream.conf.storage_options
-        stream.binding_id = bind(storage, checkpoint, options)
-        offsets = BatchTimesReader(location_filesystem(checkpoint, storage, options), checkpoint)
-
-        def run(batch_df: DataFrame, batch_id: int) -> None:
-            try:
-                times = offsets.read(batch_id)
-                if tick is not None:
-                    batch_df = without_ticks(batch_df)
-                self._publish(stream.run_batch(batch_df, batch_id, times), table)
-            except Exception as exc:
-                group = current_job_group(batch_df.sparkSession.sparkContext)
-                stopped = stop_interruption(exc, batch_id, group)
-                if stopped is None:
-                    raise
-                raise stopped from None
-
-        keyed = stream.with_key_groups(stream.df)
-        source = keyed if tick is None else with_ticks(keyed, tick)
-        writer = source.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)
-        if trigger:
-            writer = writer.trigger(**trigger)
-        if self._query_name is not None:
-            writer = writer.queryName(self._query_name)
-        return writer.start()
-
-    def start(
-        self,
-        path: str | None = None,
-        format: str | None = None,  # noqa: A002 - Spark's keyword
-        outputMode: str | None = None,  # noqa: N803
-        partitionBy: str | list[str] | None = None,  # noqa: N803
-        queryName: str | None = None,  # noqa: N803
-        **options: Any,
-    ) -> StreamingQuery:
-        """Start the query; the arguments as Spark's ``DataStreamWriter.start`` takes them
-        (``path``: the sink's path, as ``option("path", ...)``)."""
-        if path is not None:
-            self._options["path"] = path
-        self._apply(format, outputMode, partitionBy, queryName, options)
-        return self._start(None)
-
-    def toTable(  # noqa: N802
-        self,
-        tableName: str,  # noqa: N803
-        format: str | None = None,  # noqa: A002 - Spark's keyword
-        outputMode: str | None = None,  # noqa: N803
-        partitionBy: str | list[str] | None = None,  # noqa: N803
-        queryName: str | None = None,  # noqa: N803
-        **options: Any,
-    ) -> StreamingQuery:
-        """Start the query appending each batch's output to table ``tableName``; the other
-        arguments as Spark's ``DataStreamWriter.toTable`` takes them."""
-        self._apply(format, outputMode, partitionBy, queryName, options)
-        return self._start(tableName)
-
-    def _apply(
-        self,
-        sink_format: str | None,
-        output_mode: str | None,
-        partition_by: str | list[str] | None,
-        query_name: str | None,
-        options: dict[str, Any],
-    ) -> None:
-        """The keyword arguments of ``start``/``toTable``, as their methods take them."""
-        if sink_format is not None:
-            self.format(sink_format)
-        if output_mode is not None:
-            self.outputMode(output_mode)
-        if partition_by is not None:
-            self.partitionBy(partition_by)
-        if query_name is not None:
-            self.queryName(query_name)
-        self.options(**options)
 
 
 def transform_with_state(

@@ -9,8 +9,8 @@ import pytest
 
 from statebackend.checkpoint.filesystem import open_filesystem
 from statebackend.errors import ConfigurationError
+from statebackend.spark.batch_times import BatchTimesReader
 from statebackend.spark.processor_handle import BatchTimes
-from statebackend.spark.streaming import BatchTimesReader
 
 # (batchTimestampMs, batchWatermarkMs) per batch, as Spark's offsets/N holds them
 TIMES = [(1_000, 0), (2_000, 500), (3_500, 1_700)]
