@@ -223,6 +223,10 @@ class TimerQueue:
         the garbage collector does not track: thousands of tuples waiting here would be
         promoted to its oldest generation and trigger full collections."""
         self._count = 0 if count is None else count
+        self._held: dict[tuple[CurrentKey, int], None] | None = None
+        """While ``fire(..., fire_new=False)`` runs: the due timers registered meanwhile,
+        in registration order, applied when it returns (``_held_until``: its bound)."""
+        self._held_until = 0
         read = None if count is None or cache_entries is None else cache_entries + 1
         for key_group in key_groups:
             composites = by_time.composite_keys_from(
@@ -270,6 +274,9 @@ class TimerQueue:
         (as Flink's RocksDB timer queue, registering reads nothing from the store)."""
         if type(timestamp) is not int:  # the exact type: one test on the hot path
             timestamp = check_timestamp(timestamp)  # passes int subclasses but bool
+        held = self._held is not None and timestamp <= self._held_until
+        if held and self._hold(current, timestamp, present):
+            return
         key_group, key, prefix = current
         try:
             time_prefix = _TIME_PREFIX.pack(key_group, 8, timestamp + _SIGN_BIT)
@@ -349,10 +356,29 @@ class TimerQueue:
         self._heads = [_head(g, cache[0]) for g, cache in self._cache.items() if cache]
         heapify(self._heads)
 
-    def timestamps(self, current: CurrentKey) -> Iterator[int]:
-        """The current key's timer timestamps, ascending."""
+    def _hold(self, current: CurrentKey, timestamp: int, present: bool) -> bool:
+        """A change of a due timer while ``fire(..., fire_new=False)`` runs: a new timer is
+        held for after it (True: nothing else to do); deleting one drops it from the held
+        ones, and the stored timer, if any, is deleted as usual (False)."""
+        held = self._held
+        assert held is not None
+        if not present:
+            held.pop((current, timestamp), None)
+            return False
+        if timestamp not in self._stored_timestamps(current):
+            held[(current, timestamp)] = None
+        return True
+
+    def _stored_timestamps(self, current: CurrentKey) -> set[int]:
         self.settle()
-        return iter(sorted(decode_timestamp(ts8) for ts8, _ in self._by_key.map_items(current)))
+        return {decode_timestamp(ts8) for ts8, _ in self._by_key.map_items(current)}
+
+    def timestamps(self, current: CurrentKey) -> Iterator[int]:
+        """The current key's timer timestamps, ascending (held ones included)."""
+        registered = self._stored_timestamps(current)
+        if self._held:
+            registered.update(ts for key, ts in self._held if key == current)
+        return iter(sorted(registered))
 
     def _first(self) -> _Head | None:
         """The earliest timer, dropping stale heads."""
@@ -370,9 +396,25 @@ class TimerQueue:
         head = self._first()
         return None if head is None else head[0]
 
-    def fire(self, until: int, on_timer: Callable[[CurrentKey, int], None]) -> int:
+    def fire(
+        self, until: int, on_timer: Callable[[CurrentKey, int], None], fire_new: bool = True
+    ) -> int:
         """Remove and pass to ``on_timer`` every timer at or before ``until``, in
-        (timestamp, key) order, including those ``on_timer`` registers; returns how many."""
+        (timestamp, key) order; returns how many. Timers that ``on_timer`` registers at or
+        before ``until`` fire too (Flink's timer service), or with ``fire_new=False`` are
+        held and registered when this returns, to fire in a later call (Spark's
+        transformWithState)."""
+        if fire_new:
+            return self._fire(until, on_timer)
+        self._held, self._held_until = {}, until
+        try:
+            return self._fire(until, on_timer)
+        finally:
+            held, self._held = self._held, None
+            for current, timestamp in held:
+                self.change(current, timestamp, True)
+
+    def _fire(self, until: int, on_timer: Callable[[CurrentKey, int], None]) -> int:
         fired = 0
         while (head := self._first()) is not None and head[0] <= until:
             timestamp, key, key_group, _ = heappop(self._heads)
@@ -462,23 +504,25 @@ class KeyedTimerService(TimerService):
     def current_processing_time(self) -> int:
         return self._clocks.processing_time
 
-    def _fire(self, queue: TimerQueue, until: int, on_timer: OnTimer) -> int:
+    def _fire(self, queue: TimerQueue, until: int, on_timer: OnTimer, fire_new: bool) -> int:
         set_current = self._set_current
 
         def fire_one(current: CurrentKey, timestamp: int) -> None:
             on_timer(set_current(current), timestamp)
 
-        return queue.fire(until, fire_one)
+        return queue.fire(until, fire_one, fire_new)
 
-    def advance_watermark(self, timestamp: int, on_timer: OnTimer) -> int:
+    def advance_watermark(self, timestamp: int, on_timer: OnTimer, fire_new: bool = True) -> int:
         until = max(self._clocks.watermark, check_timestamp(timestamp))
         self._clocks = self._clocks._replace(watermark=until)
-        return self._fire(self._event, until, on_timer)
+        return self._fire(self._event, until, on_timer, fire_new)
 
-    def advance_processing_time(self, timestamp: int, on_timer: OnTimer) -> int:
+    def advance_processing_time(
+        self, timestamp: int, on_timer: OnTimer, fire_new: bool = True
+    ) -> int:
         until = max(self._clocks.processing_time, check_timestamp(timestamp))
         self._clocks = self._clocks._replace(processing_time=until)
-        return self._fire(self._processing, until, on_timer)
+        return self._fire(self._processing, until, on_timer, fire_new)
 
     def snapshot_info(self) -> TimerSnapshotInfo:
         """The clocks, counts and earliest timestamps now."""

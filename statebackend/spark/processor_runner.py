@@ -12,7 +12,8 @@ rows (batch 0 only) and its input rows. The runner, as Spark's transformWithStat
    rows left after dropping late events (EventTime: event time <= the late-events
    watermark);
 3. fires due timers in ascending expiry order (``handleExpiredTimer``): expiry <= batch
-   timestamp (ProcessingTime) or <= the eviction watermark (EventTime);
+   timestamp (ProcessingTime) or <= the eviction watermark (EventTime); a timer that a
+   handler registers at an expiry already due fires in the next batch, as in Spark;
 4. TTL: expired values are never returned (their expiry is computed from the batch
    timestamp); removing them physically is left to compaction;
 5. calls ``close()``;
@@ -546,7 +547,9 @@ def _fire_timers(
         finally:
             handle.expiring = None
 
+    # As Spark: only the timers due when the timer phase begins fire in this batch; one
+    # that a handler registers at an expiry already due fires in the next batch.
     if spec.time_mode == "ProcessingTime":
-        timer_service.advance_processing_time(times.batch_timestamp_ms, on_timer)
+        timer_service.advance_processing_time(times.batch_timestamp_ms, on_timer, fire_new=False)
     else:
-        timer_service.advance_watermark(times.eviction_watermark_ms, on_timer)
+        timer_service.advance_watermark(times.eviction_watermark_ms, on_timer, fire_new=False)

@@ -64,11 +64,15 @@ class TimerService(Protocol):
     def current_processing_time(self) -> int:
         """The processing-time clock: ``MIN_TIMESTAMP`` until advanced."""
 
-    def advance_watermark(self, timestamp: int, on_timer: OnTimer) -> int:
+    def advance_watermark(self, timestamp: int, on_timer: OnTimer, fire_new: bool = True) -> int:
         """Move the watermark to ``timestamp`` (it never goes back) and fire every
         event-time timer at or before it, in ascending (timestamp, serialized key) order,
-        including timers registered by ``on_timer`` that are already due. Returns how many
-        fired."""
+        including timers registered by ``on_timer`` that are already due (as Flink does).
+        With ``fire_new=False`` those wait for the next advance instead, as Spark's
+        transformWithState fires only the timers due when its timer phase begins. Returns
+        how many fired."""
 
-    def advance_processing_time(self, timestamp: int, on_timer: OnTimer) -> int:
+    def advance_processing_time(
+        self, timestamp: int, on_timer: OnTimer, fire_new: bool = True
+    ) -> int:
         """As ``advance_watermark``, for the processing-time clock and timers."""

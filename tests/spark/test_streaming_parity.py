@@ -478,6 +478,26 @@ class PandasEventTimers(EventTimers):
     use_pandas = True
 
 
+REARM_MS = 1_000
+
+
+class RearmingEventTimers(EventTimers):
+    """``EventTimers`` whose first fired timer of each key registers another one
+    ``REARM_MS`` earlier, already due: Spark fires it in a later batch, not in this one."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        super().init(handle)
+        self.rearmed = handle.getValueState("rearmed", "done boolean")
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        if not self.rearmed.exists():
+            self.rearmed.update((True,))
+            self.handle.registerTimer(expiredTimerInfo.getExpiryTimeInMs() - REARM_MS)
+        return super().handleExpiredTimer(key, timerValues, expiredTimerInfo)
+
+
 EVENT_DELAY_MS = 5_000
 EVENT_BATCHES = [
     [{"user": "a", "second": 10}, {"user": "b", "second": 20}],
@@ -499,12 +519,14 @@ def _at_ms(ms: int) -> str:
 
 
 def expected_event_timers(
-    batches: list[list[dict[str, Any]]], batch_count: int
+    batches: list[list[dict[str, Any]]], batch_count: int, rearm: bool = False
 ) -> Counter[tuple[int, tuple[Any, ...]]]:
     """Plain Python, as Spark defines it: batch N's watermark is the largest event time
     of batches < N minus the delay (0 before any); rows at or below batch N-1's
-    watermark are dropped; timers at or below batch N's fire after its input. Batches
-    from ``len(batches)`` to ``batch_count - 1`` have no input."""
+    watermark are dropped; the timers at or below batch N's when its timer phase begins
+    fire after its input. Batches from ``len(batches)`` to ``batch_count - 1`` have no
+    input. ``rearm``: ``RearmingEventTimers``."""
+    rearmed: set[str] = set()
     timers: dict[str, set[int]] = {}
     latest: dict[str, int] = {}
     out: Counter[tuple[int, tuple[Any, ...]]] = Counter()
@@ -529,6 +551,9 @@ def expected_event_timers(
             out[(batch_id, row)] += 1
         for user, user_timers in timers.items():
             for expiry in sorted(t for t in user_timers if t <= watermark):
+                if rearm and user not in rearmed:
+                    rearmed.add(user)
+                    user_timers.add(expiry - REARM_MS)
                 out[(batch_id, (user, "timer", expiry, watermark, len(user_timers)))] += 1
                 user_timers.discard(expiry)
     return out
@@ -550,6 +575,24 @@ def test_event_time_timers_like_spark(
     batches = _event_rows(EVENT_BATCHES)
     theirs, ours = run_parity(spark_local, case, batches, tmp_path)
     expected = expected_event_timers(EVENT_BATCHES, len(EVENT_BATCHES))
+    assert theirs == expected
+    assert ours == expected
+
+
+def test_a_timer_registered_while_timers_fire_waits_for_the_next_batch_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        RearmingEventTimers,
+        EVENT_OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    batches = _event_rows(EVENT_BATCHES)
+    theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    expected = expected_event_timers(EVENT_BATCHES, len(EVENT_BATCHES), rearm=True)
     assert theirs == expected
     assert ours == expected
 

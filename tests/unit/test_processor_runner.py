@@ -315,6 +315,34 @@ def test_a_firing_timer_is_listed_until_its_handler_returns(backend: KeyedStateB
     assert list(timers.processing_time_timers()) == []
 
 
+class TimerRearm(TimerEcho):
+    """A fired timer registers another one second later, already due when the batch's
+    time is more than a second past it."""
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Row]:
+        expiry = expiredTimerInfo.getExpiryTimeInMs()
+        self.handle.registerTimer(expiry + 1000)
+        yield Row(user=key[0], total=expiry)
+
+
+def test_a_timer_registered_while_timers_fire_waits_for_the_next_batch(
+    backend: KeyedStateBackend,
+) -> None:
+    """As Spark's transformWithState: a batch fires the timers due when its timer phase
+    begins; a handler's new timer fires in a later batch even when it is already due."""
+    timers = backend.timer_service
+    spec = _spec(TimerRearm(), time_mode="ProcessingTime")
+    run = run_keyed_subtask(spec, backend, BatchTimes(1000), _batches([("a", 10)]), timers)
+    assert _rows(run) == []
+    for batch_time, expiry in ((9000, 1010), (9000, 2010), (9500, 3010)):
+        run = run_keyed_subtask(spec, backend, BatchTimes(batch_time), _batches([]), timers)
+        assert _rows(run) == [("a", expiry)]
+    backend.set_current_key(("a",))
+    assert list(timers.processing_time_timers()) == [4010]
+
+
 def test_late_events_are_dropped_in_event_time(backend: KeyedStateBackend) -> None:
     spec = _spec(RowTotals(), time_mode="EventTime", event_time_column="amount")
     rows = [("a", 5), ("a", 50), ("b", 10), ("b", 11)]

@@ -126,11 +126,15 @@ def listed(service: TimerService, domain: str) -> list[int]:
 
 
 def advance(
-    service: TimerService, domain: str, timestamp: int, on_timer: Callable[[Any, int], None]
+    service: TimerService,
+    domain: str,
+    timestamp: int,
+    on_timer: Callable[[Any, int], None],
+    fire_new: bool = True,
 ) -> int:
     if domain == "event":
-        return service.advance_watermark(timestamp, on_timer)
-    return service.advance_processing_time(timestamp, on_timer)
+        return service.advance_watermark(timestamp, on_timer, fire_new)
+    return service.advance_processing_time(timestamp, on_timer, fire_new)
 
 
 def recorder(fired: list[tuple[int, bytes]]) -> Callable[[Any, int], None]:
@@ -238,6 +242,42 @@ def test_timers_registered_while_firing(backends: Backends, variant: str) -> Non
         assert list(service.event_time_timers()) == [150]
 
 
+def test_timers_registered_while_firing_wait_for_the_next_advance(
+    backends: Backends, variant: str
+) -> None:
+    """``fire_new=False`` (Spark's transformWithState): only the timers due when firing
+    begins fire; due ones registered meanwhile are listed at once and fire next time."""
+    backend = backends.make(variant)
+    service = backend.timer_service
+    for key in KEYS[:10]:
+        backend.set_current_key(key)
+        service.register_event_time_timer(50)
+        service.register_event_time_timer(70)
+    fired: list[tuple[str, int]] = []
+
+    def on_timer(key: str, timestamp: int) -> None:
+        fired.append((key, timestamp))
+        if timestamp == 50:
+            service.register_event_time_timer(10)  # due already: waits
+            service.register_event_time_timer(50)  # the firing timer again: waits
+            service.register_event_time_timer(70)  # due and not fired yet: fires once
+            service.register_event_time_timer(60)
+            service.delete_event_time_timer(60)  # registered and deleted: never fires
+            assert list(service.event_time_timers()) == [10, 50, 70]
+
+    assert service.advance_watermark(100, on_timer, fire_new=False) == 20
+    assert sorted(fired) == sorted((key, t) for key in KEYS[:10] for t in (50, 70))
+    for key in KEYS[:10]:
+        backend.set_current_key(key)
+        assert list(service.event_time_timers()) == [10, 50]
+    fired.clear()
+    assert service.advance_watermark(100, on_timer, fire_new=False) == 20
+    assert sorted(fired) == sorted((key, t) for key in KEYS[:10] for t in (10, 50))
+    for key in KEYS[:10]:
+        backend.set_current_key(key)
+        assert list(service.event_time_timers()) == [10, 50, 70]  # 50 registered them again
+
+
 def test_bad_timestamps_and_no_current_key(backends: Backends, variant: str) -> None:
     backend = backends.make(variant)
     service = backend.timer_service
@@ -269,35 +309,59 @@ def test_one_service_per_backend(backends: Backends, variant: str) -> None:
 
 class Model:
     """Plain-Python timers: a set of (timestamp, serialized key) per domain, fired by
-    taking the minimum while it is due (a priority queue by definition)."""
+    taking the minimum while it is due (a priority queue by definition); with
+    ``fire_new=False`` only the timers due when firing begins fire, those still there when
+    their turn comes."""
 
     def __init__(self) -> None:
         self.timers: dict[str, set[tuple[int, bytes]]] = {d: set() for d in DOMAINS}
         self.clocks = {d: MIN_TIMESTAMP for d in DOMAINS}
 
-    def fire(self, domain: str, until: int, effect: Callable[[str, int], None]) -> list[Any]:
+    def fire(
+        self,
+        domain: str,
+        until: int,
+        effect: Callable[[str, int], None],
+        fire_new: bool = True,
+    ) -> list[Any]:
         self.clocks[domain] = max(self.clocks[domain], until)
         fired = []
         timers = self.timers[domain]
-        while timers and min(timers)[0] <= self.clocks[domain]:
-            timestamp, key = min(timers)
-            timers.remove((timestamp, key))
-            fired.append((key.decode(), timestamp))
-            effect(key.decode(), timestamp)
+
+        def fire_one(timer: tuple[int, bytes]) -> None:
+            timers.remove(timer)
+            fired.append((timer[1].decode(), timer[0]))
+            effect(timer[1].decode(), timer[0])
+
+        if fire_new:
+            while timers and min(timers)[0] <= self.clocks[domain]:
+                fire_one(min(timers))
+            return fired
+        for timer in sorted(t for t in timers if t[0] <= self.clocks[domain]):
+            if timer in timers:  # not deleted by an earlier timer's effect
+                fire_one(timer)
         return fired
 
 
 def firing_effect(
-    domain: str, register_timer: Callable[[str, str, int], None]
+    domain: str,
+    register_timer: Callable[[str, str, int], None],
+    delete_timer: Callable[[str, str, int], None],
 ) -> Callable[[str, int], None]:
     """What every fired timer does, in the backend and in the model alike: some register
-    another timer of the same key, due now or later."""
+    another timer of the same key, due now or later; some delete one, due or not, or
+    register one and delete it again."""
 
     def effect(key: str, timestamp: int) -> None:
         if timestamp % 5 == 0:
             register_timer(key, domain, timestamp - 3)
         if timestamp % 7 == 0:
             register_timer(key, domain, timestamp + 40)
+        if timestamp % 11 == 0:
+            delete_timer(key, domain, timestamp + 2)
+        if timestamp % 13 == 0:
+            register_timer(key, domain, timestamp - 1)
+            delete_timer(key, domain, timestamp - 1)
 
     return effect
 
@@ -319,14 +383,21 @@ def run_random(
     rng: random.Random,
     steps: int,
     rebatch: Callable[[KeyedStateBackend], None] = lambda backend: None,
+    fire_new: bool = True,
 ) -> None:
     service = backend.timer_service
 
     def register_in_backend(key: str, domain: str, timestamp: int) -> None:
         register(service, domain, timestamp)
 
+    def delete_in_backend(key: str, domain: str, timestamp: int) -> None:
+        delete(service, domain, timestamp)
+
     def register_in_model(key: str, domain: str, timestamp: int) -> None:
         model.timers[domain].add((timestamp, encoded(key)))
+
+    def delete_in_model(key: str, domain: str, timestamp: int) -> None:
+        model.timers[domain].discard((timestamp, encoded(key)))
 
     for step in range(steps):
         if step % BATCH_OPS == 0:
@@ -357,7 +428,7 @@ def run_random(
             if model.clocks[domain] == MIN_TIMESTAMP:
                 until = rng.randrange(-100, 200)
             fired: list[tuple[str, int]] = []
-            backend_effect = firing_effect(domain, register_in_backend)
+            backend_effect = firing_effect(domain, register_in_backend, delete_in_backend)
 
             def on_timer(
                 key: str, timestamp: int, effect: Any = backend_effect, fired: Any = fired
@@ -366,19 +437,23 @@ def run_random(
                 fired.append((key, timestamp))
                 effect(key, timestamp)
 
-            count = advance(service, domain, until, on_timer)
-            expected = model.fire(domain, until, firing_effect(domain, register_in_model))
+            count = advance(service, domain, until, on_timer, fire_new)
+            model_effect = firing_effect(domain, register_in_model, delete_in_model)
+            expected = model.fire(domain, until, model_effect, fire_new)
             assert fired == expected
             assert count == len(expected)
 
 
+@pytest.mark.parametrize("fire_new", [True, False])
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("variant", [*VARIANTS, BATCHED])
-def test_random_operations_match_the_model(backends: Backends, variant: str, seed: int) -> None:
+def test_random_operations_match_the_model(
+    backends: Backends, variant: str, seed: int, fire_new: bool
+) -> None:
     rng = random.Random(seed)
     backend = backends.make(variant)
     model = Model()
-    run_random(backend, model, rng, 1500, backends.rebatch)
+    run_random(backend, model, rng, 1500, backends.rebatch, fire_new)
     check_against_model(backend, model)
     # Snapshot, restore into every variant, and go on from there with the model.
     cut = backend.sync_cut()
@@ -396,7 +471,7 @@ def test_random_operations_match_the_model(backends: Backends, variant: str, see
         copy.timers = {d: set(t) for d, t in model.timers.items()}
         copy.clocks = dict(model.clocks)
         check_against_model(target, copy)
-        run_random(target, copy, random.Random(seed * 100), 500)
+        run_random(target, copy, random.Random(seed * 100), 500, fire_new=fire_new)
         check_against_model(target, copy)
 
 
