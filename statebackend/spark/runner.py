@@ -225,12 +225,14 @@ class StatefulJob:
     """A keyed stateful job over a partitioned log source, run as Spark micro-batches.
 
     ``key_by`` is a record field name or a function record -> key. ``restore`` is
-    ``"latest"`` (the job's newest completed checkpoint, if any), a checkpoint or
-    savepoint directory, or None (start empty). ``checkpoint_every`` defaults to the
-    conf's ``checkpoint.interval``: a checkpoint falls due that many batches after the
-    last one and is taken at the first batch, from then on, that finds no checkpoint
-    still uploading; ``conf`` defaults to the SparkConf's ``spark.statebackend.*``
-    settings.
+    ``"latest"`` (the job's newest batch manifest or completed checkpoint, whichever is
+    newer; nothing if there is neither), a checkpoint or savepoint directory, or None
+    (start empty). A run that restores a directory ends with a checkpoint of its own even
+    when it finds no input, so that the next ``"latest"`` resumes from that state.
+    ``checkpoint_every`` defaults to the conf's ``checkpoint.interval``: a checkpoint falls
+    due that many batches after the last one and is taken at the first batch, from then
+    on, that finds no checkpoint still uploading; ``conf`` defaults to the SparkConf's
+    ``spark.statebackend.*`` settings.
     """
 
     def __init__(
@@ -521,7 +523,11 @@ class StatefulJob:
                 ]
             self._next_batch = int(metadata.properties.get("next_batch", 0))
         self._manifest_batch = None
-        self._covered_batch: int | None = None if metadata is None else self._next_batch - 1
+        # Only the job's own newest checkpoint covers the restored state: a run that
+        # restores anything else (a savepoint, an older checkpoint) checkpoints it even
+        # without input, or "latest" would later resume from something else.
+        covered = metadata is not None and self.restore == "latest"
+        self._covered_batch: int | None = self._next_batch - 1 if covered else None
 
     def _committed_offsets(self, properties: Mapping[str, Any]) -> list[OperatorStateBackend]:
         """The source subtasks' states from the offsets a batch manifest committed (or a

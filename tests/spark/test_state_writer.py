@@ -124,6 +124,48 @@ def test_bootstrap_then_run_on_the_rest(
     assert compare_totals(expected, actual) == []
 
 
+def test_a_savepoint_restored_by_a_run_without_input_is_what_the_next_run_resumes(
+    spark_local: SparkSession, tmp_path: Path, checkpoint_url: Storage
+) -> None:
+    """A run that restores a savepoint and finds no input takes a checkpoint of it, so
+    that ``restore="latest"`` later resumes from the savepoint's state, not from nothing
+    (or from the job's older checkpoints)."""
+    generate_events(tmp_path / "first", 400, USERS, PARTITIONS, seed=1)
+    generate_events(tmp_path / "input", 0, USERS, PARTITIONS, seed=2)
+    first = list(read_events(tmp_path / "first"))
+    savepoint = bootstrap(
+        spark_local, expected_totals(first), f"{checkpoint_url.url}/savepoints/b", checkpoint_url, 2
+    )
+    conf = StateBackendConf(
+        checkpoint_dir=checkpoint_url.url,
+        storage_options=checkpoint_url.storage_options,
+        local_dir=str(tmp_path / "local"),
+    )
+
+    def run(restore: str) -> Any:
+        return user_totals_job(
+            spark_local,
+            job_id="restored-idle",
+            input_dir=tmp_path / "input",
+            parallelism=2,
+            conf=conf,
+            batch_size=200,
+            restore=restore,
+        ).run()
+
+    idle = run(savepoint)
+    assert (idle.restored_from, idle.records) == (savepoint, 0)
+    assert idle.last_checkpoint is not None
+    generate_events(tmp_path / "input", 300, USERS, PARTITIONS, seed=3)
+    resumed = run("latest")
+    assert resumed.restored_from == idle.last_checkpoint
+    expected = expected_totals(first + list(read_events(tmp_path / "input")))
+    last = resumed.last_checkpoint
+    assert last is not None
+    actual = checkpointed_totals(spark_local, last, checkpoint_url.storage_options)
+    assert compare_totals(expected, actual) == []
+
+
 def state_rows(spark: SparkSession, savepoint: str, name: str) -> dict[str, Any]:
     rows = read_state(spark, savepoint, OPERATOR_ID, name).collect()
     return {
