@@ -261,6 +261,12 @@ class OutputBuilder:
         self.schema = schema
         self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
+        self._struct_fillers = {
+            position: filler
+            for position, field in enumerate(self.arrow_schema)
+            if (filler := _struct_filler(field.type)) is not None
+        }
+        """The columns with a struct inside, and how to fill their structs as Spark does."""
         self._rows: list[tuple[Any, ...]] = []
         """Row-mode output not in a record batch yet (``Row``s are tuples of the values)."""
         self.ready: list[pa.RecordBatch] = []
@@ -336,11 +342,61 @@ class OutputBuilder:
         rows, self._rows = self._rows, []
         # Lists, not the tuples zip makes: pa.array converts a tuple ~50x slower.
         columns = [list(column) for column in zip(*rows, strict=True)] if rows else None
+        for position, fill in self._struct_fillers.items() if columns else ():
+            assert columns is not None
+            columns[position] = list(map(fill, columns[position]))
         arrays = [
             self._column(field, pa.array, columns[position] if columns else [])
             for position, field in enumerate(self.arrow_schema)
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+
+def _unchanged(value: Any) -> Any:
+    return value
+
+
+def _struct_filler(data_type: pa.DataType) -> Callable[[Any], Any] | None:
+    """A function making values of ``data_type`` Arrow fills structs in as Spark does: a
+    named ``Row`` by field name, a plain tuple by position (Arrow alone takes every tuple,
+    which a Row is, by position, and never mixes tuples with dicts); None when the type
+    holds no struct."""
+    if pa.types.is_struct(data_type):
+        fields = [data_type.field(i) for i in range(data_type.num_fields)]
+        names = [field.name for field in fields]
+        inner = [_struct_filler(field.type) or _unchanged for field in fields]
+
+        def struct(value: Any) -> Any:
+            if value is None:
+                return None
+            if isinstance(value, Row) and hasattr(value, "__fields__"):
+                value = value.asDict(recursive=False)
+            if isinstance(value, dict):
+                return {n: fill(value.get(n)) for n, fill in zip(names, inner, strict=True)}
+            if isinstance(value, (tuple, list)) and len(value) == len(names):
+                return {n: fill(v) for n, fill, v in zip(names, inner, value, strict=True)}
+            return value  # Arrow names what does not fit
+
+        return struct
+    if pa.types.is_list(data_type) or pa.types.is_large_list(data_type):
+        element = _struct_filler(data_type.value_type)
+        if element is None:
+            return None
+        return lambda value: value if value is None else [element(item) for item in value]
+    if pa.types.is_map(data_type):
+        key, item = _struct_filler(data_type.key_type), _struct_filler(data_type.item_type)
+        if key is None and item is None:
+            return None
+        fill_key, fill_item = key or _unchanged, item or _unchanged
+
+        def entries(value: Any) -> Any:
+            if value is None:
+                return None
+            pairs = value.items() if isinstance(value, dict) else value
+            return [(fill_key(k), fill_item(v)) for k, v in pairs]
+
+        return entries
+    return None
 
 
 def _row_class(names: list[str]) -> type[Row]:

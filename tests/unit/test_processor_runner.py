@@ -30,6 +30,7 @@ from pyspark.sql.types import (
     DoubleType,
     IntegerType,
     LongType,
+    MapType,
     StringType,
     StructField,
     StructType,
@@ -55,6 +56,7 @@ from statebackend.spark.processor_runner import (
     SUBTASK_COLUMN,
     YOUNG_COLLECTION_OBJECTS,
     KeyedFunctionProcessor,
+    OutputBuilder,
     ProcessorSpec,
     _read_ahead_of,
     _row_maker,
@@ -492,6 +494,35 @@ class ManyRows(StatefulProcessor):
         for row in rows:
             for i in range(row.amount):
                 yield Row(user=key[0], total=i) if i % 2 else (key[0], i)
+
+
+def test_nested_rows_in_the_output_fill_their_structs_by_field_name() -> None:
+    """As Spark: a Row inside an output row (in a struct, array or map column) gives its
+    fields by name, whatever their order in the Row; a plain tuple, by position."""
+    ab = StructType([StructField("a", LongType()), StructField("b", LongType())])
+    schema = StructType(
+        [
+            StructField("user", StringType()),
+            StructField("p", ab),
+            StructField("ps", ArrayType(ab)),
+            StructField("m", MapType(StringType(), ab)),
+        ]
+    )
+    rows = [
+        Row(user="u", p=Row(b=100, a=1), ps=[Row(b=1, a=2), (3, 4)], m={"k": Row(b=5, a=6)}),
+        Row(m=None, ps=None, p=(7, 8), user="v"),
+    ]
+    builder = OutputBuilder(schema)
+    builder.add_rows(rows)
+    assert builder.flush().to_pylist() == [
+        {
+            "user": "u",
+            "p": {"a": 1, "b": 100},
+            "ps": [{"a": 2, "b": 1}, {"a": 3, "b": 4}],
+            "m": [("k", {"a": 6, "b": 5})],
+        },
+        {"user": "v", "p": {"a": 7, "b": 8}, "ps": None, "m": None},
+    ]
 
 
 def test_output_of_many_rows_per_key_is_complete_and_in_order(
