@@ -250,7 +250,14 @@ class ProcessorListState(_StateVariable, SparkListState):
 
 
 class ProcessorMapState(_StateVariable, SparkMapState):
-    """Spark's MapState over our MapState: tuple user keys to tuple values, per key."""
+    """Spark's MapState over our MapState: tuple user keys to tuple values, per key;
+    ``getValue`` gives a ``Row`` of the value schema's fields, as Spark's does."""
+
+    def __init__(
+        self, handle: ProcessorHandle, name: str, state: Any, value_fields: list[str]
+    ) -> None:
+        super().__init__(handle, name, state)
+        self._value_row = Row(*value_fields)
 
     def exists(self) -> bool:
         """Whether the current key's map has entries."""
@@ -258,9 +265,11 @@ class ProcessorMapState(_StateVariable, SparkMapState):
         return not state.is_empty()
 
     def getValue(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """The tuple under user key ``key``, or None."""
+        """The value under user key ``key`` as a ``Row`` (a tuple with field names), or
+        None."""
         state: MapState = self._use("get_value")
-        return state.get(key)
+        value = state.get(key)
+        return None if value is None else self._value_row(*value)
 
     def containsKey(self, key: tuple[Any, ...]) -> bool:
         """Whether user key ``key`` has a value."""
@@ -412,13 +421,16 @@ class ProcessorHandle(StatefulProcessorHandle):
     ) -> ProcessorMapState:
         """Declare (in ``init``) a map state from ``userKeySchema`` to ``valueSchema`` tuples."""
         self._check_declaration("get_map_state", stateName)
+        value_serializer = self._schema(valueSchema)
         descriptor = MapStateDescriptor(
             stateName,
             self._schema(userKeySchema),
-            self._schema(valueSchema),
+            value_serializer,
             ttl=self._ttl(stateName, ttlDurationMs),
         )
-        return ProcessorMapState(self, stateName, self._register(descriptor))
+        return ProcessorMapState(
+            self, stateName, self._register(descriptor), value_serializer.field_names
+        )
 
     def deleteIfExists(self, stateName: str) -> None:
         """Remove state ``stateName`` for every key (in ``init``), if it exists."""

@@ -101,8 +101,8 @@ class AllStates(StatefulProcessor):
         self.count_total.update((count, total))
         self.amounts.appendList([(int(r["amount"]),) for r in records])
         for r in records:
-            current = self.items.getValue((r["item"],))
-            self.items.updateValue((r["item"],), ((current[0] if current else 0) + 1,))
+            current = self.items.getValue((r["item"],))  # a Row, read by field name
+            self.items.updateValue((r["item"],), ((current.n if current else 0) + 1,))
         listed = sum(v for (v,) in self.amounts.get())
         return count, total, listed, len(list(self.items.keys()))
 
