@@ -227,6 +227,13 @@ class TimerQueue:
         """While ``fire(..., fire_new=False)`` runs: the due timers registered meanwhile,
         in registration order, applied when it returns (``_held_until``: its bound)."""
         self._held_until = 0
+        self._doomed: set[tuple[CurrentKey, int]] = set()
+        """While ``fire(..., fire_new=False)`` runs: the due timers deleted meanwhile. They
+        are no longer listed, but still fire in their turn."""
+        self._firing: tuple[CurrentKey, int] | None = None
+        self._firing_listed = False
+        """While ``fire(..., fire_new=False)`` runs ``on_timer``: its timer, and whether it
+        is listed (as in Spark, until its handler returns, unless deleted)."""
         read = None if count is None or cache_entries is None else cache_entries + 1
         for key_group in key_groups:
             composites = by_time.composite_keys_from(
@@ -274,8 +281,8 @@ class TimerQueue:
         (as Flink's RocksDB timer queue, registering reads nothing from the store)."""
         if type(timestamp) is not int:  # the exact type: one test on the hot path
             timestamp = check_timestamp(timestamp)  # passes int subclasses but bool
-        held = self._held is not None and timestamp <= self._held_until
-        if held and self._hold(current, timestamp, present):
+        if self._held is not None and timestamp <= self._held_until:
+            self._hold(current, timestamp, present)
             return
         key_group, key, prefix = current
         try:
@@ -356,18 +363,25 @@ class TimerQueue:
         self._heads = [_head(g, cache[0]) for g, cache in self._cache.items() if cache]
         heapify(self._heads)
 
-    def _hold(self, current: CurrentKey, timestamp: int, present: bool) -> bool:
-        """A change of a due timer while ``fire(..., fire_new=False)`` runs: a new timer is
-        held for after it (True: nothing else to do); deleting one drops it from the held
-        ones, and the stored timer, if any, is deleted as usual (False)."""
-        held = self._held
+    def _hold(self, current: CurrentKey, timestamp: int, present: bool) -> None:
+        """A change of a due timer while ``fire(..., fire_new=False)`` runs, as Spark's
+        transformWithState treats it: the timers due when firing began all fire, and only
+        they; a timer fires with its handler seeing it registered, and is deleted when the
+        handler returns. So a new one is held for after the call; a deleted one still
+        fires, unlisted, unless it was one held; the firing one is listed or not."""
+        held, timer = self._held, (current, timestamp)
         assert held is not None
-        if not present:
-            held.pop((current, timestamp), None)
-            return False
-        if timestamp not in self._stored_timestamps(current):
-            held[(current, timestamp)] = None
-        return True
+        if timer == self._firing:
+            self._firing_listed = present
+        elif present:
+            if timer in self._doomed:
+                self._doomed.discard(timer)
+            elif timestamp not in self._stored_timestamps(current):
+                held[timer] = None
+        elif timer in held:
+            del held[timer]
+        elif timestamp in self._stored_timestamps(current):
+            self._doomed.add(timer)
 
     def _stored_timestamps(self, current: CurrentKey) -> set[int]:
         self.settle()
@@ -378,6 +392,10 @@ class TimerQueue:
         registered = self._stored_timestamps(current)
         if self._held:
             registered.update(ts for key, ts in self._held if key == current)
+        if self._doomed:
+            registered.difference_update(ts for key, ts in self._doomed if key == current)
+        if self._firing_listed and self._firing is not None and self._firing[0] == current:
+            registered.add(self._firing[1])
         return iter(sorted(registered))
 
     def _first(self) -> _Head | None:
@@ -402,15 +420,27 @@ class TimerQueue:
         """Remove and pass to ``on_timer`` every timer at or before ``until``, in
         (timestamp, key) order; returns how many. Timers that ``on_timer`` registers at or
         before ``until`` fire too (Flink's timer service), or with ``fire_new=False`` are
-        held and registered when this returns, to fire in a later call (Spark's
-        transformWithState)."""
+        held and registered when this returns, to fire in a later call, while the due
+        timers it deletes still fire (Spark's transformWithState: the timers due when
+        firing begins fire, and only they)."""
         if fire_new:
             return self._fire(until, on_timer)
         self._held, self._held_until = {}, until
+
+        def as_in_spark(current: CurrentKey, timestamp: int) -> None:
+            timer = (current, timestamp)
+            self._firing, self._firing_listed = timer, timer not in self._doomed
+            self._doomed.discard(timer)
+            try:
+                on_timer(current, timestamp)
+            finally:
+                self._firing = None
+
         try:
-            return self._fire(until, on_timer)
+            return self._fire(until, as_in_spark)
         finally:
             held, self._held = self._held, None
+            self._doomed.clear()  # all fired
             for current, timestamp in held:
                 self.change(current, timestamp, True)
 

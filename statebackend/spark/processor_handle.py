@@ -332,9 +332,6 @@ class ProcessorHandle(StatefulProcessorHandle):
         """Whether states may be used now (kept by ``phase``'s setter, so that a state
         call checks one flag instead of the phase)."""
         self.phase = Phase.PRE_INIT if backend is None else Phase.CREATED
-        self.expiring: int | None = None
-        """The timer whose ``handleExpiredTimer`` runs: as in Spark, it stays registered
-        (listed; registering it again does nothing) until the handler returns."""
 
     @property
     def phase(self) -> Phase:
@@ -472,8 +469,6 @@ class ProcessorHandle(StatefulProcessorHandle):
     def registerTimer(self, expiryTimestampMs: int) -> None:
         """Register a timer of the current key at ``expiryTimestampMs``."""
         timers = self._timer_service("register_timer")
-        if int(expiryTimestampMs) == self.expiring:
-            return
         if self.time_mode == "ProcessingTime":
             timers.register_processing_time_timer(int(expiryTimestampMs))
         else:
@@ -482,8 +477,6 @@ class ProcessorHandle(StatefulProcessorHandle):
     def deleteTimer(self, expiryTimestampMs: int) -> None:
         """Delete the current key's timer at ``expiryTimestampMs`` (if any)."""
         timers = self._timer_service("delete_timer")
-        if int(expiryTimestampMs) == self.expiring:
-            self.expiring = None
         if self.time_mode == "ProcessingTime":
             timers.delete_processing_time_timer(int(expiryTimestampMs))
         else:
@@ -493,12 +486,8 @@ class ProcessorHandle(StatefulProcessorHandle):
         """The current key's timer timestamps, ascending."""
         timers = self._timer_service("list_timers")
         if self.time_mode == "ProcessingTime":
-            registered = set(timers.processing_time_timers())
-        else:
-            registered = set(timers.event_time_timers())
-        if self.expiring is not None:
-            registered.add(self.expiring)
-        return iter(sorted(registered))
+            return timers.processing_time_timers()
+        return timers.event_time_timers()
 
 
 def _descriptor_of_stored(name: str, kind: StateKind, serializers: dict[str, Any]) -> Any:

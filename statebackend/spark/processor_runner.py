@@ -585,8 +585,9 @@ def _fire_timers(
     emit: Callable[[Iterable[Any]], None],
 ) -> None:
     """Due timers in ascending expiry order, through ``handleExpiredTimer`` (their output
-    to ``emit``); the handler sees its own timer as registered
-    (``ProcessorHandle.expiring``), as in Spark."""
+    to ``emit``), as Spark fires them: those due when the timer phase begins, and only
+    they; a handler sees its own timer as registered until it returns
+    (``TimerService.advance_*(fire_new=False)``)."""
     if spec.time_mode == "None" or timer_service is None:
         return
     timer_values = times.timer_values(spec.time_mode)
@@ -594,17 +595,11 @@ def _fire_timers(
     def on_timer(key: Any, timestamp_ms: int) -> None:
         assert handle.backend is not None
         handle.backend.set_current_key(key)
-        handle.expiring = timestamp_ms
-        try:
-            result = spec.processor.handleExpiredTimer(
-                key, timer_values, ExpiredTimerInfo(timestamp_ms)
-            )
-            emit(result or ())
-        finally:
-            handle.expiring = None
+        result = spec.processor.handleExpiredTimer(
+            key, timer_values, ExpiredTimerInfo(timestamp_ms)
+        )
+        emit(result or ())
 
-    # As Spark: only the timers due when the timer phase begins fire in this batch; one
-    # that a handler registers at an expiry already due fires in the next batch.
     if spec.time_mode == "ProcessingTime":
         timer_service.advance_processing_time(times.batch_timestamp_ms, on_timer, fire_new=False)
     else:

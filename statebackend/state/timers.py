@@ -68,9 +68,10 @@ class TimerService(Protocol):
         """Move the watermark to ``timestamp`` (it never goes back) and fire every
         event-time timer at or before it, in ascending (timestamp, serialized key) order,
         including timers registered by ``on_timer`` that are already due (as Flink does).
-        With ``fire_new=False`` those wait for the next advance instead, as Spark's
-        transformWithState fires only the timers due when its timer phase begins. Returns
-        how many fired."""
+        With ``fire_new=False`` those wait for the next advance instead, and a due timer
+        that ``on_timer`` deletes still fires (unlisted from then on), as Spark's
+        transformWithState fires the timers due when its timer phase begins, and only
+        them. Returns how many fired."""
 
     def advance_processing_time(
         self, timestamp: int, on_timer: OnTimer, fire_new: bool = True
