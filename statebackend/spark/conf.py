@@ -214,6 +214,12 @@ class StateBackendConf:
         """Settings from a ``pyspark.SparkConf`` (or anything with ``getAll()``)."""
         return cls.from_pairs(spark_conf.getAll(), **overrides)
 
+    @classmethod
+    def from_session(cls, spark: Any, **overrides: Any) -> StateBackendConf:
+        """Settings of a running ``SparkSession``: its SparkConf with what
+        ``spark.conf.set`` changed since."""
+        return cls.from_pairs(spark.conf.getAll.items(), **overrides)
+
     def with_overrides(self, **overrides: Any) -> StateBackendConf:
         """A copy with some fields replaced; storage options are merged, not replaced."""
         names = {f.name for f in dataclasses.fields(self)}

@@ -40,6 +40,7 @@ from statebackend.errors import CheckpointNotFoundError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.serializers import OpaqueValue, Serializer, reading_serializer
 from statebackend.snapshot.handles import HandleFiles, KeyedHandle
+from statebackend.spark.conf import StateBackendConf
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlValue
 from statebackend.tools.location import ManifestRef, open_state
@@ -159,13 +160,19 @@ def read_state(
     completed checkpoint or savepoint ``checkpoint`` (its directory or ``_metadata``), or
     at the batch of a manifest (``<job dir>/manifests/<B>`` or ``<job dir>/latest``).
 
+    ``storage_options`` default to the session's ``spark.statebackend.storage.*``.
     Pickled keys and values are unpickled only with ``allow_pickle``. With
-    ``signing_key`` (``StateBackendConf.checkpoint_signing_key()``) the checkpoint must
-    be signed with it and its files unchanged (manifests are not signed: refused with
-    a key). Raises CheckpointNotFoundError if it is not a completed checkpoint or
-    committed manifest or has no such operator, StateAccessError if the operator has no
-    such state, CheckpointCorruptedError if it is invalid or not signed.
+    ``signing_key`` (``StateBackendConf.checkpoint_signing_key()``) the checkpoint or
+    manifest must be signed with it and its files unchanged. Raises
+    CheckpointNotFoundError if it is not a completed checkpoint or committed manifest or
+    has no such operator, StateAccessError if the operator has no such state,
+    CheckpointCorruptedError if its ``_metadata`` or manifest is invalid or not signed.
+    The files holding the rows are read by the DataFrame's tasks: a damaged one fails
+    the action that reads it (e.g. ``count()``), with Spark's PythonException around our
+    CheckpointCorruptedError.
     """
+    if storage_options is None:
+        storage_options = StateBackendConf.from_session(spark).storage_options
     ref = open_state(checkpoint, storage_options, signing_key)
     if isinstance(ref, ManifestRef):
         return _read_manifest_state(spark, ref, operator_id, state_name, allow_pickle)

@@ -45,6 +45,7 @@ from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import PickleSerializer, Serializer, StrSerializer
+from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.job_groups import job_group
 from statebackend.spark.runner import task_error
 from statebackend.spark.state_reader import column_type
@@ -102,6 +103,7 @@ class StateWriter:
 
     Create it with ``new`` (bootstrap) or ``from_savepoint`` (transform); the methods
     record changes and return the writer, ``write`` writes the savepoint.
+    ``storage_options`` default to the session's ``spark.statebackend.storage.*``.
     """
 
     def __init__(
@@ -114,6 +116,8 @@ class StateWriter:
     ) -> None:
         self.spark = spark
         self.source = None if source is None else checkpoint_directory(source)
+        if storage_options is None:
+            storage_options = StateBackendConf.from_session(spark).storage_options
         self.storage_options = storage_options
         self.metadata: CheckpointMetadata | None = None
         if self.source is not None:

@@ -166,6 +166,35 @@ def test_a_savepoint_restored_by_a_run_without_input_is_what_the_next_run_resume
     assert compare_totals(expected, actual) == []
 
 
+@pytest.mark.s3
+def test_writer_and_reader_take_the_storage_options_of_the_session(
+    spark_local: SparkSession, s3_storage: Storage
+) -> None:
+    """Without ``storage_options``, ``StateWriter`` and ``read_state`` reach the storage
+    through the session's ``spark.statebackend.storage.*``, as the jobs do."""
+    keys = [f"spark.statebackend.storage.{k}" for k in s3_storage.storage_options]
+    for key, value in zip(keys, s3_storage.storage_options.values(), strict=True):
+        spark_local.conf.set(key, str(value))
+    try:
+        totals = {"u1": {"count": 2, "total": 5, "categories": {"a": 2}, "recent": [2, 3]}}
+        frame = totals_frames(spark_local, totals)["count"]
+        savepoint = (
+            StateWriter.new(spark_local, max_parallelism=64)
+            .with_keyed_state(OPERATOR_ID, COUNT, frame)
+            .write(f"{s3_storage.url}/savepoints/session", parallelism=2)
+        )
+        transformed = (
+            StateWriter.from_savepoint(spark_local, savepoint)
+            .with_keyed_state(OPERATOR_ID, TOTAL, totals_frames(spark_local, totals)["total"])
+            .write(f"{s3_storage.url}/savepoints/session-2")
+        )
+        assert state_rows(spark_local, transformed, "count") == {"u1": 2}
+        assert state_rows(spark_local, transformed, "total") == {"u1": 5}
+    finally:
+        for key in keys:
+            spark_local.conf.unset(key)
+
+
 def state_rows(spark: SparkSession, savepoint: str, name: str) -> dict[str, Any]:
     rows = read_state(spark, savepoint, OPERATOR_ID, name).collect()
     return {
