@@ -443,24 +443,9 @@ class KeyedStateBackend(ABC):
     def _take_over(
         self, restored: StateMetaInfo, descriptor: StateDescriptor, store: StateStore
     ) -> None:
-        if restored.kind is not descriptor.kind:
-            raise IncompatibleStateError(
-                f"state {descriptor.name!r} was stored as {restored.kind.value} state and "
-                f"cannot be read as {descriptor.kind.value} state"
-            )
-        if isinstance(descriptor, MapStateDescriptor):
-            stored_key = restored.serializers.get("user_key", {})
-            if descriptor.key_serializer.compatibility_with(stored_key) is not (
-                Compatibility.COMPATIBLE_AS_IS
-            ):
-                raise IncompatibleStateError(
-                    f"map state {descriptor.name!r} was stored with user-key serializer "
-                    f"{stored_key}: map keys cannot be migrated, restore with that serializer"
-                )
-        new_value = stored_value_serializer(descriptor)
-        old_value = resolve_serializer(descriptor.name, new_value, restored.serializers["value"])
+        old_value = stored_reader(restored, descriptor)
         if old_value is not None:
-            migrate_values(store, descriptor.kind, old_value, new_value)
+            migrate_values(store, descriptor.kind, old_value, stored_value_serializer(descriptor))
 
     def state_meta(self) -> list[StateMetaInfo]:
         """Meta info of every state this backend holds (registered, restored, timer
@@ -814,6 +799,29 @@ class KeyedStateBackend(ABC):
     @abstractmethod
     def _end_batch(self) -> None:
         """Write the batch's buffered writes and stop buffering."""
+
+
+def stored_reader(restored: StateMetaInfo, descriptor: StateDescriptor) -> Serializer[Any] | None:
+    """Check that ``descriptor`` can take over the stored state ``restored``: None when its
+    values are readable as they are, the serializer to migrate them from otherwise;
+    IncompatibleStateError naming the state if it is of another kind, a map state's user
+    keys would need migrating, or its values cannot be read."""
+    if restored.kind is not descriptor.kind:
+        raise IncompatibleStateError(
+            f"state {descriptor.name!r} was stored as {restored.kind.value} state and "
+            f"cannot be read as {descriptor.kind.value} state"
+        )
+    if isinstance(descriptor, MapStateDescriptor):
+        stored_key = restored.serializers.get("user_key", {})
+        if descriptor.key_serializer.compatibility_with(stored_key) is not (
+            Compatibility.COMPATIBLE_AS_IS
+        ):
+            raise IncompatibleStateError(
+                f"map state {descriptor.name!r} was stored with user-key serializer "
+                f"{stored_key}: map keys cannot be migrated, restore with that serializer"
+            )
+    new_value = stored_value_serializer(descriptor)
+    return resolve_serializer(descriptor.name, new_value, restored.serializers["value"])
 
 
 def migrate_values(

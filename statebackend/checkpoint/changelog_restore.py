@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend, StateMetaInfo
 from statebackend.backends.operator import OperatorStateBackend, OperatorStateCut
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.manifest import BatchManifest
@@ -108,6 +108,25 @@ def _base_metadata(
         raise CheckpointCorruptedError(
             f"the base checkpoint {directory} of manifest {manifest.batch_id} is gone: {exc}"
         ) from exc
+
+
+def stored_keyed_states(
+    changelog: ChangelogStorage, manifest: BatchManifest, operator_id: str
+) -> dict[str, StateMetaInfo]:
+    """The keyed states of ``operator_id`` at the end of ``manifest``'s batch, by name, as
+    the newest of its records that name them (else its base checkpoint) recorded them;
+    CheckpointCorruptedError if the base checkpoint is gone."""
+    found: dict[str, StateMetaInfo] = {}
+    for records in reversed(manifest.operators.get(operator_id, ())):
+        for handle in records.subtasks:
+            for meta in handle.states:
+                found.setdefault(meta.name, meta)
+    base = _base_metadata(changelog, manifest)
+    operator = None if base is None else base[1].operators.get(operator_id)
+    for keyed in () if operator is None else operator.keyed_handles():
+        for meta in keyed.states:
+            found.setdefault(meta.name, meta)
+    return found
 
 
 def rebuild_operator_state(

@@ -328,6 +328,10 @@ class ProcessorHandle(StatefulProcessorHandle):
         self.backend = backend
         self.timers = timers
         self._parse_ddl = parse_ddl
+        self.declared: dict[str, StateDescriptor] = {}
+        """PRE_INIT: the states ``init`` declared and did not delete (``deleteIfExists``)
+        first, by name: what a restart checks against the stored states."""
+        self._deleted: set[str] = set()
         self.serving = False
         """Whether states may be used now (kept by ``phase``'s setter, so that a state
         call checks one flag instead of the phase)."""
@@ -357,7 +361,8 @@ class ProcessorHandle(StatefulProcessorHandle):
             raise StatefulProcessorError(
                 "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE",
                 f"Failed to perform stateful processor operation={operation} with invalid "
-                f"handle state={self.phase.name}: declare state {name!r} in init()",
+                f"handle state={self.phase.name}: state {name!r} can only be declared or "
+                f"deleted in init()",
             )
 
     def _ttl(self, name: str, ttl_duration_ms: int | None) -> StateTtlConfig | None:
@@ -379,6 +384,8 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     def _register(self, descriptor: StateDescriptor) -> Any:
         if self.backend is None:
+            if descriptor.name not in self._deleted:
+                self.declared[descriptor.name] = descriptor
             return None
         state = self.backend.get_state(descriptor)
         registered = getattr(state, "descriptor", descriptor)
@@ -434,6 +441,8 @@ class ProcessorHandle(StatefulProcessorHandle):
         self._check_declaration("delete_if_exists", stateName)
         backend = self.backend
         if backend is None:
+            self._deleted.add(stateName)
+            self.declared.pop(stateName, None)
             return
         meta = next((m for m in backend.state_meta() if m.name == stateName), None)
         if meta is None:

@@ -44,11 +44,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 from pyspark.sql import DataFrame, GroupedData, Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
 
+from statebackend.backends.keyed import stored_reader
+from statebackend.checkpoint.changelog_restore import stored_keyed_states
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
@@ -86,6 +89,7 @@ from statebackend.spark.streaming_commit import (
 )
 from statebackend.spark.streaming_writer import OUTPUT_MODES, StatefulStreamWriter
 from statebackend.spark.tasks import StorageSpec
+from statebackend.state.descriptors import StateDescriptor
 
 _log = logging.getLogger(__name__)
 
@@ -204,6 +208,7 @@ class StatefulStream:
         parallelism: int,
         max_parallelism: int,
         conf: StateBackendConf,
+        declared_states: Sequence[StateDescriptor] = (),
     ) -> None:
         self.df = df
         self.spec = spec
@@ -244,6 +249,10 @@ class StatefulStream:
         if newest is not None:
             committed = self.committer.changelog.load_manifest(newest)
             check_same_query(committed, self.query, job_id)
+            stored = stored_keyed_states(self.committer.changelog, committed, OPERATOR_ID)
+            for descriptor in declared_states:
+                if descriptor.name in stored:
+                    stored_reader(stored[descriptor.name], descriptor)
             if conf.max_parallelism is None:
                 # Key groups are fixed for the job's life: a restart at another parallelism
                 # keeps them.
@@ -477,7 +486,7 @@ def transform_with_state(
         raise ConfigurationError(f"job_id {job_id!r} is invalid: give a name without '/'")
     initial = _initial_state_frame(initial_state, keys)
     # The session's conf holds the SparkConf's settings and those set at run time.
-    conf = StateBackendConf.from_pairs(spark.conf.getAll.items())
+    conf = StateBackendConf.from_session(spark)
     conf.require_checkpoint_dir()
     if parallelism is None:
         parallelism = conf.parallelism or int(
@@ -514,4 +523,5 @@ def transform_with_state(
         parallelism=parallelism,
         max_parallelism=max_parallelism,
         conf=conf,
+        declared_states=list(driver_handle.declared.values()),
     )

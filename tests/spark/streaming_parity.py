@@ -41,11 +41,11 @@ BatchRows = Counter[tuple[int, tuple[Any, ...]]]
 """A query's output: how often each (batch id, row as a tuple) occurred."""
 
 
-def write_batches(directory: Path, batches: list[list[dict[str, Any]]]) -> None:
-    """One JSON-lines file per batch, with increasing modification times (the file
-    source takes files in that order)."""
+def write_batches(directory: Path, batches: list[list[dict[str, Any]]], first: int = 0) -> None:
+    """One JSON-lines file per batch, numbered from ``first``, with increasing
+    modification times (the file source takes files in that order)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for number, rows in enumerate(batches):
+    for number, rows in enumerate(batches, start=first):
         path = directory / f"batch-{number:04d}.json"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         stamp = 1_700_000_000 + number

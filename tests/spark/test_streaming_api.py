@@ -21,7 +21,7 @@ from pyspark.sql.streaming.stateful_processor import (
     TimerValues,
 )
 
-from statebackend.errors import ConfigurationError
+from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.spark.arrow_path import KeyedBatches
 from statebackend.spark.processor_runner import SUBTASK_COLUMN
 from statebackend.spark.query_stop import stop_interruption
@@ -240,6 +240,62 @@ def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
     run("fixed")
     written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
     assert written == expected_totals(batches)
+
+
+class TotalsAs(Totals):
+    """``Totals`` with its state declared another way: ``kind`` "value" or "list" with
+    ``schema``, after ``deleteIfExists("total")`` if ``delete_first``."""
+
+    def __init__(self, kind: str, schema: str, delete_first: bool = False) -> None:
+        self.kind, self.schema, self.delete_first = kind, schema, delete_first
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        if self.delete_first:
+            handle.deleteIfExists("total")
+        declare = handle.getValueState if self.kind == "value" else handle.getListState
+        self.total = declare("total", self.schema)
+
+
+def test_a_restart_with_a_changed_state_schema_is_refused_before_any_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A state declared with another schema or kind than its stored state: one error
+    naming the state and both schemas, raised by ``transform_with_state``; the state is
+    intact, and the unchanged processor continues."""
+    batches = [[{"user": "a", "amount": 1}], [{"user": "a", "amount": 2}]]
+    write_batches(tmp_path / "input", batches)
+    source = (
+        spark.readStream.schema("user string, amount long")
+        .option("maxFilesPerTrigger", 1)
+        .json(str(tmp_path / "input"))
+    )
+    out = tmp_path / "out"
+
+    def run(processor: StatefulProcessor) -> None:
+        query = (
+            transform_with_state(source, "user", processor, OUTPUT, "schemas")
+            .writeStream.format("parquet")
+            .options(path=str(out), checkpointLocation=str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run(Totals())
+    write_batches(tmp_path / "input", [[{"user": "a", "amount": 4}]], first=len(batches))
+    for processor, message in (
+        (
+            TotalsAs("value", "total string"),
+            r"'total' was written as RowTupleSerializer\(total long\), which .*\(total string\)",
+        ),
+        (TotalsAs("value", "total long, n long"), r"state 'total' was written as"),
+        (TotalsAs("list", "total long"), r"stored as value state and cannot be read as list"),
+    ):
+        with pytest.raises(IncompatibleStateError, match=message):
+            transform_with_state(source, "user", processor, OUTPUT, "schemas")
+    run(Totals())
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == [("a", 1), ("a", 3), ("a", 7)]
 
 
 def test_non_replayable_source_is_one_clear_error(spark: SparkSession) -> None:
