@@ -31,13 +31,19 @@ def check_max_parallelism(max_parallelism: int) -> None:
         )
 
 
-def check_parallelism(parallelism: int, max_parallelism: int) -> None:
-    """Raise ConfigurationError unless 1 <= parallelism <= max_parallelism (valid M)."""
-    check_max_parallelism(max_parallelism)
-    if not isinstance(parallelism, int) or parallelism < 1:
+def require_parallelism(parallelism: int) -> int:
+    """``parallelism``, or ConfigurationError unless it is an integer >= 1."""
+    if not isinstance(parallelism, int) or isinstance(parallelism, bool) or parallelism < 1:
         raise ConfigurationError(
             f"parallelism {parallelism!r} is invalid: it must be an integer >= 1"
         )
+    return parallelism
+
+
+def check_parallelism(parallelism: int, max_parallelism: int) -> None:
+    """Raise ConfigurationError unless 1 <= parallelism <= max_parallelism (valid M)."""
+    check_max_parallelism(max_parallelism)
+    require_parallelism(parallelism)
     if parallelism > max_parallelism:
         raise ConfigurationError(
             f"parallelism {parallelism} exceeds max parallelism {max_parallelism}: "
@@ -78,8 +84,7 @@ def compute_operator_index_for_key_group(
 
 def compute_default_max_parallelism(parallelism: int) -> int:
     """Flink's default: next power of two of 1.5 * P, clamped to [128, 32768]."""
-    if parallelism < 1:
-        raise ConfigurationError(f"parallelism {parallelism!r} is invalid: it must be >= 1")
+    require_parallelism(parallelism)
     wanted = parallelism + parallelism // 2
     power = 1 << (wanted - 1).bit_length() if wanted > 1 else 1
     return min(max(power, DEFAULT_LOWER_BOUND_MAX_PARALLELISM), UPPER_BOUND_MAX_PARALLELISM)

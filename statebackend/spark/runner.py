@@ -98,7 +98,11 @@ from statebackend.errors import (
     JobFailedError,
     StateBackendError,
 )
-from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
+from statebackend.keygroups import (
+    check_parallelism,
+    compute_default_max_parallelism,
+    require_parallelism,
+)
 from statebackend.serializers import Serializer, StrSerializer
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.api import KeyedFunction
@@ -259,12 +263,14 @@ class StatefulJob:
         self.source = source
         self.key_by = key_by
         self.function = function
-        self.parallelism = parallelism
+        self.parallelism = require_parallelism(parallelism)
         if batch_size < 1:
             raise ConfigurationError(f"batch size {batch_size!r} is invalid: give >= 1")
         self.batch_size = batch_size
         self.conf = conf or StateBackendConf.from_spark_conf(spark.sparkContext.getConf())
-        self.checkpoint_every = checkpoint_every or self.conf.checkpoint_interval
+        self.checkpoint_every = (
+            self.conf.checkpoint_interval if checkpoint_every is None else checkpoint_every
+        )
         if self.checkpoint_every < 1:
             raise ConfigurationError(f"checkpoint_every {checkpoint_every!r}: give >= 1")
         self.restore = restore
@@ -279,13 +285,13 @@ class StatefulJob:
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def _initial_lineage(self, storage: CheckpointStorage) -> list[str]:
+    def _initial_lineage(self, storage: CheckpointStorage, completed: list[str]) -> list[str]:
         """The checkpoints the run may restore from, oldest first; the last is the one
-        asked for: with ``latest`` the job's completed checkpoints, else the given one."""
+        asked for: with ``latest`` the job's ``completed`` checkpoints, else the given one."""
         if self.restore is None or self.restore == "none":
             return []
         if self.restore == "latest":
-            return [storage.layout.checkpoint_path(n) for n in storage.completed_checkpoint_ids()]
+            return completed
         return [storage.resolve(self.restore)]
 
     def _restart_from(self, directory: str | None) -> CheckpointMetadata | None:
@@ -308,23 +314,29 @@ class StatefulJob:
         self._changelog.restart(None)
         return None
 
-    def _newest_manifest(self) -> BatchManifest | None:
-        """With ``restore="latest"``: the newest batch manifest if it is newer than the
-        newest completed checkpoint (one whose ``_metadata`` cannot be read is left to
-        the fallback of ``_restart_from``), else None."""
-        if self.restore != "latest":
-            return None
+    def _newest_manifest(self, checkpoints: list[str]) -> BatchManifest | None:
+        """The newest batch manifest if it is newer than the newest of the job's completed
+        ``checkpoints`` (one whose ``_metadata`` cannot be read is left to the fallback of
+        ``_restart_from``), else None."""
         manifest = self._changelog.latest_manifest()
         if manifest is None:
             return None
-        if self._lineage:
+        if checkpoints:
             try:
-                metadata = self._storage.load(self._lineage[-1])
+                metadata = self._storage.load(checkpoints[-1])
             except CheckpointError:
                 return None
             if int(metadata.properties.get("next_batch", 0)) > manifest.batch_id:
                 return None
         return manifest
+
+    def _latest_state(self, completed: list[str]) -> str | None:
+        """Where ``restore="latest"`` resumes the job now: its newest batch manifest or
+        ``completed`` checkpoint, whichever is newer (None: neither)."""
+        manifest = self._newest_manifest(completed)
+        if manifest is not None:
+            return self._changelog.layout.manifest_path(manifest.batch_id)
+        return completed[-1] if completed else None
 
     def _restart_from_manifest(self, manifest: BatchManifest) -> None:
         """Make ``manifest`` the restore point and reset the driver's state to it."""
@@ -418,12 +430,14 @@ class StatefulJob:
     def _run(self, storage: CheckpointStorage, started: float) -> RunSummary:
         self._storage = storage
         self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
-        self._lineage = self._initial_lineage(storage)
+        own = [storage.layout.checkpoint_path(n) for n in storage.completed_checkpoint_ids()]
+        self._lineage = self._initial_lineage(storage, own)
         self._run_id = uuid.uuid4().hex[:12]
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
         """This run's metrics history: a record per batch, checkpoint, restore, failure."""
         self._changelog = ChangelogStorage(storage)
-        manifest = self._newest_manifest()
+        self._latest = self._latest_state(own)
+        manifest = self._newest_manifest(self._lineage) if self.restore == "latest" else None
         restored: CheckpointMetadata | BatchManifest | None = manifest
         if manifest is not None:
             self._restart_from_manifest(manifest)
@@ -523,10 +537,10 @@ class StatefulJob:
                 ]
             self._next_batch = int(metadata.properties.get("next_batch", 0))
         self._manifest_batch = None
-        # Only the job's own newest checkpoint covers the restored state: a run that
-        # restores anything else (a savepoint, an older checkpoint) checkpoints it even
-        # without input, or "latest" would later resume from something else.
-        covered = metadata is not None and self.restore == "latest"
+        # Only what "latest" resumes from covers the restored state: a run that restores
+        # anything else (a savepoint, an older checkpoint) checkpoints it even without
+        # input, or the next "latest" would resume from something else.
+        covered = metadata is not None and self._restore_point == self._latest
         self._covered_batch: int | None = self._next_batch - 1 if covered else None
 
     def _committed_offsets(self, properties: Mapping[str, Any]) -> list[OperatorStateBackend]:

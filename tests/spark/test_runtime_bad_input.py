@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
@@ -108,6 +109,31 @@ def test_parallelism_above_max_parallelism(spark_local: SparkSession, tmp_path: 
     generate_events(tmp_path / "input", 10, 5, 1, 1)
     with pytest.raises(ConfigurationError, match="exceeds max parallelism 4"):
         _run(spark_local, tmp_path, parallelism=8, max_parallelism=4)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"parallelism": 0}, "parallelism 0 is invalid: it must be an integer >= 1"),
+        ({"parallelism": True}, "parallelism True is invalid"),
+        ({"checkpoint_every": 0}, "checkpoint_every 0: give >= 1"),
+        ({"batch_size": 0}, "batch size 0 is invalid"),
+    ],
+)
+def test_bad_job_arguments_are_refused_when_the_job_is_made(
+    spark_local: SparkSession, tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    """Checked by ``StatefulJob`` itself, before a run: a parallelism of 0 used to end in
+    a ZeroDivisionError inside the run, a checkpoint_every of 0 to mean the conf's."""
+    options: dict[str, Any] = {"parallelism": 2, **arguments}
+    with pytest.raises(ConfigurationError, match=message):
+        user_totals_job(
+            spark_local,
+            job_id="bad",
+            input_dir=tmp_path / "input",
+            conf=StateBackendConf(checkpoint_dir=tmp_path.as_uri()),
+            **options,
+        )
 
 
 def test_script_prints_one_line(tmp_path: Path) -> None:
