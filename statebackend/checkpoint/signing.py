@@ -45,7 +45,8 @@ ALGORITHM = "hmac-sha256"
 FILE_CHECKSUM = SHA256
 """The checksum algorithm of the files of a signed checkpoint."""
 
-_MIN_KEY_BYTES = 16
+MIN_KEY_BYTES = 16
+"""The fewest bytes a signing key may have."""
 _SPOOL_CHUNK = 4 << 20
 
 
@@ -56,10 +57,10 @@ class SigningKey:
     secret: bytes = field(repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.secret) < _MIN_KEY_BYTES:
+        if len(self.secret) < MIN_KEY_BYTES:
             raise ConfigurationError(
                 f"the checkpoint signing key has {len(self.secret)} bytes: give at least "
-                f"{_MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)"
+                f"{MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)"
             )
 
     def sign(self, payload: bytes) -> str:

@@ -9,6 +9,7 @@ Every key is listed in ``KEYS`` (and documented in ``conf/statebackend.conf``, w
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.coordinator import DEFAULT_RETAINED, DEFAULT_TIMEOUT_SECONDS
-from statebackend.checkpoint.signing import SigningKey, load_signing_key
+from statebackend.checkpoint.signing import MIN_KEY_BYTES, SigningKey, load_signing_key
 from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
 from statebackend.errors import ConfigurationError
+from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.frames import CODECS
 
 PREFIX = "spark.statebackend."
@@ -41,8 +43,8 @@ def _positive_float(key: str, text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise ConfigurationError(f"{key}={text!r} is invalid: give a number of seconds > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigurationError(f"{key}={text!r} is invalid: give a finite number of seconds > 0")
     return value
 
 
@@ -70,6 +72,38 @@ def _text(key: str, text: str) -> str:
 
 def _optional_int(key: str, text: str) -> int | None:
     return None if text in ("", "auto") else _positive_int(key, text)
+
+
+def _max_parallelism(key: str, text: str) -> int | None:
+    if text in ("", "auto"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= UPPER_BOUND_MAX_PARALLELISM:
+        raise ConfigurationError(
+            f"{key}={text!r} is invalid: give an integer from 1 to "
+            f"{UPPER_BOUND_MAX_PARALLELISM}, or auto"
+        )
+    return value
+
+
+def _local_dir(key: str, text: str) -> str:
+    if not text:
+        raise ConfigurationError(
+            f"{key} is empty: give a directory, or leave {key} out for {default_local_dir()}"
+        )
+    return text
+
+
+def _signing_key(key: str, text: str) -> str:
+    size = len(text.encode("utf-8"))
+    if 0 < size < MIN_KEY_BYTES:
+        raise ConfigurationError(
+            f"{key} has {size} bytes: give at least {MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)"
+        )
+    return text
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -125,11 +159,11 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "checkpoint.timeout": ("timeout_seconds", _positive_float),
     "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
     "checkpoint.max-retries": ("max_retries", _positive_int),
-    "checkpoint.signing-key": ("signing_key", _text),
+    "checkpoint.signing-key": ("signing_key", _signing_key),
     "checkpoint.signing-key-file": ("signing_key_file", _text),
-    "max-parallelism": ("max_parallelism", _optional_int),
+    "max-parallelism": ("max_parallelism", _max_parallelism),
     "parallelism": ("parallelism", _optional_int),
-    "local.dir": ("local_dir", _text),
+    "local.dir": ("local_dir", _local_dir),
     "transfer.threads": ("transfer_threads", _positive_int),
     "compression": ("compression", _choice(CODECS)),
     "rocksdb.memory": ("rocksdb_memory", parse_memory_size),

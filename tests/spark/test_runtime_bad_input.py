@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,42 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
     assert StateBackendConf.from_pairs([(tick, "off")]).tick_interval is None
     with pytest.raises(ConfigurationError, match="tick-interval='-1'"):
         StateBackendConf.from_pairs([(tick, "-1")])
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "says"),
+    [
+        ("max-parallelism", "0", "from 1 to 32768"),
+        ("max-parallelism", "40000", "from 1 to 32768"),
+        ("checkpoint.signing-key", "short", "has 5 bytes: give at least 16"),
+        ("checkpoint.timeout", "inf", "finite number of seconds"),
+        ("checkpoint.timeout", "nan", "finite number of seconds"),
+        ("checkpoint.upload-stall-timeout", "inf", "finite number of seconds"),
+        ("checkpoint.upload-stall-timeout", "nan", "finite number of seconds"),
+        ("local.dir", "", "is empty: give a directory"),
+        ("local.dir", "  ", "is empty: give a directory"),
+    ],
+)
+def test_conf_rejects_values_that_would_fail_later(key: str, text: str, says: str) -> None:
+    name = "spark.statebackend." + key
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(name)}.*{says}") as err:
+        StateBackendConf.from_pairs([(name, text)])
+    assert "\n" not in str(err.value)
+
+
+def test_conf_accepts_the_bounds() -> None:
+    pairs = [
+        ("spark.statebackend.max-parallelism", "32768"),
+        ("spark.statebackend.checkpoint.signing-key", "s" * 16),
+        ("spark.statebackend.checkpoint.timeout", "1e6"),
+    ]
+    conf = StateBackendConf.from_pairs(pairs)
+    assert (conf.max_parallelism, conf.timeout_seconds) == (32768, 1e6)
+    low = StateBackendConf.from_pairs([("spark.statebackend.max-parallelism", "1")])
+    assert low.max_parallelism == 1
+    assert StateBackendConf.from_pairs([("spark.statebackend.max-parallelism", "auto")]) == (
+        StateBackendConf()
+    )
 
 
 def _properties(name: str) -> list[tuple[str, str]]:
