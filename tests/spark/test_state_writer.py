@@ -10,6 +10,7 @@ state added) round trip at P -> P', and bad bootstrap data is a clear error.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from statebackend.spark.state_reader import read_state
 from statebackend.spark.state_writer import StateWriter
 from statebackend.state.descriptors import ValueStateDescriptor
 from tests.conftest import Storage
+from tests.scripts import REPO
 
 USERS = 40
 PARTITIONS = 4
@@ -248,6 +250,19 @@ def test_transform_round_trip(
     for subtask in range(2):
         restored = restore_operator_state(fs, target, metadata, OPERATOR_ID, subtask, 2)
         assert sorted(restored.get_union_list_state("notes", StrSerializer()).get()) == notes
+
+
+def test_the_readme_example_runs_as_printed(spark_local: SparkSession, tmp_path: Path) -> None:
+    """The README's StateWriter example, on a local directory instead of S3: bootstrap
+    count and recent, then double count and remove recent."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    (example,) = (b for b in blocks if "StateWriter.new(" in b)
+    exec(example.replace("s3://bucket", tmp_path.as_uri()), {"spark": spark_local})  # noqa: S102
+    doubled = (tmp_path / "savepoints" / "doubled").as_uri()
+    assert state_rows(spark_local, doubled, "count") == {"alice": 6, "bob": 10}
+    with pytest.raises(StateAccessError, match="no keyed state 'recent'"):
+        read_state(spark_local, doubled, OPERATOR_ID, "recent")
 
 
 @pytest.mark.parametrize(
