@@ -430,8 +430,16 @@ def _rename(text: str) -> tuple[str, str, str]:
 
 
 def cmd_savepoint_transform(args: argparse.Namespace) -> int:
-    """``statebackend savepoint transform``."""
-    source = open_checkpoint(args.source, _options(args))
+    """``statebackend savepoint transform``: from a checkpoint or savepoint (or a job's
+    ``latest`` when that is one); a batch manifest is a ConfigurationError saying to fold it
+    with ``savepoint create`` first."""
+    source = open_state(args.source, _options(args))
+    if isinstance(source, ManifestRef):
+        raise ConfigurationError(
+            f"{args.source} names a batch manifest, and savepoint transform "
+            f"takes a checkpoint or savepoint: fold it first with `{PROG} savepoint create "
+            f"--from {args.source} --to DIR`, then transform DIR"
+        )
     rewrites = plan_transform(
         source,
         drop_operators=args.drop_operator,

@@ -286,7 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_savepoint_transform,
         actions,
     )
-    p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT")
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="CHECKPOINT",
+        help="a checkpoint or savepoint directory, or JOBDIR/latest when that is a checkpoint "
+        "(fold a batch manifest into a savepoint first with `savepoint create`)",
+    )
     p.add_argument("--to", dest="target", required=True, metavar="DIR")
     p.add_argument("--drop-operator", action="append", default=[], metavar="OP", help="repeatable")
     p.add_argument(

@@ -406,6 +406,24 @@ def test_manifest_names_and_refusals_are_one_error_line(
     assert cli(capsys, job.storage, "inspect", job.manifest(3))[0] == 0
 
 
+def test_transform_of_a_manifest_says_to_fold_it_first(
+    capsys: pytest.CaptureFixture[str], job: ChangelogJob, tmp_path: Path
+) -> None:
+    for source in (job.manifest(5), join(job.job_dir, "latest")):
+        status, _, err = cli(
+            capsys, job.storage, "savepoint", "transform", "--from", source, "--to", "x"
+        )
+        assert status == 1
+        assert_one_error_line(err)
+        assert f"savepoint create --from {source} --to DIR`, then transform DIR" in err
+    folded = (tmp_path / "folded").as_uri()
+    argv = ("savepoint", "create", "--from", job.manifest(5), "--to", folded)
+    assert cli(capsys, job.storage, *argv)[0] == 0
+    argv = ("savepoint", "transform", "--from", folded, "--to", (tmp_path / "new").as_uri())
+    status, _, err = cli(capsys, job.storage, *argv, "--drop-state", f"{OPERATOR}/count")
+    assert status == 0, err
+
+
 @pytest.mark.s3
 def test_list_verify_read_a_manifest_on_s3(
     capsys: pytest.CaptureFixture[str], s3_storage: Storage, tmp_path: Path
