@@ -8,6 +8,8 @@
 <dir>/<job_id>/chk-<N>/acks/<operator>-<i>.<attempt>.json    ... by task attempt <attempt>
 <dir>/<job_id>/shared/<file>                      files several checkpoints use
 <dir>/<job_id>/savepoints/savepoint-<N>-<suffix>/_metadata   (or a user-given dir)
+<dir>/<job_id>/savepoints/savepoint-request-<id>/_metadata   a triggered one (``requests.py``)
+<dir>/<job_id>/requests/savepoint-<id>[.done].json   a savepoint request and its answer
 <dir>/<job_id>/changelog/<B>/<operator>-<i>-<attempt>   an attempt's state changes of batch B
 <dir>/<job_id>/manifests/<B>                       batch B's manifest: B is committed
 <dir>/<job_id>/_checkpoint_id                     the highest checkpoint id ever triggered
