@@ -12,9 +12,10 @@ incremental snapshot uploads its files without reading a single entry:
   ``close()``/reopen across micro-batches and go with the database.
 - The other files (MANIFEST, CURRENT, OPTIONS, rocksdict's config, the WAL, empty after
   the checkpoint's flush) are private to the checkpoint. Those smaller than
-  ``INLINE_LIMIT`` (all of them, usually) are kept inside the handle, so in
-  ``_metadata``, as Flink keeps state below its memory threshold: one request for the
-  snapshot's small files instead of one per file, on upload and on restore.
+  ``INLINE_LIMIT`` are kept inside the handle, so in ``_metadata``, as Flink keeps state
+  below its memory threshold: one request for the snapshot's small files instead of one
+  per file, on upload and on restore. OPTIONS grows by a few KB per column family, so a
+  database with several states has one above the limit, uploaded as a file.
 
 Paths in the handle are relative to the checkpoint directory (``../shared/...`` for
 shared files), like every handle's. A snapshot that is cancelled or fails deletes the
