@@ -5,7 +5,12 @@ Runs with ``python scripts/user_totals.py ...`` or ``spark-submit scripts/user_t
 again (with ``--restore latest``, the default) to resume, at any parallelism.
 
     python scripts/user_totals.py --input DIR --checkpoint-dir URL --parallelism 2
+    spark-submit --conf spark.statebackend.checkpoint.dir=URL scripts/user_totals.py --input DIR
     python scripts/user_totals.py --demo        # the README's quick start
+
+Without ``--checkpoint-dir`` the checkpoint directory is the Spark conf's
+``spark.statebackend.checkpoint.dir`` (e.g. from ``spark-submit --conf`` or
+``--properties-file``); one of the two is required.
 
 ``--demo`` generates sample input (4 partitions), runs at P=2, appends more input and
 resumes at P=4, then at P=1, and checks every user's state against a plain-Python
@@ -22,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from statebackend.errors import StateBackendError
+from statebackend.errors import ConfigurationError, StateBackendError
 from statebackend.spark.conf import StateBackendConf, parse_storage_options
 from statebackend.spark.example import (
     checkpointed_totals,
@@ -41,7 +46,10 @@ PROG = "user_totals"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", help="source directory of partition-<n>.jsonl files")
-    parser.add_argument("--checkpoint-dir", help="checkpoint URL (file://, s3://, ...)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="checkpoint URL (file://, s3://, ...); default: spark.statebackend.checkpoint.dir",
+    )
     parser.add_argument("--parallelism", type=int, default=2)
     parser.add_argument("--max-parallelism", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=1000, help="records per partition")
@@ -136,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        if not args.demo and (not args.input or not args.checkpoint_dir):
-            raise StateBackendError("--input and --checkpoint-dir are required (or --demo)")
+        if not args.demo and not args.input:
+            raise ConfigurationError("--input is required (or --demo)")
         spark = _spark(args.master)
         if args.demo:
             return demo(spark, args)
-        summary = run_job(spark, args, _conf(spark, args))
+        conf = _conf(spark, args)
+        conf.require_checkpoint_dir()
+        summary = run_job(spark, args, conf)
         print(summary.describe())
         return 0
     except StateBackendError as exc:

@@ -160,6 +160,33 @@ def test_script_prints_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("user_totals: error: Spark needs Java 17+")
 
 
+def test_script_under_spark_submit_takes_the_checkpoint_dir_from_the_conf(tmp_path: Path) -> None:
+    """``spark-submit --conf spark.statebackend.checkpoint.dir=URL user_totals.py --input
+    DIR`` checkpoints there; with neither the key nor ``--checkpoint-dir``, one error line
+    names both."""
+    generate_events(tmp_path / "input", 20, 5, 2, 1)
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    submit = [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[1]"]
+    local = ["--conf", f"spark.statebackend.local.dir={tmp_path / 'local'}"]
+    script = [str(SCRIPT), "--input", str(tmp_path / "input")]
+
+    def run(*conf: str) -> subprocess.CompletedProcess[str]:
+        argv = [*submit, *local, *conf, *script]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+
+    result = run("--conf", f"spark.statebackend.checkpoint.dir={tmp_path.as_uri()}/ck")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "ck" / "user-totals" / "chk-1" / "_metadata").exists()
+    result = run()
+    assert result.returncode == 2
+    # spark-submit's PythonRunner sends the script's stderr to its stdout.
+    ours = [line for line in result.stdout.splitlines() if line.startswith("user_totals:")]
+    assert ours == [
+        "user_totals: error: no checkpoint directory: set spark.statebackend.checkpoint.dir "
+        "(or --checkpoint-dir)"
+    ]
+
+
 def test_conf_rejects_unknown_and_malformed_keys() -> None:
     conf = StateBackendConf.from_pairs(
         [
