@@ -27,6 +27,7 @@ from statebackend.cli.output import (
 )
 from statebackend.errors import CheckpointCorruptedError, ConfigurationError
 from statebackend.serializers import serializer_from_config
+from statebackend.state.timers import MIN_TIMESTAMP
 from statebackend.tools.bootstrap import bootstrap_from_files, parse_state_file
 from statebackend.tools.gc import delete_garbage, find_garbage
 from statebackend.tools.listing import (
@@ -228,7 +229,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for domain, clock in clocks.items():
                 earliest = timers[domain]["earliest"]
                 rows.append(
-                    [domain, timers[domain]["count"], "-" if earliest is None else earliest, clock]
+                    [
+                        domain,
+                        timers[domain]["count"],
+                        "-" if earliest is None else earliest,
+                        "not set" if clock == MIN_TIMESTAMP else clock,
+                    ]
                 )
             table(["DOMAIN", "TIMERS", "EARLIEST", "CLOCK (EARLIEST SUBTASK)"], rows, "    ")
         _operator_states_table(op["operator_states"])

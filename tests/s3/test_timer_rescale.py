@@ -31,7 +31,7 @@ from statebackend.keygroups import (
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
 )
-from statebackend.state.timers import MAX_TIMESTAMP
+from statebackend.state.timers import MAX_TIMESTAMP, MIN_TIMESTAMP
 from tests.conftest import Storage
 
 M = 128
@@ -319,3 +319,31 @@ def test_one_million_timers_restore(tmp_path: Path) -> None:
         finally:
             backend.dispose()
     storage.close()
+
+
+def test_cli_inspect_shows_an_unset_clock_as_not_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A processing-time clock never advanced (MIN_TIMESTAMP) reads "not set" in the human
+    output; ``--json`` keeps the number."""
+    checkpoints = CheckpointStorage(tmp_path.as_uri(), "job")
+    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=M)
+    backend = make_backend("heap", tmp_path, 1, 0)
+    backend.set_current_key("alice")
+    backend.timer_service.register_event_time_timer(2000)
+    backend.timer_service.register_processing_time_timer(5000)
+    backend.timer_service.advance_watermark(1000, lambda key, timestamp: None)
+    checkpoint_id = coordinator.trigger({OPERATOR: 1})
+    target = checkpoints.snapshot_target(checkpoint_id, OPERATOR, 0)
+    keyed = backend.snapshot(checkpoint_id, target).result()
+    ack = SubtaskAck(OPERATOR, 0, 1, keyed, None, coordinator.run_id)
+    directory = coordinator.acknowledge(checkpoint_id, ack)
+    checkpoints.close()
+    assert directory is not None
+    assert main(["inspect", directory]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["event", "1", "2000", "1000"] in rows
+    assert ["processing", "1", "5000", "not", "set"] in rows
+    assert main(["inspect", directory, "--json"]) == 0
+    timers = json.loads(capsys.readouterr().out)["operators"][OPERATOR]["timers"]
+    assert timers["processing_time"] == MIN_TIMESTAMP
