@@ -60,6 +60,7 @@ from statebackend.tools.manifests import (
 from statebackend.tools.plan import plan_checkpoint, plan_imbalance
 from statebackend.tools.reader import (
     NO_KEY,
+    no_such_operator,
     parse_selection_key,
     read_bytes,
     read_state,
@@ -358,6 +359,8 @@ def cmd_read(args: argparse.Namespace) -> int:
         return 0
     if isinstance(ref, CheckpointRef):
         return _read(args, ref)
+    if args.operator not in operators:  # said before the rebuild, naming the manifest
+        raise no_such_operator(args.checkpoint, args.operator, operators)
     with tempfile.TemporaryDirectory(prefix="statebackend-read-") as local:
         folded = fold_manifest(
             ref, Path(local, "state").as_uri(), allow_pickle=args.allow_pickle, parallelism=1

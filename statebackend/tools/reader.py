@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -64,14 +64,19 @@ class StateSelection:
     timers: bool = False
 
 
+def no_such_operator(where: str, operator_id: str, known: Iterable[str]) -> ConfigurationError:
+    """The error for ``operator_id`` missing from the state at ``where`` (the name the
+    user gave), naming the ``known`` operators."""
+    return ConfigurationError(
+        f"{where} has no operator {operator_id!r}; it has {', '.join(sorted(known)) or 'none'}"
+    )
+
+
 def operator_of(ref: CheckpointRef, operator_id: str) -> OperatorSnapshot:
     """The operator's snapshot; ConfigurationError naming the known operators if absent."""
     snapshot = ref.metadata.operators.get(operator_id)
     if snapshot is None:
-        raise ConfigurationError(
-            f"{ref.directory} has no operator {operator_id!r}; "
-            f"it has {', '.join(sorted(ref.metadata.operators)) or 'none'}"
-        )
+        raise no_such_operator(ref.directory, operator_id, ref.metadata.operators)
     return snapshot
 
 

@@ -406,6 +406,18 @@ def test_manifest_names_and_refusals_are_one_error_line(
     assert cli(capsys, job.storage, "inspect", job.manifest(3))[0] == 0
 
 
+def test_read_of_a_missing_operator_names_the_manifest_given(
+    capsys: pytest.CaptureFixture[str], job: ChangelogJob
+) -> None:
+    for name in (job.manifest(5), join(job.job_dir, "latest")):
+        for what in (("--state", "count"), ("--timers",)):
+            status, _, err = cli(capsys, job.storage, "read", name, "--operator", "nope", *what)
+            assert status == 1
+            assert_one_error_line(err)
+            assert f"{name} has no operator 'nope'; it has {OPERATOR}" in err
+            assert "statebackend-read-" not in err
+
+
 def test_transform_of_a_manifest_says_to_fold_it_first(
     capsys: pytest.CaptureFixture[str], job: ChangelogJob, tmp_path: Path
 ) -> None:
