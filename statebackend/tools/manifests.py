@@ -23,7 +23,7 @@ which needs ``allow_pickle``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,6 +40,7 @@ from statebackend.checkpoint.manifest import (
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import plan_restore
 from statebackend.checkpoint.savepoints import Progress
+from statebackend.checkpoint.signing import verified_reads
 from statebackend.checkpoint.writer import SavepointWriter
 from statebackend.errors import CheckpointError, ConfigurationError
 from statebackend.keygroups import (
@@ -49,7 +50,7 @@ from statebackend.keygroups import (
 )
 from statebackend.redistribution import StatePlan, plan_operator_state
 from statebackend.serializers import SerializerConfig, serializer_from_config
-from statebackend.snapshot.changelog_format import ChangelogHandle
+from statebackend.snapshot.changelog_format import ChangelogHandle, read_operator_state
 from statebackend.snapshot.target import SnapshotDirectory
 from statebackend.state.timers import is_timer_state
 from statebackend.tools.listing import describe_roles, describe_serializer
@@ -190,21 +191,48 @@ def _record_json(handle: ChangelogHandle, ref: ManifestRef) -> dict[str, Any]:
     }
 
 
+def _record_serializers(
+    ref: ManifestRef, handles: Sequence[ChangelogHandle], names: set[str]
+) -> dict[str, dict[str, SerializerConfig]]:
+    """The serializers of operator states ``names``, from the operator-state headers of
+    the first of ``handles`` (one batch's records) that hold them: one ranged read per
+    record read, usually one."""
+    found: dict[str, dict[str, SerializerConfig]] = {}
+    key = ref.changelog.storage.signing_key
+    with verified_reads(
+        ref.fs, ref.changelog.layout.manifests_dir, ref.manifest.files(), key
+    ) as reads:
+        for handle in handles:
+            path = ref.changelog.record_path(handle)
+            info = handle.operator_state
+            if path is None or info is None or not (names - found.keys()) & info.states.keys():
+                continue
+            stored = read_operator_state(reads.read_range, path, handle)
+            for name, state in ({} if stored is None else stored.states).items():
+                found.setdefault(name, state.serializers)
+            if names <= found.keys():
+                break
+    return found
+
+
 def _operator_states(ref: ManifestRef, operator_id: str) -> dict[str, dict[str, Any]]:
     """The operator's operator states at the manifest's batch (a keyed function's
     ``CheckpointedFunction`` state), as ``inspect`` of a checkpoint shows them: per name
-    its mode and elements over all subtasks, from the newest batch's records (their
-    serializers ``-``: records do not list them), else from the base checkpoint."""
+    its mode, serializers and elements over all subtasks, from the newest batch's records
+    (serializers ``-`` if no record could say), else from the base checkpoint."""
     batches = ref.manifest.operators.get(operator_id, ())
     newest = [h.operator_state for h in batches[-1].subtasks] if batches else []
     states: dict[str, dict[str, Any]] = {}
     if any(info is not None for info in newest):
         for info in newest:
             for name, layout in ({} if info is None else info.states).items():
-                entry = states.setdefault(
-                    name, {"mode": layout.mode.value, "serializer": "-", "elements": 0}
-                )
+                entry = states.setdefault(name, {"mode": layout.mode.value, "elements": 0})
                 entry["elements"] += layout.length
+        serializers = _record_serializers(ref, batches[-1].subtasks, set(states))
+        for name, entry in states.items():
+            if name in serializers:
+                entry["serializers"] = serializers[name]
+            entry["serializer"] = describe_roles(serializers[name]) if name in serializers else "-"
         return dict(sorted(states.items()))
     if ref.base is None or operator_id not in ref.base.metadata.operators:
         return {}

@@ -34,7 +34,8 @@ from statebackend.snapshot.changelog_format import (
 from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
-from statebackend.tools.location import ManifestRef, open_state
+from statebackend.tools.listing import inspect_checkpoint
+from statebackend.tools.location import ManifestRef, open_checkpoint, open_state
 from statebackend.tools.manifests import fold_manifest, inspect_manifest, plan_manifest
 
 OPERATOR = "op"
@@ -208,6 +209,16 @@ def test_inspect_plan_and_fold_of_a_manifest_keep_the_operator_state(
     folded = fold_manifest(ref, str(tmp_path / "folded"), parallelism=3)
     fs = open_filesystem(folded)
     metadata = load_metadata(fs, folded)
+    # The manifest's serializers are those of a checkpoint of the same state.
+    of_checkpoint = inspect_checkpoint(open_checkpoint(folded))["operators"][OPERATOR]
+    assert {n: s["serializer"] for n, s in shown.items()} == {
+        "late": "value: int",
+        "seen": "value: str",
+        "rules": "user_key: str, value: int",
+    }
+    assert {n: (s["serializers"], s["serializer"]) for n, s in shown.items()} == {
+        n: (s["serializers"], s["serializer"]) for n, s in of_checkpoint["operator_states"].items()
+    }
     shares = [restore_operator_state(fs, folded, metadata, OPERATOR, i, 3) for i in range(3)]
     late = [x for s in shares for x in s.get_list_state("late", IntSerializer()).get()]
     assert Counter(late) == Counter(every_late)
