@@ -486,6 +486,7 @@ def cmd_savepoint_bootstrap(args: argparse.Namespace) -> int:
             map_key_serializer=serializer(args.map_key_serializer),
             job_id=args.job_id,
             storage_options=_options(args),
+            compression=args.compression,
         )
     )
     return 0

@@ -23,7 +23,7 @@ from statebackend.cli.commands import (
     cmd_verify,
 )
 from statebackend.cli.output import PROG
-from statebackend.snapshot.frames import CODECS
+from statebackend.snapshot.frames import CODECS, DEFAULT_CODEC
 from statebackend.tools.bootstrap import KINDS
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS
 
@@ -147,6 +147,15 @@ _NAMES = (
     "a checkpoint or savepoint directory, a batch manifest (JOBDIR/manifests/B), or "
     "JOBDIR/latest (the newest manifest or completed checkpoint)"
 )
+
+
+def _add_compression(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compression",
+        choices=CODECS,
+        default=DEFAULT_CODEC,
+        help=f"of the savepoint's files (default {DEFAULT_CODEC}, as a job's checkpoints)",
+    )
 
 
 def _add_signing_key(p: argparse.ArgumentParser) -> None:
@@ -303,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rename-state", action="append", default=[], metavar="OP/STATE=NEW", help="repeatable"
     )
     p.add_argument("--parallelism", "-p", type=int, metavar="P", help="default: unchanged")
-    p.add_argument("--compression", choices=CODECS, default="none")
+    _add_compression(p)
     p = command(
         "savepoint bootstrap",
         "write a new savepoint of one operator's keyed state from JSON Lines files",
@@ -327,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--map-key-serializer", choices=_SIMPLE_SERIALIZERS, default="str", help="for map state"
     )
     p.add_argument("--job-id", default="bootstrap", metavar="ID")
+    _add_compression(p)
     p = command(
         "savepoint trigger",
         "ask the running job in JOBDIR to take a savepoint",

@@ -18,6 +18,9 @@ FRAME_HEADER = Struct(">BIII")
 
 CODECS = ("none", "lz4", "zstd")
 """Compression codecs a snapshot may use, by name (their frame codes are their indices)."""
+DEFAULT_CODEC = "lz4"
+"""The codec of a job's checkpoints and of the savepoints the command line writes, unless
+one is chosen (``compression``, ``--compression``)."""
 
 
 def check_codec(name: str) -> int:

@@ -21,7 +21,7 @@ from statebackend.checkpoint.signing import MIN_KEY_BYTES, SigningKey, load_sign
 from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
-from statebackend.snapshot.frames import CODECS
+from statebackend.snapshot.frames import CODECS, DEFAULT_CODEC
 
 PREFIX = "spark.statebackend."
 STORAGE_PREFIX = PREFIX + "storage."
@@ -199,7 +199,7 @@ class StateBackendConf:
     parallelism: int | None = None
     local_dir: str = field(default_factory=default_local_dir)
     transfer_threads: int = DEFAULT_TRANSFER_THREADS
-    compression: str = "lz4"
+    compression: str = DEFAULT_CODEC
     rocksdb_memory: int | None = DEFAULT_ROCKSDB_MEMORY
     signing_key: str = field(default="", repr=False)
     signing_key_file: str = ""

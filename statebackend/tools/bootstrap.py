@@ -90,9 +90,11 @@ def bootstrap_from_files(
     max_parallelism: int | None = None,
     job_id: str = "bootstrap",
     storage_options: Mapping[str, Any] | None = None,
+    compression: str = "none",
 ) -> str:
-    """Write a savepoint of ``operator_id`` at ``parallelism`` holding ``states``;
-    ``_metadata`` last. Returns the savepoint's directory."""
+    """Write a savepoint of ``operator_id`` at ``parallelism`` holding ``states``, its
+    files compressed with ``compression``; ``_metadata`` last. Returns the savepoint's
+    directory."""
     if len({s.name for s in states}) != len(states):
         raise ConfigurationError("a state is given twice: give each state once")
     max_parallelism = max_parallelism or compute_default_max_parallelism(parallelism)
@@ -105,7 +107,10 @@ def bootstrap_from_files(
         from_source=False,
     )
     writer = SavepointWriter(
-        checkpoint_directory(target), max_parallelism, storage_options=storage_options
+        checkpoint_directory(target),
+        max_parallelism,
+        storage_options=storage_options,
+        compression=compression,
     )
     writer.check_target()
     per_subtask: list[list[Row]] = [[] for _ in range(parallelism)]

@@ -29,6 +29,7 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
 from statebackend.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index
 from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.snapshot.frames import CODECS, FRAME_HEADER
 from statebackend.state.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -377,3 +378,34 @@ def test_transform_operator_state(tmp_path: Path, capsys: pytest.CaptureFixture[
         restored_source = restore_operator_state(checkpoints.fs, target, metadata, "source", i, 3)
         assert restored_source.get_list_state("positions", IntSerializer()).get() == []
     assert sorted(positions) == sorted(model["offsets"])
+
+
+def frame_codecs(directory: Path) -> set[str]:
+    """The codecs of the frames of every file a savepoint's ``_metadata`` references."""
+    metadata = CheckpointStorage(directory.parent.as_uri(), "unused").load(directory.as_uri())
+    codecs = set()
+    for stored in metadata.files():
+        data = (directory / stored.path).read_bytes()
+        position = 0
+        while position < len(data):
+            codec, _, length, _ = FRAME_HEADER.unpack_from(data, position)
+            codecs.add(CODECS[codec])
+            position += FRAME_HEADER.size + length
+    return codecs
+
+
+def test_savepoints_the_command_writes_are_lz4_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bootstrap and transform compress as a job's checkpoints do (lz4) unless told."""
+    rows = [{"key": f"user-{n}", "value": n % 7} for n in range(2000)]
+    state = f"count:value={write_jsonl(tmp_path / 'c.jsonl', rows)}"
+    storage = Storage(tmp_path.as_uri())
+    boot = ("savepoint", "bootstrap", "--operator", "op", "--state", state, "-p", "2")
+    assert cli(storage, capsys, *boot, "--to", str(tmp_path / "boot"))[0] == 0
+    assert frame_codecs(tmp_path / "boot") == {"lz4"}
+    assert transform(storage, capsys, str(tmp_path / "boot"), str(tmp_path / "lz4"))[0] == 0
+    assert frame_codecs(tmp_path / "lz4") == {"lz4"}
+    plain = (str(tmp_path / "boot"), str(tmp_path / "plain"), "--compression", "none")
+    assert transform(storage, capsys, *plain)[0] == 0
+    assert frame_codecs(tmp_path / "plain") == {"none"}
