@@ -45,6 +45,10 @@ while (($#)); do
     esac
 done
 if [[ -z "$job_dir" || -z "$parallelism" ]]; then usage >&2; exit 2; fi
+# The restart command works from any directory: local paths in it are absolute.
+[[ "$job_dir" == *://* ]] || job_dir="$(realpath -m "$job_dir")"
+[[ -z "$input" ]] || input="$(realpath -m "$input")"
+[[ -z "$target" || "$target" == *://* ]] || target="$(realpath -m "$target")"
 
 sb() { "$PYTHON" -m statebackend "$@" "${options[@]}"; }
 # json_field EXPR: evaluate EXPR on the JSON document on stdin (as `d`) and print it.

@@ -143,6 +143,11 @@ def demo(spark: Any, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code."""
     args = _parser().parse_args(argv)
+    # Local directories, read and written by executors whose working directory is not ours.
+    args.input, args.output, args.checkpoint_dir = (
+        p if p is None or "://" in p else os.path.abspath(p)
+        for p in (args.input, args.output, args.checkpoint_dir)
+    )
     try:
         if not args.demo and not args.input:
             raise ConfigurationError("--input is required (or --demo)")

@@ -13,6 +13,7 @@ tested here too, with the restart command it prints run in-process.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import shlex
 import shutil
@@ -510,6 +511,46 @@ def test_savepoint_and_rescale_script_from_the_latest_checkpoint(
     assert latest is not None and metadata is not None
     assert metadata.operators[OPERATOR_ID].parallelism == 4
     assert read_totals(capsys, storage, latest) == expected_totals(read_events(input_dir))
+
+
+def test_relative_paths_of_the_job_and_the_script_become_absolute(
+    spark_local: SparkSession,
+    tmp_path: Path,
+    user_totals: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``user_totals.py`` with a relative --input, --output and --checkpoint-dir runs
+    (its executors have another working directory); the script, given a relative JOB_DIR
+    from elsewhere, prints a restart command with absolute paths that runs from anywhere,
+    with the JOB_ARGS after ``--``."""
+    monkeypatch.chdir(tmp_path)
+    generate_events("input", 400, USERS, PARTITIONS, seed=3)
+    job = ["--checkpoint-dir", "ckpt", "--job-id", "rel", "--parallelism", "2"]
+    assert user_totals.main(["--input", "input", "--output", "out", *job]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(
+        [str(REPO / "scripts/savepoint-and-rescale.sh"), "../ckpt/rel", "-p", "3", "--"]
+        + ["--output", "../out", "--batch-size", "25"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # this repository's statebackend
+    )
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    command = shlex.split(lines["restart"])
+    args = user_totals._parser().parse_args(command[2:])
+    assert (args.input, args.checkpoint_dir) == (str(tmp_path / "input"), str(tmp_path / "ckpt"))
+    assert (args.job_id, args.restore, args.parallelism) == ("rel", lines["savepoint"], 3)
+    assert lines["savepoint"].startswith(str(tmp_path / "ckpt" / "rel" / "savepoints") + "/")
+    generate_events(tmp_path / "input", 200, USERS, PARTITIONS, seed=4)
+    monkeypatch.chdir(elsewhere)
+    before = set((tmp_path / "out").iterdir())
+    assert user_totals.main(command[2:]) == 0
+    # 50 new events per partition at 25 a batch: two more batches, in the same output.
+    assert len(set((tmp_path / "out").iterdir()) - before) >= 2
 
 
 def test_savepoint_and_rescale_script_of_a_running_job(
