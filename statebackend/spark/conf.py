@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,12 @@ def _boolean(key: str, text: str) -> bool:
 
 def _text(key: str, text: str) -> str:
     return text
+
+
+def _location(key: str, text: str) -> str:
+    """A URL as it is; a plain path made absolute on the driver, where the conf is read:
+    the executors that write there have another working directory."""
+    return text if not text or "://" in text else os.path.abspath(text)
 
 
 def _optional_int(key: str, text: str) -> int | None:
@@ -152,7 +159,7 @@ def _optional_seconds(key: str, text: str) -> float | None:
 
 KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "backend": ("backend", _choice(BACKENDS)),
-    "checkpoint.dir": ("checkpoint_dir", _text),
+    "checkpoint.dir": ("checkpoint_dir", _location),
     "checkpoint.interval": ("checkpoint_interval", _positive_int),
     "checkpoint.incremental": ("incremental", _boolean),
     "checkpoint.retained": ("retained", _positive_int),

@@ -214,6 +214,9 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
     assert StateBackendConf.from_pairs([(tick, "off")]).tick_interval is None
     with pytest.raises(ConfigurationError, match="tick-interval='-1'"):
         StateBackendConf.from_pairs([(tick, "-1")])
+    directory = "spark.statebackend.checkpoint.dir"
+    for given, read in (("ckpt/a", os.path.abspath("ckpt/a")), ("s3://b/c", "s3://b/c")):
+        assert StateBackendConf.from_pairs([(directory, given)]).checkpoint_dir == read
 
 
 @pytest.mark.parametrize(
