@@ -383,6 +383,10 @@ def snapshot_subtask(
     def uploaded(done: Any) -> None:
         try:
             subtask_ack = ack(done.result())
+        except CheckpointCancelledError:  # aborted meanwhile: the driver knows
+            _log.info("the upload of checkpoint %s was cancelled", checkpoint_id)
+            heartbeat.stop()
+            return
         except Exception:
             _log.exception("the upload of checkpoint %s failed", checkpoint_id)
             heartbeat.stop()
