@@ -223,13 +223,13 @@ class TimerQueue:
         the garbage collector does not track: thousands of tuples waiting here would be
         promoted to its oldest generation and trigger full collections."""
         self._count = 0 if count is None else count
-        self._held: dict[tuple[CurrentKey, int], None] | None = None
-        """While ``fire(..., fire_new=False)`` runs: the due timers registered meanwhile,
-        in registration order, applied when it returns (``_held_until``: its bound)."""
+        self._held: dict[CurrentKey, set[int]] | None = None
+        """While ``fire(..., fire_new=False)`` runs: per key, the due timers registered
+        meanwhile, registered when it returns (``_held_until``: its bound)."""
         self._held_until = 0
-        self._doomed: set[tuple[CurrentKey, int]] = set()
-        """While ``fire(..., fire_new=False)`` runs: the due timers deleted meanwhile. They
-        are no longer listed, but still fire in their turn."""
+        self._doomed: dict[CurrentKey, set[int]] = {}
+        """While ``fire(..., fire_new=False)`` runs: per key, the due timers deleted
+        meanwhile. They are no longer listed, but still fire in their turn."""
         self._firing: tuple[CurrentKey, int] | None = None
         self._firing_listed = False
         """While ``fire(..., fire_new=False)`` runs ``on_timer``: its timer, and whether it
@@ -281,14 +281,14 @@ class TimerQueue:
         (as Flink's RocksDB timer queue, registering reads nothing from the store)."""
         if type(timestamp) is not int:  # the exact type: one test on the hot path
             timestamp = check_timestamp(timestamp)  # passes int subclasses but bool
-        if self._held is not None and timestamp <= self._held_until:
-            self._hold(current, timestamp, present)
-            return
         key_group, key, prefix = current
         try:
             time_prefix = _TIME_PREFIX.pack(key_group, 8, timestamp + _SIGN_BIT)
         except struct_error:
             raise _bad_timestamp(timestamp) from None
+        if self._held is not None and timestamp <= self._held_until:
+            self._hold(current, timestamp, present, time_prefix)
+            return
         composite = time_prefix + key
         ts8 = time_prefix[_TIME_FROM:]
         frontier = self._frontier.get(key_group)
@@ -363,39 +363,57 @@ class TimerQueue:
         self._heads = [_head(g, cache[0]) for g, cache in self._cache.items() if cache]
         heapify(self._heads)
 
-    def _hold(self, current: CurrentKey, timestamp: int, present: bool) -> None:
+    def _hold(self, current: CurrentKey, timestamp: int, present: bool, time_prefix: bytes) -> None:
         """A change of a due timer while ``fire(..., fire_new=False)`` runs, as Spark's
         transformWithState treats it: the timers due when firing began all fire, and only
         they; a timer fires with its handler seeing it registered, and is deleted when the
         handler returns. So a new one is held for after the call; a deleted one still
         fires, unlisted, unless it was one held; the firing one is listed or not."""
-        held, timer = self._held, (current, timestamp)
+        held = self._held
         assert held is not None
-        if timer == self._firing:
+        if (current, timestamp) == self._firing:
             self._firing_listed = present
         elif present:
-            if timer in self._doomed:
-                self._doomed.discard(timer)
-            elif timestamp not in self._stored_timestamps(current):
-                held[timer] = None
-        elif timer in held:
-            del held[timer]
-        elif timestamp in self._stored_timestamps(current):
-            self._doomed.add(timer)
+            doomed = self._doomed.get(current)
+            if doomed and timestamp in doomed:
+                doomed.discard(timestamp)
+            elif not self._exists(current, time_prefix):
+                held.setdefault(current, set()).add(timestamp)
+        elif timestamp in held.get(current, ()):
+            held[current].discard(timestamp)
+        elif self._exists(current, time_prefix):
+            self._doomed.setdefault(current, set()).add(timestamp)
 
-    def _stored_timestamps(self, current: CurrentKey) -> set[int]:
-        self.settle()
-        return {decode_timestamp(ts8) for ts8, _ in self._by_key.map_items(current)}
+    def _exists(self, current: CurrentKey, time_prefix: bytes) -> bool:
+        """Whether the timer (current key, the timestamp of ``time_prefix``) is stored,
+        from the cache within its range, else from what waits in ``_pending`` or the
+        store: one lookup."""
+        key_group, key, prefix = current
+        composite = time_prefix + key
+        frontier = self._frontier.get(key_group)
+        if frontier is not None and composite > frontier:
+            ts8 = time_prefix[_TIME_FROM:]
+            waiting = self._pending.get(prefix + ts8)
+            if waiting is not None:
+                return waiting
+            return self._by_key.map_get(current, ts8) is not None
+        cache = self._cache.get(key_group)
+        if not cache:
+            return False
+        index = bisect_left(cache, composite)
+        return index < len(cache) and cache[index] == composite
 
     def timestamps(self, current: CurrentKey) -> Iterator[int]:
-        """The current key's timer timestamps, ascending (held ones included)."""
-        registered = self._stored_timestamps(current)
-        if self._held:
-            registered.update(ts for key, ts in self._held if key == current)
-        if self._doomed:
-            registered.difference_update(ts for key, ts in self._doomed if key == current)
-        if self._firing_listed and self._firing is not None and self._firing[0] == current:
-            registered.add(self._firing[1])
+        """The current key's timer timestamps, ascending (while timers fire with
+        ``fire_new=False``, as its handlers see them)."""
+        self.settle()
+        registered = {decode_timestamp(ts8) for ts8, _ in self._by_key.map_items(current)}
+        if self._held is not None:
+            registered.update(self._held.get(current, ()))
+            registered.difference_update(self._doomed.get(current, ()))
+            firing = self._firing
+            if firing is not None and firing[0] == current and self._firing_listed:
+                registered.add(firing[1])
         return iter(sorted(registered))
 
     def _first(self) -> _Head | None:
@@ -428,9 +446,10 @@ class TimerQueue:
         self._held, self._held_until = {}, until
 
         def as_in_spark(current: CurrentKey, timestamp: int) -> None:
-            timer = (current, timestamp)
-            self._firing, self._firing_listed = timer, timer not in self._doomed
-            self._doomed.discard(timer)
+            doomed = self._doomed.get(current, set())
+            was_deleted = timestamp in doomed
+            doomed.discard(timestamp)
+            self._firing, self._firing_listed = (current, timestamp), not was_deleted
             try:
                 on_timer(current, timestamp)
             finally:
@@ -439,10 +458,14 @@ class TimerQueue:
         try:
             return self._fire(until, as_in_spark)
         finally:
-            held, self._held = self._held, None
-            self._doomed.clear()  # all fired
-            for current, timestamp in held:
-                self.change(current, timestamp, True)
+            # Deleted timers left (on_timer raised before their turn) are deleted, and the
+            # new ones registered: the queue holds what the handlers left, as with
+            # fire_new=True.
+            held, doomed, self._held, self._doomed = self._held, self._doomed, None, {}
+            for changes, present in ((doomed, False), (held, True)):
+                for current, timestamps in changes.items():
+                    for timestamp in sorted(timestamps):
+                        self.change(current, timestamp, present)
 
     def _fire(self, until: int, on_timer: Callable[[CurrentKey, int], None]) -> int:
         fired = 0

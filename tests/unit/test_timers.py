@@ -282,6 +282,37 @@ def test_timers_registered_while_firing_wait_for_the_next_advance(
         assert list(service.event_time_timers()) == []
 
 
+@pytest.mark.parametrize("fire_new", [True, False])
+def test_a_handler_that_raises_leaves_its_changes_and_bad_timestamps_raise_in_it(
+    backends: Backends, variant: str, fire_new: bool
+) -> None:
+    """In both modes a failing handler's timer changes stay as it made them (a due timer
+    it deleted stays deleted, a new one is registered), and a timestamp out of range
+    raises in the handler, where it can be caught."""
+    backend = backends.make(variant)
+    service = backend.timer_service
+    backend.set_current_key("k")
+    for timestamp in (50, 70, 90):
+        service.register_event_time_timer(timestamp)
+    refused: list[int] = []
+
+    def on_timer(key: str, timestamp: int) -> None:
+        with pytest.raises(StateAccessError):
+            service.register_event_time_timer(MIN_TIMESTAMP - 1)
+        refused.append(timestamp)
+        service.delete_event_time_timer(70)  # due, not fired yet
+        service.register_event_time_timer(60)  # due, new
+        service.register_event_time_timer(200)
+        raise RuntimeError("handler failed")
+
+    with pytest.raises(RuntimeError):
+        service.advance_watermark(100, on_timer, fire_new)
+    assert refused == [50]
+    backend.set_current_key("k")
+    assert list(service.event_time_timers()) == [60, 90, 200]
+    assert service.counts()["event"] == 3
+
+
 def test_bad_timestamps_and_no_current_key(backends: Backends, variant: str) -> None:
     backend = backends.make(variant)
     service = backend.timer_service
