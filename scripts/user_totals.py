@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from statebackend.checkpoint.filesystem import absolute_location
 from statebackend.errors import ConfigurationError, StateBackendError
 from statebackend.spark.conf import StateBackendConf, parse_storage_options
 from statebackend.spark.example import (
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Local directories, read and written by executors whose working directory is not ours.
     args.input, args.output, args.checkpoint_dir = (
-        p if p is None or "://" in p else os.path.abspath(p)
+        None if p is None else absolute_location(p)
         for p in (args.input, args.output, args.checkpoint_dir)
     )
     try:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import re
 import sys
 import threading
 import time
@@ -144,6 +146,19 @@ class WrittenFile:
     path: str
     size: int
     checksum: str
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")
+"""A URL's scheme and colon: two characters at least, so that ``C:`` is a drive."""
+
+
+def absolute_location(location: str) -> str:
+    """A URL (``s3://...``, ``file:///...``, also ``file:/...`` as Hadoop writes it) as it
+    is; a local path made absolute from the working directory, for processes that have
+    another one (Spark's executors)."""
+    if not location or _SCHEME.match(location):
+        return location
+    return os.path.abspath(location)
 
 
 def normalize_url(url: str) -> str:

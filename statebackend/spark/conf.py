@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.coordinator import DEFAULT_RETAINED, DEFAULT_TIMEOUT_SECONDS
+from statebackend.checkpoint.filesystem import absolute_location
 from statebackend.checkpoint.signing import MIN_KEY_BYTES, SigningKey, load_signing_key
 from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
 from statebackend.errors import ConfigurationError
@@ -72,9 +72,8 @@ def _text(key: str, text: str) -> str:
 
 
 def _location(key: str, text: str) -> str:
-    """A URL as it is; a plain path made absolute on the driver, where the conf is read:
-    the executors that write there have another working directory."""
-    return text if not text or "://" in text else os.path.abspath(text)
+    """Made absolute on the driver, where the conf is read (``absolute_location``)."""
+    return absolute_location(text)
 
 
 def _optional_int(key: str, text: str) -> int | None:

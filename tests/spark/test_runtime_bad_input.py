@@ -215,7 +215,14 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
     with pytest.raises(ConfigurationError, match="tick-interval='-1'"):
         StateBackendConf.from_pairs([(tick, "-1")])
     directory = "spark.statebackend.checkpoint.dir"
-    for given, read in (("ckpt/a", os.path.abspath("ckpt/a")), ("s3://b/c", "s3://b/c")):
+    for given, read in (
+        ("ckpt/a", os.path.abspath("ckpt/a")),
+        ("/abs/ckpt", "/abs/ckpt"),
+        ("s3://b/c", "s3://b/c"),
+        ("file:/abs/ckpt", "file:/abs/ckpt"),  # as Hadoop spells a URI
+        ("hdfs:/ckpt", "hdfs:/ckpt"),
+        ("file:///abs/ckpt", "file:///abs/ckpt"),
+    ):
         assert StateBackendConf.from_pairs([(directory, given)]).checkpoint_dir == read
 
 
