@@ -67,6 +67,7 @@ from statebackend import errors
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.filesystem import absolute_location
 from statebackend.checkpoint.layout import validate_id
 from statebackend.checkpoint.manifest import (
     FOLDED_FROM_PROPERTY,
@@ -231,8 +232,9 @@ class StatefulJob:
     ``key_by`` is a record field name or a function record -> key. ``restore`` is
     ``"latest"`` (the job's newest batch manifest or completed checkpoint, whichever is
     newer; nothing if there is neither), a checkpoint or savepoint directory, or None
-    (start empty). A run that restores a directory ends with a checkpoint of its own even
-    when it finds no input, so that the next ``"latest"`` resumes from that state.
+    (start empty). A run that restores anything but what ``"latest"`` would resume from
+    ends with a checkpoint of its own even when it finds no input, so that the next
+    ``"latest"`` resumes from that state.
     ``checkpoint_every`` defaults to the conf's ``checkpoint.interval``: a checkpoint falls
     due that many batches after the last one and is taken at the first batch, from then
     on, that finds no checkpoint still uploading; ``conf`` defaults to the SparkConf's
@@ -292,7 +294,7 @@ class StatefulJob:
             return []
         if self.restore == "latest":
             return completed
-        return [storage.resolve(self.restore)]
+        return [storage.resolve(absolute_location(self.restore))]  # executors read it
 
     def _restart_from(self, directory: str | None) -> CheckpointMetadata | None:
         """Make ``directory`` (None: nothing) the restore point and reset the driver's
@@ -329,14 +331,6 @@ class StatefulJob:
             if int(metadata.properties.get("next_batch", 0)) > manifest.batch_id:
                 return None
         return manifest
-
-    def _latest_state(self, completed: list[str]) -> str | None:
-        """Where ``restore="latest"`` resumes the job now: its newest batch manifest or
-        ``completed`` checkpoint, whichever is newer (None: neither)."""
-        manifest = self._newest_manifest(completed)
-        if manifest is not None:
-            return self._changelog.layout.manifest_path(manifest.batch_id)
-        return completed[-1] if completed else None
 
     def _restart_from_manifest(self, manifest: BatchManifest) -> None:
         """Make ``manifest`` the restore point and reset the driver's state to it."""
@@ -436,8 +430,15 @@ class StatefulJob:
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
         """This run's metrics history: a record per batch, checkpoint, restore, failure."""
         self._changelog = ChangelogStorage(storage)
-        self._latest = self._latest_state(own)
-        manifest = self._newest_manifest(self._lineage) if self.restore == "latest" else None
+        newest_manifest = self._newest_manifest(own)
+        self._latest = (
+            self._changelog.layout.manifest_path(newest_manifest.batch_id)
+            if newest_manifest is not None
+            else (own[-1] if own else None)
+        )
+        """Where ``restore="latest"`` resumes the job now: its newest batch manifest or
+        completed checkpoint, whichever is newer (None: neither)."""
+        manifest = newest_manifest if self.restore == "latest" else None
         restored: CheckpointMetadata | BatchManifest | None = manifest
         if manifest is not None:
             self._restart_from_manifest(manifest)

@@ -10,6 +10,7 @@ state added) round trip at P -> P', and bad bootstrap data is a clear error.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -127,11 +128,15 @@ def test_bootstrap_then_run_on_the_rest(
 
 
 def test_a_savepoint_restored_by_a_run_without_input_is_what_the_next_run_resumes(
-    spark_local: SparkSession, tmp_path: Path, checkpoint_url: Storage
+    spark_local: SparkSession,
+    tmp_path: Path,
+    checkpoint_url: Storage,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A run that restores a savepoint and finds no input takes a checkpoint of it, so
     that ``restore="latest"`` later resumes from the savepoint's state, not from nothing
-    (or from the job's older checkpoints)."""
+    (or from the job's older checkpoints). A local savepoint is given as a relative path,
+    which the executors, in another working directory, must find too."""
     generate_events(tmp_path / "first", 400, USERS, PARTITIONS, seed=1)
     generate_events(tmp_path / "input", 0, USERS, PARTITIONS, seed=2)
     first = list(read_events(tmp_path / "first"))
@@ -155,8 +160,12 @@ def test_a_savepoint_restored_by_a_run_without_input_is_what_the_next_run_resume
             restore=restore,
         ).run()
 
-    idle = run(savepoint)
-    assert (idle.restored_from, idle.records) == (savepoint, 0)
+    restore = savepoint
+    if savepoint.startswith("file://"):
+        monkeypatch.chdir(tmp_path)
+        restore = os.path.relpath(savepoint.removeprefix("file://"))
+    idle = run(restore)
+    assert idle.records == 0 and str(idle.restored_from).endswith("/savepoints/b")
     assert idle.last_checkpoint is not None
     generate_events(tmp_path / "input", 300, USERS, PARTITIONS, seed=3)
     resumed = run("latest")
