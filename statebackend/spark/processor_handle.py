@@ -329,9 +329,8 @@ class ProcessorHandle(StatefulProcessorHandle):
         self.timers = timers
         self._parse_ddl = parse_ddl
         self.declared: dict[str, StateDescriptor] = {}
-        """PRE_INIT: the states ``init`` declared and did not delete (``deleteIfExists``)
-        first, by name: what a restart checks against the stored states."""
-        self._deleted: set[str] = set()
+        """PRE_INIT: the states ``init`` declared, by name: what a restart checks against
+        the stored states (``deleteIfExists`` clears a state's values, not its schema)."""
         self.serving = False
         """Whether states may be used now (kept by ``phase``'s setter, so that a state
         call checks one flag instead of the phase)."""
@@ -384,8 +383,7 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     def _register(self, descriptor: StateDescriptor) -> Any:
         if self.backend is None:
-            if descriptor.name not in self._deleted:
-                self.declared[descriptor.name] = descriptor
+            self.declared[descriptor.name] = descriptor
             return None
         state = self.backend.get_state(descriptor)
         registered = getattr(state, "descriptor", descriptor)
@@ -441,8 +439,6 @@ class ProcessorHandle(StatefulProcessorHandle):
         self._check_declaration("delete_if_exists", stateName)
         backend = self.backend
         if backend is None:
-            self._deleted.add(stateName)
-            self.declared.pop(stateName, None)
             return
         meta = next((m for m in backend.state_meta() if m.name == stateName), None)
         if meta is None:

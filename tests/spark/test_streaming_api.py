@@ -259,9 +259,10 @@ class TotalsAs(Totals):
 def test_a_restart_with_a_changed_state_schema_is_refused_before_any_batch(
     spark: SparkSession, tmp_path: Path
 ) -> None:
-    """A state declared with another schema or kind than its stored state: one error
-    naming the state and both schemas, raised by ``transform_with_state``; the state is
-    intact, and the unchanged processor continues."""
+    """A state declared with another schema or kind than its stored state, also after
+    ``deleteIfExists``: one error naming the state and both schemas, raised by
+    ``transform_with_state``; the state is intact, and the unchanged processor
+    continues."""
     batches = [[{"user": "a", "amount": 1}], [{"user": "a", "amount": 2}]]
     write_batches(tmp_path / "input", batches)
     source = (
@@ -290,6 +291,8 @@ def test_a_restart_with_a_changed_state_schema_is_refused_before_any_batch(
         ),
         (TotalsAs("value", "total long, n long"), r"state 'total' was written as"),
         (TotalsAs("list", "total long"), r"stored as value state and cannot be read as list"),
+        # deleteIfExists clears the values, not the stored schema (as the executors do)
+        (TotalsAs("value", "total string", delete_first=True), r"'total' was written as"),
     ):
         with pytest.raises(IncompatibleStateError, match=message):
             transform_with_state(source, "user", processor, OUTPUT, "schemas")
