@@ -45,6 +45,7 @@ from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import PickleSerializer, Serializer, StrSerializer
+from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.job_groups import job_group
 from statebackend.spark.runner import task_error
@@ -265,13 +266,14 @@ class StateWriter:
         *,
         parallelism: int | Mapping[str, int] | None = None,
         job_id: str | None = None,
-        compression: str = "none",
+        compression: str = DEFAULT_CODEC,
     ) -> str:
         """Write the savepoint into the empty directory ``target``; return it.
 
         ``parallelism`` is one for all operators or one per operator (default: each
-        source operator's own; required for new operators). Every subtask's files are
-        written by a Spark task; ``_metadata`` last, by the driver.
+        source operator's own; required for new operators). Its files are compressed
+        with ``compression`` (lz4 by default, as a job's checkpoints). Every subtask's
+        files are written by a Spark task; ``_metadata`` last, by the driver.
         """
         rewrites = self._rewrites(parallelism)
         highest = max((r.parallelism for r in rewrites), default=1)

@@ -18,6 +18,7 @@ from statebackend.checkpoint.writer import OperatorRewrite, Row, SavepointWriter
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.serializers import Serializer
+from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.state.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -90,7 +91,7 @@ def bootstrap_from_files(
     max_parallelism: int | None = None,
     job_id: str = "bootstrap",
     storage_options: Mapping[str, Any] | None = None,
-    compression: str = "none",
+    compression: str = DEFAULT_CODEC,
 ) -> str:
     """Write a savepoint of ``operator_id`` at ``parallelism`` holding ``states``, its
     files compressed with ``compression``; ``_metadata`` last. Returns the savepoint's

@@ -51,6 +51,7 @@ from statebackend.keygroups import (
 from statebackend.redistribution import StatePlan, plan_operator_state
 from statebackend.serializers import SerializerConfig, serializer_from_config
 from statebackend.snapshot.changelog_format import ChangelogHandle, read_operator_state
+from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.snapshot.target import SnapshotDirectory
 from statebackend.state.timers import is_timer_state
 from statebackend.tools.listing import describe_roles, describe_serializer
@@ -454,7 +455,7 @@ def fold_manifest(
     *,
     storage_options: Mapping[str, Any] | None = None,
     parallelism: int | None = None,
-    compression: str = "none",
+    compression: str = DEFAULT_CODEC,
     allow_pickle: bool = False,
     written: Written | None = None,
 ) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter, check_rewrites
 from statebackend.errors import ConfigurationError
+from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.tools.location import CheckpointRef, checkpoint_directory
 
 Written = Callable[[str, int], None]
@@ -80,7 +81,7 @@ def transform_savepoint(
     rewrites: Sequence[OperatorRewrite],
     *,
     storage_options: Mapping[str, Any] | None = None,
-    compression: str = "none",
+    compression: str = DEFAULT_CODEC,
     written: Written | None = None,
 ) -> str:
     """Write the savepoint of ``rewrites`` (``plan_transform``) of ``ref`` to ``target``,
