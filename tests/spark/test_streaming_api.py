@@ -58,6 +58,15 @@ class Totals(StatefulProcessor):
         pass
 
 
+def batch_files(spark: SparkSession, directory: Path) -> DataFrame:
+    """A stream of the (user, amount) batch files in ``directory``, one file a batch."""
+    return (
+        spark.readStream.schema("user string, amount long")
+        .option("maxFilesPerTrigger", 1)
+        .json(str(directory))
+    )
+
+
 @pytest.fixture
 def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
     with streaming_session(spark_local, tmp_path) as session:
@@ -150,11 +159,7 @@ def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:
         [{"user": "a", "amount": 5}],
     ]
     write_batches(tmp_path / "input", batches)
-    source = (
-        spark.readStream.schema("user string, amount long")
-        .option("maxFilesPerTrigger", 1)
-        .json(str(tmp_path / "input"))
-    )
+    source = batch_files(spark, tmp_path / "input")
     out = tmp_path / "out"
     writer = transform_with_state(source, "user", Totals(), OUTPUT, "sink").writeStream
     with pytest.raises(ConfigurationError, match="no checkpointLocation"):
@@ -217,11 +222,7 @@ def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
     out = tmp_path / "out"
 
     def run(mode: str) -> None:
-        source = (
-            spark.readStream.schema("user string, amount long")
-            .option("maxFilesPerTrigger", 1)
-            .json(str(tmp_path / "input"))
-        )
+        source = batch_files(spark, tmp_path / "input")
         query = (
             transform_with_state(source, "user", Fragile(mode), OUTPUT, "fragile")
             .writeStream.format("parquet")
@@ -265,11 +266,7 @@ def test_a_restart_with_a_changed_state_schema_is_refused_before_any_batch(
     continues."""
     batches = [[{"user": "a", "amount": 1}], [{"user": "a", "amount": 2}]]
     write_batches(tmp_path / "input", batches)
-    source = (
-        spark.readStream.schema("user string, amount long")
-        .option("maxFilesPerTrigger", 1)
-        .json(str(tmp_path / "input"))
-    )
+    source = batch_files(spark, tmp_path / "input")
     out = tmp_path / "out"
 
     def run(processor: StatefulProcessor) -> None:
@@ -346,11 +343,7 @@ def test_stop_during_a_batch_cancels_its_job_and_the_batch_runs_again_on_restart
     out, marker = tmp_path / "out", tmp_path / "stalled"
 
     def start(processor: Stalling) -> Any:
-        source = (
-            spark.readStream.schema("user string, amount long")
-            .option("maxFilesPerTrigger", 1)
-            .json(str(tmp_path / "input"))
-        )
+        source = batch_files(spark, tmp_path / "input")
         return (
             transform_with_state(source, "user", processor, OUTPUT, "stopped")
             .writeStream.format("parquet")
