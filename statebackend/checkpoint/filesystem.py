@@ -211,6 +211,10 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
     except StateBackendError:
         raise
     except FileNotFoundError as exc:
+        if action == "write":  # s3fs says so of a bucket that does not exist
+            raise CheckpointError(
+                f"could not write {path}: its bucket or directory does not exist ({exc})"
+            ) from exc
         raise CheckpointCorruptedError(f"{path} is missing (could not {action} it)") from exc
     except TypeError as exc:
         if "unexpected keyword argument" not in str(exc):

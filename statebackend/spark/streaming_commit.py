@@ -38,6 +38,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from typing import Any
 
 import fsspec
@@ -193,16 +194,25 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
             f"{SPARK_BINDING_FILE} (was it deleted and recreated?): restore the Spark "
             f"checkpoint, or start a new job_id with a new checkpointLocation"
         )
+    created = theirs is None
     if theirs is None:
         theirs = {**ours, "binding_id": uuid.uuid4().hex}
         _write_json(spark_fs, spark_path, theirs)  # first: a crash here leaves it alone
     binding_id = str(theirs["binding_id"])
     if job_side is None:
-        _write_json(
-            storage.fs,
-            storage.layout.spark_binding_path,
-            {"checkpoint_location": location, "binding_id": binding_id},
-        )
+        try:
+            _write_json(
+                storage.fs,
+                storage.layout.spark_binding_path,
+                {"checkpoint_location": location, "binding_id": binding_id},
+            )
+        except Exception:
+            # The job's storage cannot be written (a missing bucket, no access): unbind, so
+            # that a start with the storage corrected is not refused.
+            if created:
+                with suppress(Exception):
+                    spark_fs.delete(spark_path)
+            raise
     elif job_side.get("binding_id") != binding_id:
         raise ConfigurationError(
             f"checkpointLocation {location} and state job {storage.job_id!r} were bound in "
