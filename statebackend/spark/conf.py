@@ -180,6 +180,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
 
 TICK_INTERVAL_KEY = PREFIX + "streaming.tick-interval"
+MAX_PARALLELISM_KEY = PREFIX + "max-parallelism"
 
 
 def default_local_dir() -> str:

@@ -72,7 +72,7 @@ from statebackend.spark.arrow_path import (
     combined_input,
 )
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
-from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.conf import MAX_PARALLELISM_KEY, StateBackendConf
 from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion
 from statebackend.spark.processor_handle import (
@@ -253,11 +253,17 @@ class StatefulStream:
             for descriptor in declared_states:
                 if descriptor.name in stored:
                     stored_reader(stored[descriptor.name], descriptor)
-            if conf.max_parallelism is None:
-                # Key groups are fixed for the job's life: a restart at another parallelism
-                # keeps them.
-                self.max_parallelism = committed.max_parallelism
-                check_parallelism(parallelism, self.max_parallelism)
+            # Key groups are fixed for the job's life: a restart at another parallelism
+            # keeps them.
+            if conf.max_parallelism not in (None, committed.max_parallelism):
+                raise ConfigurationError(
+                    f"{MAX_PARALLELISM_KEY}={conf.max_parallelism} differs from the max "
+                    f"parallelism {committed.max_parallelism} of state job {job_id!r} (its "
+                    f"key groups are fixed): unset {MAX_PARALLELISM_KEY}, or start a new "
+                    f"job_id with a new checkpointLocation"
+                )
+            self.max_parallelism = committed.max_parallelism
+            check_parallelism(parallelism, self.max_parallelism)
         self.binding_id: str | None = None
         """The id of the binding to a Spark checkpointLocation, once a query started."""
         reuse = df.sparkSession.sparkContext.getConf().get("spark.python.worker.reuse", "true")

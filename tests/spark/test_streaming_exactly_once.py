@@ -250,8 +250,8 @@ def test_checkpoint_location_is_bound_to_one_job(spark: SparkSession, tmp_path: 
 
 
 def test_a_restart_keeps_time_mode_output_mode_and_key(spark: SparkSession, tmp_path: Path) -> None:
-    """Another time mode or output mode (Spark refuses both) or other key columns on
-    restart: one clear error naming the setting, before any batch. The same
+    """Another time mode or output mode (Spark refuses both), other key columns or another
+    max parallelism on restart: one clear error naming the setting, before any batch. The same
     checkpointLocation spelled as a relative path or a file:// URL is the same."""
     input_dir, checkpoint = tmp_path / "in", tmp_path / "ckpt"
     write_batch_files(input_dir, make_batches(2, seed=3))
@@ -290,6 +290,14 @@ def test_a_restart_keeps_time_mode_output_mode_and_key(spark: SparkSession, tmp_
         ConfigurationError, match=r"keyed by \(user string\), this query by \(amount bigint\)"
     ):
         stateful(key_by="amount")
+    spark.conf.set("spark.statebackend.max-parallelism", "64")
+    try:
+        with pytest.raises(
+            ConfigurationError, match=r"max-parallelism=64 differs from the max parallelism 128"
+        ):
+            stateful()
+    finally:
+        spark.conf.unset("spark.statebackend.max-parallelism")
 
 
 def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_path: Path) -> None:
