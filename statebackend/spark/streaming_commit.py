@@ -35,7 +35,6 @@ Invariant: ``commits/N`` exists => manifest N exists => state(N) = base + change
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
@@ -56,7 +55,12 @@ from pyspark.sql.types import (
 )
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
-from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_url, open_filesystem
+from statebackend.checkpoint.filesystem import (
+    CheckpointFileSystem,
+    absolute_location,
+    normalize_url,
+    open_filesystem,
+)
 from statebackend.checkpoint.layout import batch_ids, join
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.signing import FILE_CHECKSUM
@@ -157,9 +161,7 @@ def spark_location(checkpoint_location: str) -> str:
     location = checkpoint_location
     if location.startswith("file:"):
         location = "/" + location.removeprefix("file:").lstrip("/")
-    elif "://" not in location:
-        location = os.path.abspath(location)
-    return normalize_url(location)
+    return normalize_url(absolute_location(location))
 
 
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError
-from statebackend.spark.streaming_commit import SPARK_BINDING_FILE, bind
+from statebackend.spark.streaming_commit import SPARK_BINDING_FILE, bind, spark_location
 
 
 def test_a_first_start_that_cannot_write_the_job_side_leaves_the_location_unbound(
@@ -26,3 +27,20 @@ def test_a_first_start_that_cannot_write_the_job_side_leaves_the_location_unboun
     corrected = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
     binding = bind(corrected, location, {})
     assert bind(corrected, location, {}) == binding
+
+
+def test_a_checkpoint_location_is_spelled_one_way() -> None:
+    """As Spark resolves it: a path or ``file:`` URL is an absolute local path (a
+    relative one from the working directory); any other URL keeps its scheme, also
+    written ``scheme:/path``."""
+    here = os.path.abspath("ckpt")
+    for given, spelled in (
+        ("ckpt/", here),
+        ("file:ckpt", "/ckpt"),
+        ("file:///tmp//q", "/tmp/q"),
+        ("file:/tmp/q", "/tmp/q"),
+        ("/tmp/q/", "/tmp/q"),
+        ("s3://b/q/", "s3://b/q"),
+        ("hdfs:/q", "hdfs:/q"),
+    ):
+        assert spark_location(given) == spelled, given
