@@ -231,9 +231,10 @@ def _operator_states(ref: ManifestRef, operator_id: str) -> dict[str, dict[str, 
                 entry["elements"] += layout.length
         serializers = _record_serializers(ref, batches[-1].subtasks, set(states))
         for name, entry in states.items():
+            entry["serializer"] = "-"
             if name in serializers:
                 entry["serializers"] = serializers[name]
-            entry["serializer"] = describe_roles(serializers[name]) if name in serializers else "-"
+                entry["serializer"] = describe_roles(serializers[name])
         return dict(sorted(states.items()))
     if ref.base is None or operator_id not in ref.base.metadata.operators:
         return {}
