@@ -123,10 +123,8 @@ def stored_keyed_states(
                 found.setdefault(meta.name, meta)
     base = _base_metadata(changelog, manifest)
     operator = None if base is None else base[1].operators.get(operator_id)
-    for keyed in () if operator is None else operator.keyed_handles():
-        for meta in keyed.states:
-            found.setdefault(meta.name, meta)
-    return found
+    stored = {} if operator is None else operator.keyed_states()
+    return {**stored, **found}
 
 
 def rebuild_operator_state(

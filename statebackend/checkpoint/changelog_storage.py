@@ -338,8 +338,14 @@ class ChangelogStorage:
         return resolve_path(self.layout.manifests_dir, handle.path)
 
     def referenced_checkpoints(self) -> set[int]:
-        """Ids of the checkpoints the retained manifests build on: retention of
-        checkpoints must keep them."""
+        """Ids of the job's own checkpoints the retained manifests build on: retention
+        of checkpoints must keep them (a savepoint base elsewhere is not the job's)."""
         ids = self.manifest_ids()[-self.retained :]
         bases = (self.load_manifest(batch_id).base for batch_id in ids)
-        return {base.checkpoint_id for base in bases if base is not None}
+        return {base.checkpoint_id for base in bases if base is not None and _is_own(base)}
+
+
+def _is_own(base: ManifestBase) -> bool:
+    """Whether ``base`` is one of the job's checkpoints (a path relative to its
+    manifests directory), not a savepoint elsewhere."""
+    return base.path.startswith("../")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from statebackend.backends.keyed import StateMetaInfo
 from statebackend.checkpoint.signing import (
     ALGORITHM,
     FILE_CHECKSUM,
@@ -125,6 +126,10 @@ class OperatorSnapshot:
     def keyed_handles(self) -> list[KeyedHandle]:
         """The keyed handles of all subtasks that have keyed state."""
         return [ack.keyed for ack in self.subtasks if ack.keyed is not None]
+
+    def keyed_states(self) -> dict[str, StateMetaInfo]:
+        """The keyed states its handles hold, by name (one subtask's meta info each)."""
+        return {meta.name: meta for handle in self.keyed_handles() for meta in handle.states}
 
     def operator_handles(self) -> list[OperatorStateHandle | None]:
         """Each subtask's operator-state handle, by subtask index."""
