@@ -108,11 +108,24 @@ def _manifest_row(summary: ManifestSummary) -> list[str]:
         f"manifests/{summary.batch_id}",
         summary.status,
         local_time(info["committed_at"]),
-        "-" if base is None else f"{posixpath.basename(base['path'])} (batch {base['batch_id']})",
+        "-" if base is None else f"{posixpath.basename(base['path'])} ({_base_state(base)})",
         str(info["records"]),
         size(info["record_bytes"]),
         _operators(info["operators"]),
     ]
+
+
+def _base_state(base: dict[str, Any]) -> str:
+    """Which state a manifest's base holds: a batch's, or (batch -1) the savepoint a
+    streaming job's first batch restored (``restore_from``)."""
+    return "restore_from" if base["batch_id"] < 0 else f"batch {base['batch_id']}"
+
+
+def _base_name(base: dict[str, Any]) -> str:
+    """A manifest's base as ``inspect`` names it."""
+    if base["batch_id"] < 0:
+        return "the savepoint the job started from (restore_from)"
+    return f"chk-{base['checkpoint_id']} (state of batch {base['batch_id']})"
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -154,7 +167,7 @@ def _inspect_manifest(ref: ManifestRef, as_json: bool) -> int:
         out("  base: none (no materialization yet: every batch is in the changelog)")
     else:
         out(
-            f"  base: chk-{base['checkpoint_id']} (state of batch {base['batch_id']}), "
+            f"  base: {_base_name(base)}, "
             f"{size(base['state_bytes'])} in {base['files']} files: {base['path']}"
         )
     for operator_id, op in info["operators"].items():

@@ -279,11 +279,10 @@ def _local_root(plan: KeyedBatchPlan) -> Path:
 
 def _local_version(plan: KeyedBatchPlan) -> LocalVersion:
     """What the subtasks' local state must be at: the end of batch ``plan.restore_batch``,
-    held by its manifest."""
+    held by its manifest (none yet: the version's ``restore_dir``, if any)."""
     return replace(
         plan.version,
         previous_batch=plan.restore_batch,
-        restore_dir=None,
         restore_manifest=plan.restore_batch,
     )
 

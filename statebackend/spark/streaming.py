@@ -25,7 +25,8 @@ with the same ``checkpointLocation`` (at any ``parallelism``: the key groups are
 redistributed, which is how to rescale a query) yields the same state and output rows as
 a run without failure. State lives in an executor-local RocksDB per (job, subtask) under
 ``spark.statebackend.local.dir``, reused while its marker says it is at batch N-1, else
-rebuilt from the newest manifest in storage (base checkpoint + changelog).
+rebuilt from the newest manifest in storage (base checkpoint + changelog). A new job
+may start from a savepoint of another (``restore_from``, ``streaming_restore``).
 
 Materialization: every ``spark.statebackend.changelog.materialize-every`` batches the
 driver triggers a checkpoint (``CheckpointTracker``, as StatefulJob's) that the keyed
@@ -45,6 +46,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from pyspark.sql import DataFrame, GroupedData, Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
@@ -64,6 +66,7 @@ from statebackend.checkpoint.metrics import (
 )
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
+from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedFunction
 from statebackend.spark.arrow_path import (
     OPERATOR_ID,
@@ -83,10 +86,13 @@ from statebackend.spark.processor_handle import (
 )
 from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
 from statebackend.spark.streaming_commit import (
+    QUERY_PROPERTY,
+    RESTORED_FROM,
     BatchCommitter,
     batch_output,
     check_same_query,
 )
+from statebackend.spark.streaming_restore import restore_location, restore_point
 from statebackend.spark.streaming_writer import OUTPUT_MODES, StatefulStreamWriter
 from statebackend.spark.tasks import StorageSpec
 from statebackend.state.descriptors import StateDescriptor
@@ -209,6 +215,7 @@ class StatefulStream:
         max_parallelism: int,
         conf: StateBackendConf,
         declared_states: Sequence[StateDescriptor] = (),
+        restore_from: str | None = None,
     ) -> None:
         self.df = df
         self.spec = spec
@@ -221,7 +228,7 @@ class StatefulStream:
         key_fields = {field.name: field for field in df.schema.fields}
         key_schema = StructType([key_fields[name] for name in spec.key_columns])
         self.key_schema_json = str(key_schema.json())
-        self.query = {
+        self.query: dict[str, Any] = {
             "time_mode": spec.time_mode,
             "output_mode": output_mode,
             "key": [[f.name, f.dataType.simpleString()] for f in key_schema.fields],
@@ -242,6 +249,13 @@ class StatefulStream:
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
         storage = self.committer.storage
+        requested = None if restore_from is None else restore_location(storage, restore_from)
+        self.query[RESTORED_FROM] = requested
+        self.restore_dir: str | None = None
+        """The savepoint or checkpoint the job's first batch restores (``restore_from``
+        on a job without batches)."""
+        self._materialized_batch = -1
+        """The batch cut by the newest materialization triggered (or the base's)."""
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._generation[:12])
         """The query's metrics history: a record per batch (``metrics.latest`` is the
         newest of each kind, as ``StreamingQuery.lastProgress``)."""
@@ -249,6 +263,8 @@ class StatefulStream:
         if newest is not None:
             committed = self.committer.changelog.load_manifest(newest)
             check_same_query(committed, self.query, job_id)
+            started = committed.properties.get(QUERY_PROPERTY, {}).get(RESTORED_FROM)
+            self.query[RESTORED_FROM] = started
             stored = stored_keyed_states(self.committer.changelog, committed, OPERATOR_ID)
             for descriptor in declared_states:
                 if descriptor.name in stored:
@@ -264,6 +280,20 @@ class StatefulStream:
                 )
             self.max_parallelism = committed.max_parallelism
             check_parallelism(parallelism, self.max_parallelism)
+        elif requested is not None:
+            metadata = restore_point(
+                storage,
+                requested,
+                RowTupleSerializer(self.key_schema_json),
+                declared_states,
+                conf.max_parallelism,
+            )
+            self.max_parallelism = metadata.max_parallelism
+            check_parallelism(parallelism, self.max_parallelism)
+            self.committer.changelog.restart(-1, metadata.checkpoint_id, requested)
+            self.restore_dir = requested
+            # Materialize at the first batch: the job stops depending on the savepoint.
+            self._materialized_batch = -conf.materialize_every
         self.binding_id: str | None = None
         """The id of the binding to a Spark checkpointLocation, once a query started."""
         reuse = df.sparkSession.sparkContext.getConf().get("spark.python.worker.reuse", "true")
@@ -271,8 +301,6 @@ class StatefulStream:
         """Without Python worker reuse an upload would die with its task's worker."""
         self._tracker: CheckpointTracker | None = None
         self._keyed_batches = KeyedBatches()
-        self._materialized_batch = -1
-        """The batch cut by the newest materialization triggered (or the base's)."""
 
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
@@ -327,7 +355,7 @@ class StatefulStream:
             version=LocalVersion(
                 self.binding_id or self._generation,
                 restore_batch,
-                None,
+                self.restore_dir if restore_batch is None else None,
                 self.parallelism,
                 self.max_parallelism,
             ),
@@ -435,8 +463,12 @@ class StatefulStream:
                 {(OPERATOR_ID, r.subtask): int(r.entries) for r in rows if r.entries is not None},
             )
         rebuilt = [row for row in rows if row.restored_bytes]
-        if rebuilt and restore_batch is not None:
-            restored_from = self.committer.changelog.layout.manifest_path(restore_batch)
+        restored_from = (
+            self.restore_dir
+            if restore_batch is None
+            else self.committer.changelog.layout.manifest_path(restore_batch)
+        )
+        if rebuilt and restored_from is not None:
             self.metrics.record(
                 RestoreMetrics(
                     restored_from,
@@ -462,10 +494,14 @@ def transform_with_state(
     use_pandas: bool = False,
     initial_state: DataFrame | GroupedData | None = None,
     parallelism: int | None = None,
+    restore_from: str | None = None,
 ) -> StatefulStream:
     """Spark's ``groupBy(key_by).transformWithState`` (``use_pandas``:
     ``transformWithStateInPandas``) with state in our backend under
-    ``<spark.statebackend.checkpoint.dir>/<job_id>``; see the module docstring."""
+    ``<spark.statebackend.checkpoint.dir>/<job_id>``; see the module docstring.
+    ``restore_from`` (a savepoint or completed checkpoint of a ``transform_with_state``
+    job) is the state a job without committed batches starts from
+    (``streaming_restore``); a job that has committed batches resumes from its own."""
     if not isinstance(df, DataFrame):
         raise ConfigurationError(f"df {df!r} is not a pyspark DataFrame")
     spark = df.sparkSession
@@ -530,4 +566,5 @@ def transform_with_state(
         max_parallelism=max_parallelism,
         conf=conf,
         declared_states=list(driver_handle.declared.values()),
+        restore_from=restore_from,
     )

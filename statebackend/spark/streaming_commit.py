@@ -126,18 +126,32 @@ def location_filesystem(
 
 QUERY_PROPERTY = "query"
 """Manifest property: what a restart of the query must keep (``check_same_query``)."""
+RESTORED_FROM = "restored_from"
+"""Key of the ``QUERY_PROPERTY``: the savepoint or checkpoint the job's first batch
+restored (``transform_with_state``'s ``restore_from``), or None."""
 
 
 def check_same_query(manifest: BatchManifest, query: dict[str, Any], job_id: str) -> None:
     """Raise ConfigurationError naming the setting if ``query`` (``time_mode``,
     ``output_mode``, ``key``: the key columns' [name, type] pairs) differs from the query
-    that committed ``manifest``. Spark refuses another time or output mode on restart,
-    and state keyed by other columns cannot be read. A manifest of an older release,
-    without the property, passes."""
+    that committed ``manifest``, or if ``query`` names a ``restored_from`` the job did
+    not start from. Spark refuses another time or output mode on restart, state keyed by
+    other columns cannot be read, and a job that has committed batches has its state. A
+    manifest of an older release, without the property, passes the first checks."""
     committed = manifest.properties.get(QUERY_PROPERTY)
     if committed is None:
-        return
+        committed = {}
     restart = "or start a new job_id with a new checkpointLocation"
+    started = committed.get(RESTORED_FROM)
+    if query.get(RESTORED_FROM) not in (None, started):
+        raise ConfigurationError(
+            f"state job {job_id!r} has committed batches up to {manifest.batch_id}, started "
+            f"from {started or 'empty state'}: restore_from={query[RESTORED_FROM]} applies "
+            f"to a job's first start only; drop restore_from to resume the job, {restart} "
+            f"from it"
+        )
+    if not committed:
+        return
     for name in ("time_mode", "output_mode"):
         if committed[name] != query[name]:
             raise ConfigurationError(

@@ -1,0 +1,124 @@
+"""``transform_with_state(..., restore_from=...)``: a job's first start from a savepoint.
+
+Spark starts a query's state empty (or from ``initial_state``) whenever it gets a new
+``checkpointLocation``, which a change of source or of the query's plan requires. Flink
+starts a job from a savepoint instead, and so does a ``transform_with_state`` job: given a
+savepoint (or a completed checkpoint) of a ``transform_with_state`` job, the first batch
+of a new job restores its keyed state, timers and the processor's operator state from it,
+at any parallelism, and the first manifest builds on it.
+
+``restore_point`` checks it up front on the driver, one ConfigurationError or
+IncompatibleStateError each: it must be a completed checkpoint or savepoint on the job's
+own storage, with the job's max parallelism, a ``transform_with_state`` operator keyed by
+the same key columns, and states the processor can read. As Flink's "no claim" mode, the
+job never writes, deletes or keeps depending on it: its first batch is also a
+materialization, and once that completes later manifests build on the job's own
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fsspec.utils import get_protocol
+
+from statebackend.backends.keyed import stored_reader
+from statebackend.checkpoint.filesystem import absolute_location
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    IncompatibleStateError,
+)
+from statebackend.serializers import (
+    Compatibility,
+    Serializer,
+    SerializerConfig,
+    serializer_from_config,
+)
+from statebackend.spark.arrow_path import OPERATOR_ID
+from statebackend.spark.conf import MAX_PARALLELISM_KEY
+from statebackend.state.descriptors import StateDescriptor
+
+_FOLD_HINT = (
+    "give a chk-<N> or savepoint directory (fold a job's batch manifests into one first: "
+    "statebackend savepoint create --from <job dir>/latest --to DIR)"
+)
+
+
+def restore_location(storage: CheckpointStorage, restore_from: str) -> str:
+    """The one spelling of ``restore_from``'s directory (as manifests record it).
+    ConfigurationError if it is not on the job's storage, which reads it."""
+    if not isinstance(restore_from, str) or not restore_from:
+        raise ConfigurationError(f"restore_from {restore_from!r} is invalid: give a directory")
+    location = absolute_location(restore_from)
+    ours = storage.layout.checkpoint_dir
+    if get_protocol(location) != get_protocol(ours):
+        raise ConfigurationError(
+            f"restore_from {restore_from} is not on the job's storage ({ours}), which the "
+            f"keyed subtasks read it with: copy it there with statebackend savepoint "
+            f"create --from {restore_from} --to <a directory under {ours}>"
+        )
+    return storage.resolve(location)
+
+
+def restore_point(
+    storage: CheckpointStorage,
+    directory: str,
+    key_serializer: Serializer[Any],
+    declared_states: Sequence[StateDescriptor],
+    max_parallelism: int | None,
+) -> CheckpointMetadata:
+    """The metadata of the checkpoint or savepoint in ``directory`` (``restore_location``)
+    once it is checked to fit the job: ConfigurationError if it is not complete, holds no
+    ``transform_with_state`` state, was keyed by other key columns, or its max
+    parallelism is not ``max_parallelism`` (the setting, if given); IncompatibleStateError
+    naming a state the processor declares with another kind or an unreadable schema;
+    CheckpointError if it cannot be read (or, with a signing key, is not signed)."""
+    try:
+        metadata = storage.load(directory)
+    except CheckpointNotFoundError as exc:
+        raise ConfigurationError(
+            f"restore_from {directory} is not a completed checkpoint or savepoint (no "
+            f"_metadata): {_FOLD_HINT}"
+        ) from exc
+    if max_parallelism not in (None, metadata.max_parallelism):
+        raise ConfigurationError(
+            f"{MAX_PARALLELISM_KEY}={max_parallelism} differs from the max parallelism "
+            f"{metadata.max_parallelism} of restore_from {directory} (its key groups are "
+            f"fixed): unset {MAX_PARALLELISM_KEY}"
+        )
+    operator = metadata.operators.get(OPERATOR_ID)
+    if operator is None:
+        held = ", ".join(sorted(metadata.operators)) or "none"
+        raise ConfigurationError(
+            f"restore_from {directory} holds no transform_with_state state (operator "
+            f"{OPERATOR_ID!r}; it holds {held}): give a savepoint of a transform_with_state "
+            f"job"
+        )
+    handles = operator.keyed_handles()
+    if handles:
+        stored = handles[0].key_serializer
+        if key_serializer.compatibility_with(stored) is not Compatibility.COMPATIBLE_AS_IS:
+            raise ConfigurationError(
+                f"restore_from {directory} is keyed by {_describe(stored)}, this query by "
+                f"{key_serializer!r}: its state cannot be read with other keys; key_by the "
+                f"same columns with the same types"
+            )
+    stored_states = operator.keyed_states()
+    for descriptor in declared_states:
+        if descriptor.name in stored_states:
+            try:
+                stored_reader(stored_states[descriptor.name], descriptor)
+            except IncompatibleStateError as exc:
+                raise IncompatibleStateError(f"restore_from {directory}: {exc}") from exc
+    return metadata
+
+
+def _describe(config: SerializerConfig) -> str:
+    try:
+        return repr(serializer_from_config(config))
+    except Exception:  # a serializer this release does not know: its configuration
+        return str(config)

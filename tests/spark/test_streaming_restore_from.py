@@ -1,0 +1,219 @@
+"""``transform_with_state(..., restore_from=SAVEPOINT)``: a new query (new
+checkpointLocation, new job_id) starts from another job's savepoint at another
+parallelism, continues its state exactly (compared with plain Python over the old and
+the new input), stops depending on the savepoint after its first materialization, and
+each bad ``restore_from`` is one clear error before any batch runs."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StatefulProcessor
+
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.cli import main
+from statebackend.errors import ConfigurationError, IncompatibleStateError
+from statebackend.spark.streaming import transform_with_state
+from tests.spark.jobs import lose_local_state, streaming_session
+from tests.spark.test_streaming_exactly_once import (
+    OutputRows,
+    example,
+    expected_output,
+    expected_totals,
+    make_batches,
+    read_output,
+    state_totals,
+    write_batch_files,
+)
+
+MAX_PARALLELISM = "spark.statebackend.max-parallelism"
+
+
+@pytest.fixture
+def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
+    with streaming_session(spark_local, tmp_path) as session:
+        yield session
+
+
+def _source(spark: SparkSession, input_dir: Path) -> Any:
+    return (
+        spark.readStream.schema(example.INPUT_SCHEMA)
+        .option("maxFilesPerTrigger", 1)
+        .json(str(input_dir))
+    )
+
+
+def _run(
+    spark: SparkSession,
+    input_dir: Path,
+    out: Path,
+    checkpoint: Path,
+    job_id: str,
+    parallelism: int,
+    restore_from: str | None = None,
+) -> None:
+    stateful = transform_with_state(
+        _source(spark, input_dir),
+        key_by="user",
+        processor=example.UserTotals(),
+        output_schema=example.OUTPUT_SCHEMA,
+        job_id=job_id,
+        parallelism=parallelism,
+        restore_from=restore_from,
+    )
+    query = (
+        stateful.writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+
+
+def _fold(job_dir: Path, savepoint: Path) -> None:
+    """``statebackend savepoint create --from <job>/latest --to SAVEPOINT``."""
+    assert main(["savepoint", "create", "--from", f"{job_dir}/latest", "--to", str(savepoint)]) == 0
+
+
+def _shifted(rows: OutputRows, first: int) -> OutputRows:
+    """The rows of batches ``first``... of one run, numbered from 0 as a new query does."""
+    return Counter({(b - first, row): n for (b, row), n in rows.items() if b >= first})
+
+
+def _old_job(spark: SparkSession, tmp_path: Path, batches: list[Any]) -> Path:
+    """Run ``batches`` as job ``v1`` at parallelism 2 and fold its state into a savepoint;
+    the savepoint's path."""
+    write_batch_files(tmp_path / "in-v1", batches)
+    _run(spark, tmp_path / "in-v1", tmp_path / "out-v1", tmp_path / "ckpt-v1", "v1", 2)
+    savepoint = tmp_path / "savepoints" / "v1"
+    _fold(tmp_path / "ours" / "v1", savepoint)
+    return savepoint
+
+
+def test_a_new_query_continues_from_a_savepoint_at_another_parallelism(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job v1 runs four batches at parallelism 2; its savepoint starts job v2 (a new
+    checkpointLocation and input) at parallelism 3: v2's rows are those plain Python
+    gives for v1's and v2's input together, from v2's first batch on. v2's first batch
+    materializes, so once that completes the savepoint can go: v2 restarts, its local
+    copies lost, with the same ``restore_from`` and rebuilds from its own storage.
+    ``inspect`` and ``list`` name the savepoint as the base of v2's first manifest."""
+    batches = make_batches(8, seed=71)
+    savepoint = _old_job(spark, tmp_path, batches[:4])
+    v2 = tmp_path / "ours" / "v2"
+
+    write_batch_files(tmp_path / "in-v2", batches[4:7])
+    _run(
+        spark,
+        tmp_path / "in-v2",
+        tmp_path / "out-v2",
+        tmp_path / "ckpt-v2",
+        "v2",
+        3,
+        str(savepoint),
+    )
+    assert read_output(spark, tmp_path / "out-v2") == _shifted(expected_output(batches[:7]), 4)
+    assert state_totals(spark, v2) == expected_totals(batches[:7])
+
+    storage = CheckpointStorage((tmp_path / "ours").as_uri(), "v2")
+    cut = {storage.load(n).properties["batch_id"] for n in storage.completed_checkpoint_ids()}
+    assert 0 in cut, cut
+    newest = ChangelogStorage(storage).latest_manifest()
+    assert newest is not None and newest.base is not None
+    assert newest.base.path.startswith("../"), newest.base  # the job's own checkpoint
+
+    capsys.readouterr()
+    assert main(["inspect", f"{v2}/manifests/0"]) == 0
+    assert "base: the savepoint the job started from (restore_from), " in capsys.readouterr().out
+    assert main(["list", str(tmp_path / "ours")]) == 0
+    assert "v1 (restore_from)" in capsys.readouterr().out
+
+    shutil.rmtree(savepoint)
+    lose_local_state(tmp_path / "local")
+    write_batch_files(tmp_path / "in-v2", batches[7:], first=7)
+    _run(
+        spark,
+        tmp_path / "in-v2",
+        tmp_path / "out-v2",
+        tmp_path / "ckpt-v2",
+        "v2",
+        2,
+        str(savepoint),
+    )
+    written = read_output(spark, tmp_path / "out-v2")
+    assert written == _shifted(expected_output(batches), 4)
+    assert max(written.values()) == 1
+    assert state_totals(spark, v2) == expected_totals(batches)
+
+
+class ListTotals(StatefulProcessor):
+    """Declares ``totals`` as list state, which UserTotals stores as value state."""
+
+    def init(self, handle: Any) -> None:
+        handle.getListState("totals", "count long, total long")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        return iter(())
+
+    def close(self) -> None:
+        pass
+
+
+def test_each_bad_restore_from_is_one_error_before_any_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A manifest instead of a savepoint, another storage, a savepoint keyed by other
+    columns, a state of another kind, another max parallelism, one without a
+    transform_with_state operator, and a restore_from given to a job that has committed
+    batches from elsewhere: each raises from ``transform_with_state``, naming it, and
+    nothing is written to the new job's directory."""
+    savepoint = _old_job(spark, tmp_path, make_batches(2, seed=72))
+    source = _source(spark, tmp_path / "in-v1")
+
+    def start(restore_from: str, job_id: str = "v2", **options: Any) -> None:
+        arguments: dict[str, Any] = {
+            "key_by": "user",
+            "processor": example.UserTotals(),
+            "output_schema": example.OUTPUT_SCHEMA,
+            "job_id": job_id,
+            "parallelism": 2,
+            **options,
+        }
+        transform_with_state(source, restore_from=restore_from, **arguments)
+
+    manifest = f"{tmp_path / 'ours' / 'v1'}/manifests/1"
+    with pytest.raises(ConfigurationError, match="is not a completed checkpoint or savepoint"):
+        start(manifest)
+    with pytest.raises(ConfigurationError, match="is not on the job's storage"):
+        start("s3://bucket/savepoints/v1")
+    with pytest.raises(ConfigurationError, match="is keyed by .*, this query by"):
+        start(str(savepoint), key_by=["user", "amount"])
+    with pytest.raises(IncompatibleStateError, match="'totals' was stored as value state"):
+        start(str(savepoint), processor=ListTotals())
+    spark.conf.set(MAX_PARALLELISM, "64")
+    try:
+        with pytest.raises(ConfigurationError, match=f"{MAX_PARALLELISM}=64 differs"):
+            start(str(savepoint))
+    finally:
+        spark.conf.unset(MAX_PARALLELISM)
+    dropped = tmp_path / "savepoints" / "empty"
+    status = main(
+        ["savepoint", "transform", "--from", str(savepoint), "--to", str(dropped),
+         "--drop-operator", "transform-with-state"]
+    )  # fmt: skip
+    assert status == 0
+    with pytest.raises(ConfigurationError, match="holds no transform_with_state state"):
+        start(str(dropped))
+    # v1 has committed batches and did not start from the savepoint.
+    with pytest.raises(ConfigurationError, match="applies to a job's first start only"):
+        start(str(savepoint), job_id="v1")
+    assert not (tmp_path / "ours" / "v2").exists()
