@@ -253,9 +253,17 @@ class BatchCommitter:
     def reconcile(self, batch_id: int) -> BatchManifest | None:
         """Manifest ``batch_id`` if the batch is committed already (Spark re-runs it),
         else None: the batch must run. Raises CheckpointError if our state is older than
-        batch ``batch_id - 1`` (the Spark checkpoint is ahead of the job's state)."""
+        batch ``batch_id - 1`` (the Spark checkpoint is ahead of the job's state, or the
+        job's state is gone)."""
         newest = self.newest_batch()
         if newest is None:
+            if batch_id > 0:
+                raise CheckpointError(
+                    f"Spark runs batch {batch_id} but job {self.storage.job_id!r} has no "
+                    f"committed batch in {self.storage.layout.job_dir}: its state is missing "
+                    f"(deleted?); restore the job directory, or start a new job_id with a "
+                    f"new checkpointLocation"
+                )
             return None
         if newest >= batch_id:
             if batch_id not in self.changelog.manifest_ids():
