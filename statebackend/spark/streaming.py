@@ -32,7 +32,9 @@ Materialization: every ``spark.statebackend.changelog.materialize-every`` batche
 driver triggers a checkpoint (``CheckpointTracker``, as StatefulJob's) that the keyed
 subtasks cut at the end of the batch and upload in the background. The batch never waits
 for it: while one is pending, the next is postponed, and the driver only polls its acks
-before and after each batch. Once it completes, ``ChangelogStorage.materialized`` makes
+before and after each batch; only a run that may end after any batch (``availableNow``,
+``once``, ``toDF``) waits for it in its batch, and a restart adopts one that completed
+after a run's last batch. Once it completes, ``ChangelogStorage.materialized`` makes
 it the base of the next manifests and the records at or below it are deleted; one that
 stalls, times out or fails is aborted and the manifests keep their old base. Checkpoint
 retention keeps every checkpoint a retained manifest builds on.
@@ -301,6 +303,13 @@ class StatefulStream:
         """Without Python worker reuse an upload would die with its task's worker."""
         self._tracker: CheckpointTracker | None = None
         self._keyed_batches = KeyedBatches()
+        self._cut_attempts: dict[int, list[str]] = {}
+        """Per pending materialization, the subtask attempts its batch's manifest accepted
+        (that manifest may be deleted by the time the materialization completes)."""
+        self.ends_when_caught_up = False
+        """Whether the run may end after any batch (``toDF``, an ``availableNow`` or
+        ``once`` trigger): a materialization is then waited for in its own batch, as
+        none may follow to poll it, and one left pending would never complete."""
 
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
@@ -323,6 +332,7 @@ class StatefulStream:
             previous = self.committer.newest_batch()
         batch_id = 0 if previous is None else previous + 1
         now = int(time.time() * 1000)
+        self.ends_when_caught_up = True
         batch = self.with_key_groups(self.df)
         return self.output(self.run_batch(batch, batch_id, BatchTimes(now)))
 
@@ -380,7 +390,11 @@ class StatefulStream:
             raise
         self._record_batch(batch_id, rows, checkpoint_id, restore_batch)
         if checkpoint_id is not None:
+            records = manifest.operators[OPERATOR_ID][-1].subtasks
+            self._cut_attempts[checkpoint_id] = [handle.attempt for handle in records]
             tracker.uploads_started()
+            if self.ends_when_caught_up:
+                tracker.wait()
         tracker.poll()
         self._previous_batch = batch_id
         return manifest
@@ -407,9 +421,32 @@ class StatefulStream:
                 self._materialized,
             )
             newest = changelog.latest_manifest()
-            if newest is not None and newest.base is not None:
-                self._materialized_batch = newest.base.batch_id
+            if newest is not None:
+                self._materialized_batch = self._adopt_materialization(newest)
         return self._tracker
+
+    def _adopt_materialization(self, newest: BatchManifest) -> int:
+        """Make the job's newest completed checkpoint the base of the next manifests if an
+        earlier run completed it after its last batch (so that no manifest of that run
+        could build on it) and it cut batch b <= ``newest``'s with the attempts manifest
+        b accepted; the batch of the base the next manifests build on."""
+        base = -1 if newest.base is None else newest.base.batch_id
+        storage, changelog = self.committer.storage, self.committer.changelog
+        completed = storage.completed_checkpoint_ids()
+        if not completed:
+            return base
+        metadata = storage.load(completed[-1])
+        batch_id = metadata.properties.get("batch_id")
+        if (
+            not isinstance(batch_id, int)
+            or not base < batch_id <= newest.batch_id
+            or batch_id not in changelog.manifest_ids()
+        ):
+            return base
+        records = changelog.load_manifest(batch_id).operators[OPERATOR_ID][-1]
+        accepted = [handle.attempt for handle in records.subtasks]
+        adopted = self._make_base(completed[-1], batch_id, metadata, accepted)
+        return batch_id if adopted else base
 
     def _materialization_due(self, tracker: CheckpointTracker, batch_id: int) -> int | None:
         """Trigger the materialization that cuts the end of batch ``batch_id`` if it is
@@ -427,26 +464,33 @@ class StatefulStream:
         return tracker.trigger({OPERATOR_ID: self.parallelism}, batch_id, None, properties)
 
     def _materialized(self, pending: TrackedCheckpoint, metadata: CheckpointMetadata) -> None:
-        """A materialization completed: its metrics; the next manifests build on it if
-        it cut the task attempts its batch's manifest accepted (another attempt, e.g. a
-        speculative copy, ran the same batch but need not have left the same state)."""
+        """A materialization completed: its metrics; the next manifests build on it
+        (``_make_base``)."""
         assert self._tracker is not None
         self.metrics.record(self._tracker.metrics(pending, metadata))
-        changelog = self.committer.changelog
-        records = changelog.load_manifest(pending.batch_id).operators[OPERATOR_ID][-1]
-        accepted = [handle.attempt for handle in records.subtasks]
+        accepted = self._cut_attempts.pop(pending.checkpoint_id)
+        self._make_base(pending.checkpoint_id, pending.batch_id, metadata, accepted)
+
+    def _make_base(
+        self, checkpoint_id: int, batch_id: int, metadata: CheckpointMetadata, accepted: list[str]
+    ) -> bool:
+        """Make completed materialization N (``metadata``), cut at the end of batch b, the
+        base of the next manifests if it cut the subtask attempts ``accepted`` (those
+        manifest b accepted: another attempt, e.g. a speculative copy, ran the same batch
+        but need not have left the same state); whether it did."""
         cut = [ack.attempt for ack in metadata.operators[OPERATOR_ID].subtasks]
         if cut != accepted:
             _log.warning(
                 "materialization %s cut task attempts %s of batch %s, whose manifest "
                 "accepted %s: it does not become the base",
-                pending.checkpoint_id,
+                checkpoint_id,
                 cut,
-                pending.batch_id,
+                batch_id,
                 accepted,
             )
-            return
-        changelog.materialized(pending.checkpoint_id, pending.batch_id)
+            return False
+        self.committer.changelog.materialized(checkpoint_id, batch_id)
+        return True
 
     def _record_batch(
         self, batch_id: int, rows: list[Row], checkpoint_id: int | None, restore_batch: int | None

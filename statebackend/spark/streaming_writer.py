@@ -229,6 +229,7 @@ class StatefulStreamWriter:
             )
         storage, options = stream.committer.storage, stream.conf.storage_options
         stream.binding_id = bind(storage, checkpoint, options)
+        stream.ends_when_caught_up = "processingTime" not in trigger and bool(trigger)
         offsets = BatchTimesReader(location_filesystem(checkpoint, storage, options), checkpoint)
 
         def run(batch_df: DataFrame, batch_id: int) -> None:

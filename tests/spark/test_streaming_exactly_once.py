@@ -100,7 +100,7 @@ def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
         yield session
 
 
-def _stateful(spark: SparkSession, input_dir: Path, job_id: str, parallelism: int) -> Any:
+def stateful_query(spark: SparkSession, input_dir: Path, job_id: str, parallelism: int) -> Any:
     source = (
         spark.readStream.schema(example.INPUT_SCHEMA)
         .option("maxFilesPerTrigger", 1)
@@ -120,7 +120,7 @@ def run_to_parquet(
     spark: SparkSession, input_dir: Path, out: Path, checkpoint: Path, parallelism: int
 ) -> None:
     query = (
-        _stateful(spark, input_dir, "totals", parallelism)
+        stateful_query(spark, input_dir, "totals", parallelism)
         .writeStream.format("parquet")
         .option("path", str(out))
         .option("checkpointLocation", str(checkpoint))
@@ -216,7 +216,7 @@ def test_lost_local_copy_is_rebuilt_from_storage(spark: SparkSession, tmp_path: 
         lose_local_state(local)  # the next batch runs as if on another host
 
     query = (
-        _stateful(spark, input_dir, "wiped", parallelism=2)
+        stateful_query(spark, input_dir, "wiped", parallelism=2)
         .writeStream.foreachBatch(collect_then_lose_local_state)
         .option("checkpointLocation", str(tmp_path / "ckpt"))
         .trigger(availableNow=True)
@@ -233,7 +233,7 @@ def test_checkpoint_location_is_bound_to_one_job(spark: SparkSession, tmp_path: 
 
     def start(job_id: str, checkpoint: Path) -> None:
         query = (
-            _stateful(spark, input_dir, job_id, parallelism=2)
+            stateful_query(spark, input_dir, job_id, parallelism=2)
             .writeStream.foreachBatch(lambda df, batch_id: None)
             .option("checkpointLocation", str(checkpoint))
             .trigger(availableNow=True)
@@ -307,7 +307,7 @@ def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_pat
 
     def run() -> None:
         query = (
-            _stateful(spark, input_dir, "json-sink", parallelism=2)
+            stateful_query(spark, input_dir, "json-sink", parallelism=2)
             .writeStream.format("json")
             .option("path", str(out))
             .option("checkpointLocation", str(checkpoint))

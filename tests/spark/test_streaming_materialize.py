@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQueryException
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import batch_ids
 from statebackend.checkpoint.metrics import (
     BatchMetrics,
@@ -34,6 +37,7 @@ from tests.spark.test_streaming_exactly_once import (
     read_output,
     run_to_parquet,
     state_totals,
+    stateful_query,
     write_batch_files,
 )
 
@@ -128,3 +132,79 @@ def test_signed_job_refuses_a_changed_staged_output(spark: SparkSession, tmp_pat
     with pytest.raises(Exception, match=f"{staged.name} does not match the signed checksum"):
         run_to_parquet(spark, input_dir, out, checkpoint, parallelism=1)
     assert not list(out.glob("part-1-*.parquet"))
+
+
+def test_a_materialization_completing_after_its_manifest_was_deleted_becomes_the_base(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver reads the acks of the materialization after batch 1 only at its ninth
+    poll, at batch 5 (as with uploads slower than three batches), when retention has
+    deleted manifest 1: it still becomes the base, and the query goes on exactly."""
+    real_poll = CheckpointCoordinator.poll
+    polls: Counter[int] = Counter()
+
+    def late_poll(self: CheckpointCoordinator, checkpoint_id: int) -> str | None:
+        polls[checkpoint_id] += 1
+        return None if polls[checkpoint_id] <= 8 else real_poll(self, checkpoint_id)
+
+    monkeypatch.setattr(CheckpointCoordinator, "poll", late_poll)
+    batches = make_batches(8, seed=44)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches)
+    query = (
+        stateful_query(spark, input_dir, "totals", 2)
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="10 milliseconds")
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert read_output(spark, out) == expected_output(batches)
+    storage, changelog = job_storage(tmp_path, "totals")
+    assert 1 not in changelog.manifest_ids()
+    newest = changelog.latest_manifest()
+    assert newest is not None and newest.batch_id == 7 and newest.base is not None
+    assert newest.base.batch_id == 1, newest.base
+    assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
+
+
+def test_available_now_runs_of_one_batch_each_materialize(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Five availableNow runs of one batch each (materializing every 2 batches): the
+    materialization cut at the end of a run's only batch completes in that run, so the
+    base moves on, the changelog below it is deleted, and no pending checkpoint is left."""
+    batches = make_batches(5, seed=45)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    storage, changelog = job_storage(tmp_path, "totals")
+    for number, rows in enumerate(batches):
+        write_batch_files(input_dir, [rows], first=number)
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    assert read_output(spark, out) == expected_output(batches)
+    newest = changelog.latest_manifest()
+    assert newest is not None and newest.batch_id == 4 and newest.base is not None
+    assert newest.base.batch_id == 3, newest.base
+    assert min(batch_ids(storage.fs.list_dir(storage.layout.changelog_dir))) > 1
+    assert storage.checkpoint_ids() == storage.completed_checkpoint_ids()
+    assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
+
+
+def test_a_lost_state_directory_fails_the_query_instead_of_starting_empty(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The job's state directory deleted while the Spark checkpointLocation is at batch
+    2: the next batch fails, naming the missing state, instead of running on empty
+    state; nothing more is published."""
+    batches = make_batches(3, seed=46)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:2])
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    shutil.rmtree(tmp_path / "ours" / "totals")
+    write_batch_files(input_dir, batches[2:], first=2)
+    with pytest.raises(StreamingQueryException, match="has no committed batch"):
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    assert read_output(spark, out) == expected_output(batches[:2])
