@@ -35,6 +35,7 @@ checkpoint interval. The first ``cleanup`` of an instance, and the first after
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ from statebackend.snapshot.handles import normalize_path, resolve_path
 from statebackend.state.ttl import Clock
 
 DEFAULT_RETAINED_MANIFESTS = 3
+_log = logging.getLogger(__name__)
 
 
 class ChangelogStorage:
@@ -150,7 +152,8 @@ class ChangelogStorage:
     ) -> BatchManifest:
         """Write manifest B: the newest manifest's records (after the base set by
         ``materialized``) plus ``accepted`` (per operator, one record per subtask in
-        subtask order). Then ``cleanup`` unless told not to.
+        subtask order). Then ``cleanup`` unless told not to; a storage failure there is
+        logged and the deletions retried at the next commit (the batch is committed).
 
         If manifest B exists already with the same content, returns it (a re-run of a
         committed batch); with other content raises CheckpointError. Manifests are
@@ -184,7 +187,16 @@ class ChangelogStorage:
         self._manifests[batch_id] = manifest
         bisect.insort(ids, batch_id)
         if cleanup:
-            self.cleanup()
+            try:
+                self.cleanup()
+            except CheckpointError:  # the batch is committed: deleting is retried later
+                self._ids = self._swept = None  # list everything again at the next cleanup
+                _log.warning(
+                    "batch %s is committed, but deleting what no retained manifest needs "
+                    "failed; the next commit retries",
+                    batch_id,
+                    exc_info=True,
+                )
         return manifest
 
     def materialized(self, checkpoint_id: int, batch_id: int, directory: str | None = None) -> None:

@@ -321,6 +321,46 @@ def test_retention_truncation_and_base(checkpoint_url: Storage, tmp_path: Path) 
     assert found == live_states(models)
 
 
+def test_a_failed_cleanup_does_not_fail_the_committed_batch(
+    checkpoint_url: Storage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting an old manifest fails (the storage refuses once) while batch 4 commits:
+    the commit returns its manifest, and the next commit deletes what no retained
+    manifest needs; a rebuild equals the model."""
+    checkpoints = open_storage(checkpoint_url)
+    changelog = ChangelogStorage(checkpoints, retained=2)
+    backend = enabled(make_backend("heap", tmp_path / "db", 1, 0))
+    rng = random.Random(8)
+    models: dict[str, KeyModel] = {}
+    real_delete = changelog.fs.delete
+    failures = [CheckpointError("could not delete: the storage refused (injected)")]
+
+    def flaky_delete(path: str, recursive: bool = False) -> None:
+        if failures:
+            raise failures.pop()
+        real_delete(path, recursive)
+
+    try:
+        for batch_id in range(1, 4):
+            run_batch(changelog, [backend], batch_id, rng, models)
+        monkeypatch.setattr(changelog.fs, "delete", flaky_delete)
+        assert run_batch(changelog, [backend], 4, rng, models).batch_id == 4
+        assert not failures  # the delete was tried, and failed
+        assert changelog.manifest_ids() == [2, 3, 4]
+        run_batch(changelog, [backend], 5, rng, models)
+    finally:
+        backend.dispose()
+    assert changelog.manifest_ids() == [4, 5]
+    assert changelog.fs.list_dir(changelog.layout.changelog_dir) == [str(n) for n in range(1, 6)]
+    latest = changelog.latest_manifest()
+    assert latest is not None
+    (rebuilt,) = rebuild("heap", changelog, latest, 1, tmp_path)
+    try:
+        assert read_keyed(rebuilt) == live_states(models)
+    finally:
+        rebuilt.dispose()
+
+
 def test_a_damaged_or_missing_record_or_base_is_reported(
     checkpoint_url: Storage, tmp_path: Path
 ) -> None:
