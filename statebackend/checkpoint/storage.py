@@ -127,7 +127,7 @@ class CheckpointStorage:
 
     def shared_location(self) -> SharedLocation:
         """The job's ``shared/`` directory, for incremental snapshots."""
-        return SharedLocation(self.layout.shared_dir, f"../{SHARED_DIR}", self.is_completed)
+        return SharedLocation(self.layout.shared_dir, f"../{SHARED_DIR}", self.completed_files)
 
     def mark_pending(self, checkpoint_id: int, run: str, epoch: int) -> None:
         """Write checkpoint N's pending marker (naming the coordinator's run and epoch):
@@ -236,6 +236,18 @@ class CheckpointStorage:
     def is_completed(self, checkpoint_id: int) -> bool:
         """Whether checkpoint N is complete (has ``_metadata``)."""
         return self.fs.exists(self.layout.metadata_path(checkpoint_id))
+
+    def completed_files(self, checkpoint_id: int) -> frozenset[str] | None:
+        """The paths (relative to its directory) of the files completed checkpoint N's
+        ``_metadata`` references; None if N is not complete, no files if its
+        ``_metadata`` cannot be read (nothing of it may be reused)."""
+        try:
+            metadata = self.load(checkpoint_id)
+        except CheckpointNotFoundError:
+            return None
+        except CheckpointError:
+            return frozenset()
+        return frozenset(f.path for f in metadata.files())
 
     def completed_checkpoint_ids(self) -> list[int]:
         """Ids of the completed checkpoints (those with ``_metadata``), ascending."""

@@ -10,6 +10,11 @@ incremental snapshot uploads its files without reading a single entry:
   RocksIncrementalSnapshotStrategy does). The backend keeps these upload records in its
   ``NativeCheckpoint.records`` directory, one JSON file per checkpoint, so they survive
   ``close()``/reopen across micro-batches and go with the database.
+- A record of checkpoint K is trusted only if K's ``_metadata`` references every shared
+  file in it, i.e. K took this snapshot (or one with the same shared files). Of several
+  task attempts that snapshot K for one subtask (a retried or speculative one), K takes
+  one; the coordinator deletes the others' shared files, and a local copy of an attempt
+  that was not taken uploads its SST files again instead of referencing deleted ones.
 - The other files (MANIFEST, CURRENT, OPTIONS, rocksdict's config, the WAL, empty after
   the checkpoint's flush) are private to the checkpoint. Those smaller than
   ``INLINE_LIMIT`` are kept inside the handle, so in ``_metadata``, as Flink keeps state
@@ -69,11 +74,13 @@ _SST_SUFFIX = ".sst"
 class SharedLocation:
     """Where a job's shared files go, as a path (``directory``) and as seen from a
     checkpoint directory (``relative``, e.g. ``../shared``), and how a snapshot learns
-    whether an earlier checkpoint completed (only then does it reuse its files)."""
+    which files an earlier checkpoint holds: ``completed_files(N)`` is None if N is not
+    complete, else the paths (relative to N's directory) of the files its ``_metadata``
+    references. A snapshot reuses only files a completed checkpoint holds."""
 
     directory: str
     relative: str
-    is_completed: Callable[[int], bool]
+    completed_files: Callable[[int], frozenset[str] | None]
 
 
 class NativeFile(NamedTuple):
@@ -213,11 +220,14 @@ def _recorded_ids(native: NativeCheckpoint) -> list[int]:
 def reusable_files(
     native: NativeCheckpoint, checkpoint_id: int, shared: SharedLocation
 ) -> dict[tuple[str, int], NativeFile]:
-    """The shared files of the newest completed checkpoint before ``checkpoint_id`` that
-    this backend took, by (SST name, size); records older than that one are dropped."""
+    """The shared files this backend recorded for the newest completed checkpoint before
+    ``checkpoint_id``, by (SST name, size), if that checkpoint's ``_metadata`` references
+    them all; none if it does not (it took another task attempt's snapshot of this
+    subtask, whose shared files were deleted). Records older than that one are dropped."""
     earlier = [n for n in _recorded_ids(native) if n < checkpoint_id]
     for previous in reversed(earlier):
-        if not shared.is_completed(previous):
+        held = shared.completed_files(previous)
+        if held is None:
             continue
         for older in earlier:
             if older < previous:
@@ -225,7 +235,9 @@ def reusable_files(
         record = json.loads(_record_path(native, previous).read_text())
         if record["shared_dir"] != shared.directory:
             return {}
-        files = (NativeFile.from_json(f) for f in record["files"])
+        files = [NativeFile.from_json(f) for f in record["files"]]
+        if any(f.path not in held for f in files):
+            return {}
         return {(f.name, f.size): f for f in files}
     return {}
 

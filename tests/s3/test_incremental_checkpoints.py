@@ -44,6 +44,7 @@ from statebackend.keygroups import (
 )
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.snapshot import incremental
+from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
@@ -653,3 +654,73 @@ def test_gc_lists_only_unreferenced_shared_files(job: Job) -> None:
     garbage = find_garbage(job.storage.fs, job.storage.layout.job_dir, grace_seconds=0)
     assert [g.path for g in garbage] == [stray]
     assert "shared file" in garbage[0].reason
+
+
+# -- task attempts ---------------------------------------------------------------------------
+
+
+def fill(backend: RocksDBKeyedStateBackend, model: Model) -> None:
+    """Write ``model`` into an empty backend."""
+    count = cast(ValueState, backend.get_state(COUNT))
+    tags = cast(MapState, backend.get_state(TAGS))
+    for key, (value, key_tags) in model.items():
+        backend.set_current_key(key)
+        if value is not None:
+            count.update(value)
+        for tag, tag_value in key_tags.items():
+            tags.put(tag, tag_value)
+
+
+def ack_of(job: Job, checkpoint_id: int, handle: Any, attempt: str) -> SubtaskAck:
+    """Subtask 0's acknowledgement of checkpoint N by task attempt ``attempt``."""
+    return SubtaskAck(OPERATOR, 0, 1, handle, None, job.coordinator.run_id, attempt)
+
+
+def test_a_later_checkpoint_never_reuses_the_files_of_an_attempt_not_taken(
+    job: Job, tmp_path: Path
+) -> None:
+    """Two attempts of subtask 0 (two local copies of the same state) both snapshot
+    checkpoint K, each uploading its own shared files; K takes attempt a's and deletes
+    attempt b's. The next checkpoint M, from b's local copy, references only files that
+    exist (it uploads b's SSTs again) and restores to the model."""
+    job.write(3000)
+    first = job.backends[0]
+    second = RocksDBKeyedStateBackend(
+        tmp_path / "attempt-b",
+        max_parallelism=M,
+        key_group_range=compute_key_group_range_for_operator_index(M, 1, 0),
+    )
+    job.backends.append(second)  # disposed with the job
+    fill(second, job.model)
+    assert read_model(second) == read_model(first) == job.model
+
+    k = job.coordinator.trigger({OPERATOR: 1})
+    run = job.coordinator.run_id
+    by_attempt = {
+        attempt: backend.snapshot(
+            k, job.storage.snapshot_target(k, OPERATOR, 0, run, attempt)
+        ).result(WAIT)
+        for attempt, backend in (("a", first), ("b", second))
+    }
+    for attempt, handle in by_attempt.items():
+        job.storage.write_ack(k, ack_of(job, k, handle, attempt))
+    assert job.coordinator.poll(k) is not None
+    (taken,) = job.storage.load(k).operators[OPERATOR].subtasks
+    assert taken.attempt == "a"  # the first ack read (acks are read in name order)
+    other = {f.path.rsplit("/", 1)[-1] for f in by_attempt["b"].shared}
+    assert other and not other & shared_names(job)  # b's shared files were deleted
+
+    # b's local copy goes on (e.g. the retried attempt committed it) with more writes.
+    extra = {f"key-b{i}": (i, {}) for i in range(50)}
+    fill(second, extra)
+    job.model.update(extra)
+    later = job.coordinator.trigger({OPERATOR: 1})
+    target = job.storage.snapshot_target(later, OPERATOR, 0, run, "c")
+    handle = second.snapshot(later, target).result(WAIT)
+    job.storage.write_ack(later, ack_of(job, later, handle, "c"))
+    assert job.coordinator.poll(later) is not None
+
+    directory = job.storage.resolve(later)
+    referenced = [resolve_path(directory, f.path) for f in job.storage.load(later).files()]
+    assert referenced and [p for p in referenced if not job.storage.fs.exists(p)] == []
+    assert restore(job.storage.fs, directory, 2, tmp_path / "restored") == job.model
