@@ -9,9 +9,13 @@ their own self-contained directories, which retention never touches.
 
 Shared files (``shared/``, written by incremental snapshots) are deleted by retention and
 abort only once no retained completed checkpoint and no pending checkpoint's
-acknowledgement references them (``registry.py``). A pending checkpoint whose snapshots
-reused a shared file that was deleted meanwhile (possible only with concurrent
-checkpoints) fails on completion instead of completing with a missing file.
+acknowledgement references them (``registry.py``). A snapshot reuses only shared files
+that a completed checkpoint's ``_metadata`` references (``snapshot/incremental.py``). A
+pending checkpoint whose snapshots reference a shared file that was deleted (one deleted
+meanwhile, possible with concurrent checkpoints, or one reused from elsewhere than a
+retained checkpoint) fails on completion instead of completing with a missing file; only
+files that no retained checkpoint holds and that the acks did not upload themselves are
+looked up.
 
 Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoint):
 
@@ -22,7 +26,8 @@ Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoin
   ``chk-<N>/_pending`` naming it, every acknowledgement names the run (and the task
   attempt) it belongs to, and the coordinator ignores acknowledgements of other runs. Of
   several attempts of one subtask the first acknowledgement read is taken; the files of
-  the others are deleted once N completed.
+  the others are deleted once N completed (so a later snapshot from the local copy of an
+  attempt not taken must not reuse them: it checks N's ``_metadata``).
 - **Abort reaches the uploads.** Aborting N removes its pending marker first: uploads
   poll it between chunks, stop, and a snapshot that finishes anyway deletes its own
   files; ``write_ack`` writes nothing once the marker is gone. Retention also reads the
@@ -301,22 +306,33 @@ class CheckpointCoordinator:
         return pending
 
     def _check_shared_files(self, pending: PendingCheckpoint) -> None:
-        """CheckpointError (the checkpoint aborted) if shared files it references were
-        deleted since it was triggered; checked only if the registry deleted any since."""
-        if pending.shared_deletions == self.registry.deletions:
-            return
+        """CheckpointError (the checkpoint aborted) if shared files its acknowledgements
+        reference are missing. Looked up are the files no retained completed checkpoint
+        holds that an ack reuses (another snapshot's, e.g. of a task attempt an earlier
+        checkpoint did not take), and, if the registry deleted any shared file since the
+        checkpoint was triggered, also those the acks uploaded. The files of the newest
+        completed checkpoint are never looked up: a checkpoint that reuses only those
+        and uploads the rest costs no look-up."""
         checkpoint_id = pending.checkpoint_id
-        referenced = self.registry.of_acks(checkpoint_id, pending.acks.values())
-        missing = [
-            path
-            for path in sorted(referenced - self.registry.retained())
-            if not self.storage.fs.exists(path)
-        ]
+        acks = pending.acks.values()
+        if pending.shared_deletions == self.registry.deletions:
+            unheld = self.registry.reused_by(checkpoint_id, acks)
+        else:
+            unheld = self.registry.of_acks(checkpoint_id, acks)
+        try:
+            if self.last_completed_id is not None:
+                unheld -= self.registry.of_checkpoint(self.last_completed_id)
+            if unheld:
+                unheld -= self.registry.retained()
+        except CheckpointError:
+            _log.warning("cannot read the retained checkpoints: looking up every shared file")
+        missing = [path for path in sorted(unheld) if not self.storage.fs.exists(path)]
         if missing:
             self.abort(checkpoint_id)
             raise CheckpointError(
-                f"checkpoint {checkpoint_id} references shared files that were deleted when "
-                f"older checkpoints were discarded ({', '.join(missing)}); it was aborted"
+                f"checkpoint {checkpoint_id} references shared files that were deleted as "
+                f"unreferenced ({', '.join(missing)}: of a discarded checkpoint, or of a task "
+                f"attempt an earlier checkpoint did not take); it was aborted"
             )
 
     def _complete(self, pending: PendingCheckpoint) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checkpoint.storage import CheckpointStorage, snapshot_name
 from statebackend.errors import CheckpointNotFoundError
 from statebackend.snapshot.handles import StoredFile, normalize_path, resolve_path
 
@@ -60,6 +60,17 @@ class SharedFileRegistry:
     def of_acks(self, checkpoint_id: int, acks: Iterable[SubtaskAck]) -> frozenset[str]:
         """The shared files the acknowledgements of (pending) checkpoint N reference."""
         return self._shared(checkpoint_id, (f for ack in acks for f in ack.files()))
+
+    def reused_by(self, checkpoint_id: int, acks: Iterable[SubtaskAck]) -> frozenset[str]:
+        """The shared files the acknowledgements of (pending) checkpoint N reference that
+        their own snapshots did not upload: those named after another snapshot (another
+        subtask, run or task attempt), uploaded for an earlier checkpoint."""
+        reused: set[str] = set()
+        for ack in acks:
+            name = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt)
+            own = f"{self._shared_prefix}{name}-"
+            reused.update(p for p in self.of_acks(checkpoint_id, [ack]) if not p.startswith(own))
+        return frozenset(reused)
 
     def retained(self) -> frozenset[str]:
         """The shared files every completed checkpoint still in storage references."""

@@ -36,6 +36,12 @@ from statebackend.snapshot.target import AbortSignal, SnapshotDirectory
 DEFAULT_TRANSFER_THREADS = 4
 
 
+def snapshot_name(operator_id: str, subtask: int, run: str | None, attempt: str | None) -> str:
+    """The prefix of the names of the files one subtask's task attempt writes for a
+    checkpoint (``<operator>-<subtask>[-<run>][-<attempt>]``)."""
+    return "-".join([operator_id, str(subtask), *(part for part in (run, attempt) if part)])
+
+
 class CheckpointStorage:
     """Reads and writes the checkpoints of job ``job_id`` under ``checkpoint_dir``.
 
@@ -109,11 +115,10 @@ class CheckpointStorage:
         attempt ``attempt``, both named in its files' names) writes its part of
         checkpoint N. In a run (a coordinator triggered N), its uploads stop, and delete
         what they wrote, once N is aborted."""
-        name = "-".join([operator_id, str(subtask), *(part for part in (run, attempt) if part)])
         return SnapshotDirectory(
             self.fs,
             self.layout.checkpoint_path(checkpoint_id),
-            name,
+            snapshot_name(operator_id, subtask, run, attempt),
             self.executor,
             self.compression,
             self.shared_location() if self.incremental else None,

@@ -659,8 +659,21 @@ def test_gc_lists_only_unreferenced_shared_files(job: Job) -> None:
 # -- task attempts ---------------------------------------------------------------------------
 
 
+class LookupCountingFileSystem(CheckpointFileSystem):
+    """``CheckpointFileSystem`` counting the existence checks of shared files."""
+
+    def __init__(self, location: Storage) -> None:
+        super().__init__(raw_fs(location))
+        self.shared_lookups = 0
+
+    def exists(self, path: str) -> bool:
+        """``CheckpointFileSystem.exists``, counted for paths in ``shared/``."""
+        self.shared_lookups += "/shared/" in path
+        return super().exists(path)
+
+
 def fill(backend: RocksDBKeyedStateBackend, model: Model) -> None:
-    """Write ``model`` into an empty backend."""
+    """Write ``model`` into a backend."""
     count = cast(ValueState, backend.get_state(COUNT))
     tags = cast(MapState, backend.get_state(TAGS))
     for key, (value, key_tags) in model.items():
@@ -671,26 +684,23 @@ def fill(backend: RocksDBKeyedStateBackend, model: Model) -> None:
             tags.put(tag, tag_value)
 
 
-def ack_of(job: Job, checkpoint_id: int, handle: Any, attempt: str) -> SubtaskAck:
-    """Subtask 0's acknowledgement of checkpoint N by task attempt ``attempt``."""
+def ack_of(job: Job, handle: Any, attempt: str) -> SubtaskAck:
+    """Subtask 0's acknowledgement, by task attempt ``attempt``, of ``handle``."""
     return SubtaskAck(OPERATOR, 0, 1, handle, None, job.coordinator.run_id, attempt)
 
 
-def test_a_later_checkpoint_never_reuses_the_files_of_an_attempt_not_taken(
-    job: Job, tmp_path: Path
-) -> None:
-    """Two attempts of subtask 0 (two local copies of the same state) both snapshot
-    checkpoint K, each uploading its own shared files; K takes attempt a's and deletes
-    attempt b's. The next checkpoint M, from b's local copy, references only files that
-    exist (it uploads b's SSTs again) and restores to the model."""
-    job.write(3000)
+def two_attempts(job: Job, local: Path) -> tuple[RocksDBKeyedStateBackend, Any]:
+    """Two attempts of subtask 0 ("a": the job's backend; "b": a copy of its state in
+    ``local``) both snapshot checkpoint K, each uploading its own shared files; K takes
+    a's ack and deletes b's shared files. Returns b's backend (with the job's, disposed
+    with the job) and b's handle of K."""
     first = job.backends[0]
     second = RocksDBKeyedStateBackend(
-        tmp_path / "attempt-b",
+        local,
         max_parallelism=M,
         key_group_range=compute_key_group_range_for_operator_index(M, 1, 0),
     )
-    job.backends.append(second)  # disposed with the job
+    job.backends.append(second)
     fill(second, job.model)
     assert read_model(second) == read_model(first) == job.model
 
@@ -703,24 +713,65 @@ def test_a_later_checkpoint_never_reuses_the_files_of_an_attempt_not_taken(
         for attempt, backend in (("a", first), ("b", second))
     }
     for attempt, handle in by_attempt.items():
-        job.storage.write_ack(k, ack_of(job, k, handle, attempt))
+        job.storage.write_ack(k, ack_of(job, handle, attempt))
     assert job.coordinator.poll(k) is not None
     (taken,) = job.storage.load(k).operators[OPERATOR].subtasks
     assert taken.attempt == "a"  # the first ack read (acks are read in name order)
-    other = {f.path.rsplit("/", 1)[-1] for f in by_attempt["b"].shared}
-    assert other and not other & shared_names(job)  # b's shared files were deleted
+    deleted = {f.path.rsplit("/", 1)[-1] for f in by_attempt["b"].shared}
+    assert deleted and not deleted & shared_names(job)
+    return second, by_attempt["b"]
 
-    # b's local copy goes on (e.g. the retried attempt committed it) with more writes.
+
+def test_a_later_checkpoint_never_reuses_the_files_of_an_attempt_not_taken(
+    job: Job, tmp_path: Path
+) -> None:
+    """After ``two_attempts``, the next checkpoint M, from b's local copy (e.g. the retried
+    attempt committed it) with more writes, references only files that exist (it uploads
+    b's SSTs again) and restores to the model."""
+    job.write(3000)
+    second, _ = two_attempts(job, tmp_path / "attempt-b")
     extra = {f"key-b{i}": (i, {}) for i in range(50)}
     fill(second, extra)
     job.model.update(extra)
     later = job.coordinator.trigger({OPERATOR: 1})
-    target = job.storage.snapshot_target(later, OPERATOR, 0, run, "c")
+    target = job.storage.snapshot_target(later, OPERATOR, 0, job.coordinator.run_id, "c")
     handle = second.snapshot(later, target).result(WAIT)
-    job.storage.write_ack(later, ack_of(job, later, handle, "c"))
+    job.storage.write_ack(later, ack_of(job, handle, "c"))
     assert job.coordinator.poll(later) is not None
 
     directory = job.storage.resolve(later)
     referenced = [resolve_path(directory, f.path) for f in job.storage.load(later).files()]
     assert referenced and [p for p in referenced if not job.storage.fs.exists(p)] == []
     assert restore(job.storage.fs, directory, 2, tmp_path / "restored") == job.model
+
+
+def test_a_checkpoint_referencing_deleted_shared_files_is_aborted(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """Checkpoints that reuse the newest one's shared files and upload the rest look up
+    no shared file on completion. After ``two_attempts``, an ack of M by attempt "c"
+    referencing b's deleted files (as a snapshot trusting b's upload record would) makes
+    M fail and be aborted, not complete; the next checkpoint completes and restores."""
+    fs = LookupCountingFileSystem(checkpoint_url)
+    job = new_job(checkpoint_url, tmp_path / "local", fs=fs)
+    try:
+        job.write(3000)
+        job.checkpoint()
+        job.write(500)
+        job.checkpoint()
+        assert fs.shared_lookups == 0
+
+        second, stale = two_attempts(job, tmp_path / "attempt-b")
+        later = job.coordinator.trigger({OPERATOR: 1})
+        job.storage.write_ack(later, ack_of(job, stale, "c"))
+        with pytest.raises(CheckpointError, match="references shared files that were deleted"):
+            job.coordinator.poll(later)
+        assert not job.storage.is_completed(later)
+        assert later not in job.coordinator.pending
+
+        job.backends.remove(second)
+        second.dispose()
+        after = job.checkpoint()
+        assert restore(fs, job.storage.resolve(after), 1, tmp_path) == job.models[after]
+    finally:
+        job.close()
