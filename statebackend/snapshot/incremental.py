@@ -10,11 +10,11 @@ incremental snapshot uploads its files without reading a single entry:
   RocksIncrementalSnapshotStrategy does). The backend keeps these upload records in its
   ``NativeCheckpoint.records`` directory, one JSON file per checkpoint, so they survive
   ``close()``/reopen across micro-batches and go with the database.
-- A record of checkpoint K is trusted only if K's ``_metadata`` references every shared
-  file in it, i.e. K took this snapshot (or one with the same shared files). Of several
-  task attempts that snapshot K for one subtask (a retried or speculative one), K takes
-  one; the coordinator deletes the others' shared files, and a local copy of an attempt
-  that was not taken uploads its SST files again instead of referencing deleted ones.
+- A file in the record of checkpoint K is reused only if K's ``_metadata`` references
+  it. Of several task attempts that snapshot K for one subtask (a retried or speculative
+  one), K takes one; the coordinator deletes the shared files the others uploaded, and a
+  local copy of an attempt that was not taken uploads those SST files again instead of
+  referencing deleted ones.
 - The other files (MANIFEST, CURRENT, OPTIONS, rocksdict's config, the WAL, empty after
   the checkpoint's flush) are private to the checkpoint. Those smaller than
   ``INLINE_LIMIT`` are kept inside the handle, so in ``_metadata``, as Flink keeps state
@@ -221,9 +221,10 @@ def reusable_files(
     native: NativeCheckpoint, checkpoint_id: int, shared: SharedLocation
 ) -> dict[tuple[str, int], NativeFile]:
     """The shared files this backend recorded for the newest completed checkpoint before
-    ``checkpoint_id``, by (SST name, size), if that checkpoint's ``_metadata`` references
-    them all; none if it does not (it took another task attempt's snapshot of this
-    subtask, whose shared files were deleted). Records older than that one are dropped."""
+    ``checkpoint_id`` that this checkpoint's ``_metadata`` references, by (SST name,
+    size): not those it uploaded for a snapshot the checkpoint did not take (another task
+    attempt's of this subtask was taken, and these were deleted). Records older than that
+    one are dropped."""
     earlier = [n for n in _recorded_ids(native) if n < checkpoint_id]
     for previous in reversed(earlier):
         held = shared.completed_files(previous)
@@ -235,10 +236,8 @@ def reusable_files(
         record = json.loads(_record_path(native, previous).read_text())
         if record["shared_dir"] != shared.directory:
             return {}
-        files = [NativeFile.from_json(f) for f in record["files"]]
-        if any(f.path not in held for f in files):
-            return {}
-        return {(f.name, f.size): f for f in files}
+        files = (NativeFile.from_json(f) for f in record["files"])
+        return {(f.name, f.size): f for f in files if f.path in held}
     return {}
 
 
