@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -34,6 +35,7 @@ from statebackend.snapshot.incremental import SharedLocation
 from statebackend.snapshot.target import AbortSignal, SnapshotDirectory
 
 DEFAULT_TRANSFER_THREADS = 4
+_HELD_FILES_CACHED = 4
 
 
 def snapshot_name(operator_id: str, subtask: int, run: str | None, attempt: str | None) -> str:
@@ -83,6 +85,11 @@ class CheckpointStorage:
         self.incremental = incremental
         self._transfer_threads = transfer_threads
         self._executor: Executor | None = None
+        self._held_files: dict[int, frozenset[str]] = {}
+        """``completed_files`` of the newest completed checkpoints asked for: a
+        ``_metadata`` never changes, and every incremental snapshot of this process asks
+        for the previous checkpoint's."""
+        self._held_files_lock = threading.Lock()
 
     @property
     def executor(self) -> Executor:
@@ -245,14 +252,24 @@ class CheckpointStorage:
     def completed_files(self, checkpoint_id: int) -> frozenset[str] | None:
         """The paths (relative to its directory) of the files completed checkpoint N's
         ``_metadata`` references; None if N is not complete, no files if its
-        ``_metadata`` cannot be read (nothing of it may be reused)."""
+        ``_metadata`` cannot be read (nothing of it may be reused). Read once per
+        instance for the newest few checkpoints."""
+        with self._held_files_lock:
+            held = self._held_files.get(checkpoint_id)
+        if held is not None:
+            return held
         try:
             metadata = self.load(checkpoint_id)
         except CheckpointNotFoundError:
             return None
         except CheckpointError:
             return frozenset()
-        return frozenset(f.path for f in metadata.files())
+        held = frozenset(f.path for f in metadata.files())
+        with self._held_files_lock:
+            self._held_files[checkpoint_id] = held
+            while len(self._held_files) > _HELD_FILES_CACHED:
+                del self._held_files[min(self._held_files)]
+        return held
 
     def completed_checkpoint_ids(self) -> list[int]:
         """Ids of the completed checkpoints (those with ``_metadata``), ascending."""

@@ -745,6 +745,24 @@ def test_a_later_checkpoint_never_reuses_the_files_of_an_attempt_not_taken(
     assert restore(job.storage.fs, directory, 2, tmp_path / "restored") == job.model
 
 
+def test_the_files_a_completed_checkpoint_holds_are_read_once(job: Job) -> None:
+    """``completed_files``: None for a pending checkpoint; a completed one's ``_metadata``
+    is read at the first call only (each incremental snapshot asks for it)."""
+    job.write(100)
+    pending = job.coordinator.trigger({OPERATOR: 1})
+    assert job.storage.completed_files(pending) is None
+    job.coordinator.abort(pending)
+    completed = job.checkpoint()
+    fs = job.storage.fs
+    before = fs.bytes_read
+    held = job.storage.completed_files(completed)
+    assert held == {f.path for f in job.storage.load(completed).files()}
+    after = fs.bytes_read
+    assert after > before
+    assert job.storage.completed_files(completed) == held
+    assert fs.bytes_read == after
+
+
 def test_a_checkpoint_referencing_deleted_shared_files_is_aborted(
     checkpoint_url: Storage, tmp_path: Path
 ) -> None:
