@@ -20,7 +20,8 @@ processor, one metadata row per keyed subtask:
    batch's input in memory, as it holds its output), opens its local RocksDB (rebuilt
    from the newest batch manifest unless its marker says it is at batch N-1), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
-   (``changelog/N/<op>-<i>-<attempt>``, with the operator state of a processor that is
+   (``changelog/N/<op>-<i>-<attempt>``, the attempt being the run and Spark task
+   attempt, ``tasks.record_attempt``, with the operator state of a processor that is
    a ``CheckpointedFunction``: ``function_state`` initializes it when the subtask
    (re)starts and the record holds its ``snapshot_state`` cut) and its output rows
    (``outputs/N/<op>-<i>-<attempt>.parquet``, with its checksum) durably; if the batch
@@ -93,7 +94,7 @@ from statebackend.spark.processor_runner import (
 )
 from statebackend.spark.sql_key_groups import key_group_projections, quoted, sql_encodable
 from statebackend.spark.streaming_commit import METADATA_SCHEMA
-from statebackend.spark.tasks import StorageSpec, snapshot_subtask
+from statebackend.spark.tasks import StorageSpec, record_attempt, snapshot_subtask
 
 OPERATOR_ID = "transform-with-state"
 
@@ -370,7 +371,7 @@ def _keyed_task(
                 f"partition {context.partitionId()} got the rows of subtask {subtask}: "
                 f"repartitionById must map subtask i to partition i (Spark >= 4.1)"
             )
-        attempt = str(context.taskAttemptId()) if context is not None else "0"
+        attempt = record_attempt(plan.run_id)
         storage = plan.storage.open()
         records_in = sum(batch.num_rows for batch in received) - 1  # not the control row
         ordered = sorted_by_key(received, plan.spec.key_columns, plan.key_schema_json)

@@ -96,7 +96,7 @@ from statebackend.spark.streaming_commit import (
 )
 from statebackend.spark.streaming_restore import restore_location, restore_point
 from statebackend.spark.streaming_writer import OUTPUT_MODES, StatefulStreamWriter
-from statebackend.spark.tasks import StorageSpec
+from statebackend.spark.tasks import StorageSpec, attempt_name
 from statebackend.state.descriptors import StateDescriptor
 
 _log = logging.getLogger(__name__)
@@ -478,7 +478,9 @@ class StatefulStream:
         base of the next manifests if it cut the subtask attempts ``accepted`` (those
         manifest b accepted: another attempt, e.g. a speculative copy, ran the same batch
         but need not have left the same state); whether it did."""
-        cut = [ack.attempt for ack in metadata.operators[OPERATOR_ID].subtasks]
+        cut = [
+            attempt_name(ack.run, ack.attempt) for ack in metadata.operators[OPERATOR_ID].subtasks
+        ]
         if cut != accepted:
             _log.warning(
                 "materialization %s cut task attempts %s of batch %s, whose manifest "

@@ -330,6 +330,19 @@ def _task_attempt() -> str | None:
     return None if context is None else str(context.taskAttemptId())
 
 
+def attempt_name(run_id: str | None, task_attempt: str | None) -> str:
+    """The attempt named in a keyed subtask's changelog record (and output, and local
+    copy's marker): driver run ``run_id`` and Spark task attempt ``task_attempt``, unique
+    across runs too (a restarted application counts task attempts from 0 again). A
+    materialization's ack carries both (``run``, ``attempt``): the same name."""
+    return f"{run_id}-{task_attempt}"
+
+
+def record_attempt(run_id: str) -> str:
+    """``attempt_name`` of run ``run_id`` and the Spark task attempt running this code."""
+    return attempt_name(run_id, _task_attempt())
+
+
 def snapshot_subtask(
     storage: CheckpointStorage,
     backend: KeyedStateBackend,
@@ -454,7 +467,7 @@ def keyed_subtask(plan: KeyedPlan, subtask: int, keyed: KeyedInput) -> Iterator[
         result.outputs = _write_output(plan, subtask, rows())
         result.keyed_seconds = time.perf_counter() - started
         operator_state = run.snapshot(plan.batch_id)
-        attempt = f"{plan.run_id}-{_task_attempt()}"
+        attempt = record_attempt(plan.run_id)
         started = time.perf_counter()
         handle = ChangelogStorage(storage).write_record(
             plan.batch_id,
