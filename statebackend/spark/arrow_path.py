@@ -18,7 +18,8 @@ processor, one metadata row per keyed subtask:
    plan travels in the ``BATCH_PROPERTY`` local property): the subtask sorts its rows
    by (key group, key, kind, sequence) with Arrow (``sorted_by_key``: it holds its
    batch's input in memory, as it holds its output), opens its local RocksDB (rebuilt
-   from the newest batch manifest unless its marker says it is at batch N-1), runs the processor
+   from the newest batch manifest unless its marker says it is at batch N-1, left by the
+   attempt manifest N-1 accepted), runs the processor
    (``processor_runner.run_keyed_subtask``) with the changelog on, writes its changes
    (``changelog/N/<op>-<i>-<attempt>``, the attempt being the run and Spark task
    attempt, ``tasks.record_attempt``, with the operator state of a processor that is
@@ -110,7 +111,8 @@ class KeyedBatchPlan:
     batch_id: int
     times: BatchTimes
     version: LocalVersion
-    """The binding (generation), parallelism and max parallelism of the local copies."""
+    """The binding (generation), parallelism and max parallelism of the local copies, and
+    the subtask attempts manifest ``restore_batch`` accepted (``accepted``)."""
     restore_batch: int | None
     """The newest committed batch (N-1), or None for a job without manifests."""
     storage: StorageSpec
@@ -130,13 +132,14 @@ for every batch of a stream, and is pickled once per stream, not once per batch.
 
 
 def batch_fields(plan: KeyedBatchPlan) -> str:
-    """The part of ``plan`` that is the batch's own (its id, times, local version,
-    restore batch, materialization), as JSON."""
+    """The part of ``plan`` that is the batch's own (its id, times, local version with
+    the attempts manifest ``restore_batch`` accepted, restore batch, materialization),
+    as JSON."""
     return json.dumps(
         {
             "batch_id": plan.batch_id,
             "times": asdict(plan.times),
-            "version": asdict(plan.version),
+            "version": plan.version.to_json(),
             "restore_batch": plan.restore_batch,
             "checkpoint_id": plan.checkpoint_id,
             "run_id": plan.run_id,
@@ -151,7 +154,7 @@ def with_batch_fields(plan: KeyedBatchPlan, fields: str) -> KeyedBatchPlan:
         plan,
         batch_id=decoded["batch_id"],
         times=BatchTimes(**decoded["times"]),
-        version=LocalVersion(**decoded["version"]),
+        version=LocalVersion.from_json(decoded["version"]),
         restore_batch=decoded["restore_batch"],
         checkpoint_id=decoded["checkpoint_id"],
         run_id=decoded["run_id"],
@@ -293,7 +296,8 @@ def _current_state(
     plan: KeyedBatchPlan, subtask: int, storage: CheckpointStorage
 ) -> Iterator[LocalKeyedState]:
     """The subtask's local state at the end of batch ``plan.restore_batch``: the local
-    copy if its marker says so (same binding, key groups and batch), else rebuilt from
+    copy if its marker says so (same binding, key groups and batch, left by the attempt
+    manifest ``restore_batch`` accepted), else rebuilt from
     manifest ``restore_batch`` (base checkpoint + changelog, any old parallelism), or
     empty for a job without manifests."""
     key_serializer = RowTupleSerializer(plan.key_schema_json)
@@ -441,8 +445,8 @@ def _keyed_task(
                 )
                 entries = backend.estimated_entries()
             # A worker that outlives the task closes the DB after it (the batch is durable).
-            local.commit(plan.batch_id, in_background=not plan.wait_for_upload)
-            keep_function(function_run, _local_root(plan), subtask, version, plan.batch_id)
+            local.commit(plan.batch_id, attempt, in_background=not plan.wait_for_upload)
+            keep_function(function_run, _local_root(plan), subtask, version, plan.batch_id, attempt)
         metrics = BatchMetrics(
             batch_id=plan.batch_id,
             records_in=records_in,

@@ -6,10 +6,13 @@ A user function the runtime runs per keyed subtask (StatefulJob's ``KeyedFunctio
 rule set. It has the same lifecycle as the subtask's local keyed state
 (``local_state``): the Spark task gets a freshly unpickled function every batch, so this
 process keeps the function instance and its ``OperatorStateBackend`` of each subtask it
-ran, with the version marker they are at. A batch that reuses the local keyed copy and
-finds the live function at the same marker goes on with it (``initialize_state`` is not
+ran, with the version marker they are at (``LocalVersion.marker``: the batch and the
+task attempt that ran it). A batch that reuses the local keyed copy and finds the live
+function current (``LocalVersion.is_current``: at the batch before, left by the attempt
+whose record its manifest accepted) goes on with it (``initialize_state`` is not
 called again); any other batch (first batch, another worker or host, a retried attempt,
-a rescale) takes the plan's function, restores its operator state at the batch before
+an attempt of a batch whose manifest accepted another, a rescale) takes the plan's
+function, restores its operator state at the batch before
 (the newest manifest's records, or the checkpoint restored from; redistributed by mode
 to the subtask at the current parallelism) and calls ``initialize_state`` with it.
 
@@ -65,19 +68,14 @@ class FunctionRun(Generic[_Function]):
         return self.operator_state.sync_cut()
 
 
-_Marker = tuple[str, int | None, int, int]
 LIVE_FUNCTIONS = 64
 """How many subtasks' live functions a process keeps (of any jobs): the least recently
 run beyond it are dropped (their next batch here restores them, as on another worker)."""
 
-_LIVE: ProcessCache[tuple[str, int], tuple[_Marker, FunctionRun[Any]]] = ProcessCache(
+_LIVE: ProcessCache[tuple[str, int], tuple[dict[str, Any], FunctionRun[Any]]] = ProcessCache(
     LIVE_FUNCTIONS
 )
 """This process's live functions: (local root, subtask) -> (version marker, run)."""
-
-
-def _marker(version: LocalVersion, batch_id: int | None) -> _Marker:
-    return (version.generation, batch_id, version.parallelism, version.max_parallelism)
 
 
 def restore_function_state(
@@ -125,19 +123,25 @@ def start_function(
     ),
 ) -> FunctionRun[_Function]:
     """The function to run subtask ``subtask``'s batch with: the live one if the local
-    keyed state was reused and this process holds the function at the same batch, else
-    ``function`` initialized (``initialize_state`` of ``checkpointed_of(function)``, the
-    part of it that keeps operator state) with the operator state ``restore()``
-    returns. Functions without operator state are run as given."""
+    keyed state was reused and this process holds the function current
+    (``version.is_current``: at ``previous_batch``, left by the attempt its manifest
+    accepted), else ``function`` initialized (``initialize_state`` of
+    ``checkpointed_of(function)``, the part of it that keeps operator state) with the
+    operator state ``restore()`` returns. Functions without operator state are run as
+    given."""
     key = (str(root), subtask)
-    current = _marker(version, version.previous_batch)
     live = _LIVE.pop(key)
-    for other in [k for k, (marker, _) in _LIVE.items() if k[0] == key[0] and marker != current]:
-        _LIVE.pop(other)  # left behind by a batch this process did not run
+    stale = [
+        k
+        for k, (marker, _) in _LIVE.items()
+        if k[0] == key[0] and not version.is_current(marker, k[1])
+    ]
+    for other in stale:
+        _LIVE.pop(other)  # left behind by a batch this process did not run (or not accepted)
     checkpointed = checkpointed_of(function)
     if checkpointed is None:
         return FunctionRun(function)
-    if live is not None and keyed_state_reused and live[0] == current:
+    if live is not None and keyed_state_reused and version.is_current(live[0], subtask):
         return live[1]
     operator_state: OperatorStateBackend = restore()
     checkpointed.initialize_state(FunctionInitializationContext(operator_state))
@@ -145,9 +149,15 @@ def start_function(
 
 
 def keep_function(
-    run: FunctionRun[Any], root: Path, subtask: int, version: LocalVersion, batch_id: int
+    run: FunctionRun[Any],
+    root: Path,
+    subtask: int,
+    version: LocalVersion,
+    batch_id: int,
+    attempt: str,
 ) -> None:
-    """Keep ``run`` live in this process as subtask ``subtask`` at ``batch_id`` (once the
-    batch committed its local state)."""
+    """Keep ``run`` live in this process as subtask ``subtask`` at ``batch_id``, run by
+    task attempt ``attempt`` (the one its changelog record names), once the batch
+    committed its local state."""
     if run.checkpointed is not None:
-        _LIVE.put((str(root), subtask), (_marker(version, batch_id), run))
+        _LIVE.put((str(root), subtask), (version.marker(batch_id, attempt), run))

@@ -4,15 +4,29 @@ micro-batches when it is current, else rebuilt from checkpoint storage.
 A Python worker may or may not be reused, and subtask i may run in another worker, or on
 another executor of another host, next batch (Spark gives our tasks no locality). So the
 DB directory is guarded by an exclusive ``fcntl.flock`` on a lock file next to it, and a
-version marker (generation, last batch id, parallelism, max parallelism) says what the
-directory holds. The driver tells each task what it expects (``LocalVersion``):
+version marker (generation, last batch id, the task attempt that ran it, parallelism,
+max parallelism: ``LocalVersion.marker``) says what the directory holds. The driver
+tells each task what it expects (``LocalVersion``): the batch before this one
+(``previous_batch``) and, per subtask, the attempt whose changelog record manifest
+``previous_batch`` accepted (``accepted``, from ``accepted_attempts``):
 
-- the marker says (generation, ``previous_batch``): the DB is reopened as it is;
+- the marker says (generation, ``previous_batch``, the accepted attempt of this
+  subtask): the DB is reopened as it is;
 - anything else (no copy on this host, a copy behind or ahead after a failed batch, of
-  another run or parallelism): the directory is wiped and exactly the subtask's key groups
-  are rebuilt from batch manifest ``restore_manifest`` (base checkpoint + changelog
-  records, any old parallelism), or else restored from checkpoint ``restore_dir``, or
-  else start empty. The other subtasks are not affected.
+  another run or parallelism, or of an attempt the manifest did not accept): the
+  directory is wiped and exactly the subtask's key groups are rebuilt from batch manifest
+  ``restore_manifest`` (base checkpoint + changelog records, any old parallelism), or
+  else restored from checkpoint ``restore_dir``, or else start empty. The other subtasks
+  are not affected.
+
+The attempt is what makes a copy trustworthy: an attempt can mark its copy at batch N
+and the batch then fail elsewhere (another subtask raised, the driver died) before
+manifest N is written; the batch runs again (a retry, or a restarted query of the same
+binding), subtask i on another host, and manifest N accepts that attempt. Back on the
+first host at batch N+1, the copy says batch N too, but holds another attempt's state:
+reusing it would make every later changelog record a delta on the wrong state. Where no
+manifest holds ``previous_batch`` (``accepted`` None: the state comes from a checkpoint
+or from nothing) no copy is reused.
 
 The marker is removed before the batch changes the DB (before a rebuild wipes the
 directory) and written again once the DB is closed, so a task that dies midway never
@@ -31,7 +45,8 @@ tell a broken directory from other failures.
 
 With the ``heap`` backend the state lives in the Python worker's memory instead: a
 process-wide table maps (root, subtask) to (marker, backend). A worker that holds the
-subtask at (generation, previous_batch) reuses it; any other worker rebuilds it as above.
+subtask at (generation, previous_batch, accepted attempt) reuses it; any other worker
+rebuilds it as above.
 Copies left behind in a worker that did not run the subtask's latest batch are disposed
 of at its next batch.
 
@@ -52,7 +67,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
@@ -93,6 +108,61 @@ class LocalVersion:
     restore_manifest: int | None = None
     """The committed batch whose manifest holds the state at ``previous_batch``; it is
     preferred to ``restore_dir``."""
+    accepted: tuple[str, ...] | None = None
+    """Per subtask index, the task attempt whose changelog record manifest
+    ``previous_batch`` accepted (``accepted_attempts``): only a copy that attempt left is
+    reused. None (no manifest holds ``previous_batch``): no copy is reused."""
+
+    def marker(self, batch_id: int, attempt: str) -> dict[str, Any]:
+        """The version marker of a copy at the end of batch ``batch_id`` that task
+        attempt ``attempt`` (the one named in its changelog record) left."""
+        return {
+            "generation": self.generation,
+            "batch": batch_id,
+            "attempt": attempt,
+            "parallelism": self.parallelism,
+            "max_parallelism": self.max_parallelism,
+        }
+
+    def is_current(self, marker: object, subtask: int) -> bool:
+        """Whether a copy of subtask ``subtask`` marked ``marker`` holds the state at
+        ``previous_batch``: it was left at that batch, in this generation and at this
+        parallelism, by the attempt that manifest ``previous_batch`` accepted."""
+        previous, accepted = self.previous_batch, self.accepted
+        if previous is None or accepted is None or not 0 <= subtask < len(accepted):
+            return False
+        return marker == self.marker(previous, accepted[subtask])
+
+    def to_json(self) -> dict[str, Any]:
+        """A small JSON-able dict (sent with every batch): the accepted attempts as their
+        common prefix and the rest of each (``from_json`` inverts it)."""
+        data = asdict(self)
+        accepted = self.accepted
+        if accepted is not None:
+            prefix = os.path.commonprefix(list(accepted))
+            data["accepted"] = [prefix, [attempt[len(prefix) :] for attempt in accepted]]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LocalVersion:
+        """The inverse of ``to_json``."""
+        fields = dict(data)
+        packed = fields.pop("accepted", None)
+        accepted = None
+        if packed is not None:
+            prefix, rests = packed
+            accepted = tuple(prefix + rest for rest in rests)
+        return cls(**fields, accepted=accepted)
+
+
+def accepted_attempts(manifest: BatchManifest, operator_id: str) -> tuple[str, ...] | None:
+    """The task attempt of each subtask of ``operator_id`` (by index) whose changelog
+    record ``manifest`` accepted in its own batch (``LocalVersion.accepted``); None if it
+    holds no records of that batch for the operator."""
+    batches = manifest.operators.get(operator_id, ())
+    if not batches or batches[-1].batch_id != manifest.batch_id:
+        return None
+    return tuple(handle.attempt for handle in batches[-1].subtasks)
 
 
 _log = logging.getLogger(__name__)
@@ -161,7 +231,7 @@ class LocalKeyedState(ABC):
 
     ``reused`` tells whether the local copy was current, ``rebuilt`` whether state was
     read from checkpoint storage instead, ``restored_bytes`` how many bytes.
-    ``commit(batch_id)`` keeps the state and records its version; leaving the context
+    ``commit(batch_id, attempt)`` keeps the state and records its version; leaving the context
     without it disposes of the backend (the next batch rebuilds). Each backend's class
     says where the copy is kept between batches (``_open``, ``_keep``).
     """
@@ -209,18 +279,10 @@ class LocalKeyedState(ABC):
         (None: this kind keeps nothing on disk)."""
         return None
 
-    def _expected_marker(self, batch_id: int | None) -> dict[str, Any]:
-        return {
-            "generation": self._version.generation,
-            "batch": batch_id,
-            "parallelism": self._version.parallelism,
-            "max_parallelism": self._version.max_parallelism,
-        }
-
     def _is_current(self, marker: dict[str, Any] | None) -> bool:
-        """Whether a copy marked ``marker`` is the state at ``previous_batch``."""
-        previous = self._version.previous_batch
-        return previous is not None and marker == self._expected_marker(previous)
+        """Whether this subtask's copy marked ``marker`` is the state at
+        ``previous_batch`` (``LocalVersion.is_current``)."""
+        return self._version.is_current(marker, self._subtask)
 
     def __enter__(self) -> LocalKeyedState:
         try:
@@ -278,8 +340,10 @@ class LocalKeyedState(ABC):
         self.restored_bytes = fs.bytes_read - before + extra
         return backend
 
-    def commit(self, batch_id: int, in_background: bool = False) -> None:
-        """Keep the state and mark it as being at ``batch_id`` (RocksDB: close the DB,
+    def commit(self, batch_id: int, attempt: str, in_background: bool = False) -> None:
+        """Keep the state and mark it as being at ``batch_id``, left by task attempt
+        ``attempt`` (the attempt its changelog record names: a later batch reuses the copy
+        only if manifest ``batch_id`` accepted that record) (RocksDB: close the DB,
         keeping it on disk; heap: keep it in this process).
 
         ``in_background`` (for a task whose Python worker outlives it): where keeping takes
@@ -292,7 +356,7 @@ class LocalKeyedState(ABC):
         if backend is None:
             raise StateBackendError("commit outside the local state's context")
         self.backend = None
-        marker = self._expected_marker(batch_id)
+        marker = self._version.marker(batch_id, attempt)
         if in_background and self._keeps_in_background:
             self._handed_over = True
             _closer().submit(self._keep_and_release, backend, marker)
@@ -416,20 +480,20 @@ class LocalRocksDBState(LocalKeyedState):
 class LocalHeapState(LocalKeyedState):
     """The subtask's heap backend in this Python worker, kept between batches in the
     process table ``_copies``; a worker's copies of other subtasks of the same root that
-    are not current are disposed of when it opens one."""
+    are not current (``LocalVersion.is_current`` for their own subtask index) are
+    disposed of when it opens one."""
 
     _copies: ClassVar[dict[tuple[str, int], tuple[dict[str, Any], HeapKeyedStateBackend]]] = {}
     """This process's heap state: (root, subtask) -> (version marker, backend)."""
 
     def _open(self) -> HeapKeyedStateBackend:
         own = (str(self._root), self._subtask)
-        current = self._expected_marker(self._version.previous_batch)
         reusable: HeapKeyedStateBackend | None = None
         for key in [key for key in self._copies if key[0] == own[0]]:
             marker, copy = self._copies[key]
             if key == own and self._is_current(marker):
                 reusable = self._copies.pop(key)[1]
-            elif key == own or marker != current:
+            elif key == own or not self._version.is_current(marker, key[1]):
                 del self._copies[key]
                 copy.dispose()
         if reusable is not None:

@@ -29,11 +29,13 @@ Flink postpones a trigger while a checkpoint is in progress). Only a run's final
 checkpoint and a savepoint request wait for the one before.
 
 A keyed subtask whose local copy is not at batch N-1 (Spark ran it on another host, or a
-failed attempt left it behind or ahead) rebuilds exactly its key groups from manifest N-1
-while the others go on (see ``local_state``). A failed batch is retried as the same batch
-from the newest manifest; there is no job-wide rollback. Deterministic errors (a
-malformed input line, incompatible state, an unusable local directory) stop the run at
-once instead; other failures are retried up to ``max_retries`` times in a row.
+failed attempt left it behind or ahead), or was left by another attempt than the one
+manifest N-1 accepted (the driver sends those with the batch), rebuilds exactly its key
+groups from manifest N-1 while the others go on (see ``local_state``). A failed batch is
+retried as the same batch from the newest manifest; there is no job-wide rollback.
+Deterministic errors (a malformed input line, incompatible state, an unusable local
+directory) stop the run at once instead; other failures are retried up to
+``max_retries`` times in a row.
 
 A restore point that cannot be read (its ``_metadata``, a state file or changelog record
 missing, corrupted, or unreadable after the file system's retries), at the start or when
@@ -110,7 +112,7 @@ from statebackend.spark.api import KeyedFunction
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.job_groups import job_group
-from statebackend.spark.local_state import LocalVersion
+from statebackend.spark.local_state import LocalVersion, accepted_attempts
 from statebackend.spark.source import (
     LogSource,
     Offsets,
@@ -284,6 +286,9 @@ class StatefulJob:
         """Completed checkpoints the run may restore from, oldest first."""
         self._manifest_batch: int | None = None
         """The newest committed batch (its manifest holds the state a subtask rebuilds)."""
+        self._accepted: tuple[str, ...] | None = None
+        """The subtask attempts manifest ``_manifest_batch`` accepted: a local copy is
+        reused only if one of them left it (``LocalVersion.accepted``)."""
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -341,6 +346,7 @@ class StatefulJob:
         self._source_states = self._committed_offsets(manifest.properties)
         self._next_batch = manifest.batch_id + 1
         self._manifest_batch = manifest.batch_id
+        self._accepted = accepted_attempts(manifest, self.operator_id)
 
     def _fall_back(self, unreadable: str, exc: BaseException) -> str:
         """The checkpoint before ``unreadable`` in the lineage (the newest one if
@@ -699,6 +705,7 @@ class StatefulJob:
                 p,
                 self._max_parallelism,
                 self._manifest_batch,
+                self._accepted if self._manifest_batch is not None else None,
             ),
             storage=StorageSpec(
                 conf.require_checkpoint_dir(),
@@ -855,6 +862,7 @@ class StatefulJob:
             cleanup=False,
         )
         self._manifest_batch = manifest.batch_id
+        self._accepted = accepted_attempts(manifest, self.operator_id)
         self._restore_point = self._changelog.layout.manifest_path(manifest.batch_id)
         try:  # off the batch's result: a failure leaves files that a later cleanup deletes
             self._changelog.cleanup()

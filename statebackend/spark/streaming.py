@@ -79,7 +79,7 @@ from statebackend.spark.arrow_path import (
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
 from statebackend.spark.conf import MAX_PARALLELISM_KEY, StateBackendConf
 from statebackend.spark.job_groups import job_group
-from statebackend.spark.local_state import LocalVersion
+from statebackend.spark.local_state import LocalVersion, accepted_attempts
 from statebackend.spark.processor_handle import (
     BatchTimes,
     ProcessorHandle,
@@ -352,6 +352,10 @@ class StatefulStream:
             self._previous_batch = batch_id
             return committed
         restore_batch = self.committer.newest_batch()
+        accepted = None
+        if restore_batch is not None:  # cached after its commit: no read per batch
+            restored = self.committer.changelog.load_manifest(restore_batch)
+            accepted = accepted_attempts(restored, OPERATOR_ID)
         tracker = self._materializations()
         checkpoint_id = self._materialization_due(tracker, batch_id)
         initial = self.initial_state if batch_id == 0 else None  # as Spark: batch 0 only
@@ -368,6 +372,7 @@ class StatefulStream:
                 self.restore_dir if restore_batch is None else None,
                 self.parallelism,
                 self.max_parallelism,
+                accepted=accepted,
             ),
             restore_batch=restore_batch,
             storage=self.storage_spec,

@@ -493,6 +493,6 @@ def keyed_subtask(plan: KeyedPlan, subtask: int, keyed: KeyedInput) -> Iterator[
             )
             result.entries = backend.estimated_entries()
         # A worker that outlives the task closes the DB after it (the batch is durable).
-        local.commit(plan.batch_id, in_background=not plan.wait_for_upload)
-        keep_function(run, root, subtask, plan.version, plan.batch_id)
+        local.commit(plan.batch_id, attempt, in_background=not plan.wait_for_upload)
+        keep_function(run, root, subtask, plan.version, plan.batch_id, attempt)
     yield result

@@ -201,11 +201,11 @@ def test_a_failed_restore_leaves_no_local_state(
     assert directory is not None
 
     def local(generation: str, previous: int | None, restore: str | None) -> LocalKeyedState:
-        version = LocalVersion(generation, previous, restore, 1, MAX_PARALLELISM)
+        version = LocalVersion(generation, previous, restore, 1, MAX_PARALLELISM, accepted=("a",))
         return local_keyed_state(tmp_path / "local", 0, version, storage, OPERATOR, StrSerializer())
 
     with local("g1", None, None) as state:  # a local copy, current at batch 0
-        state.commit(0)
+        state.commit(0, "a")
     proxy.inject(Fault.RESET)
     with pytest.raises(CheckpointUnreadableError, match=f"cannot restore from {directory}"):
         local("g2", None, directory).__enter__()

@@ -46,7 +46,7 @@ def test_heap_local_state_reuse_and_stale(tmp_path: Path) -> None:
     root = tmp_path / "local"
 
     def local(previous: int | None) -> LocalKeyedState:
-        version = LocalVersion("g1", previous, None, 1, 128)
+        version = LocalVersion("g1", previous, None, 1, 128, accepted=("a",))
         return local_keyed_state(root, 0, version, storage, "op", StrSerializer(), "heap")
 
     with local(None) as state:
@@ -55,7 +55,7 @@ def test_heap_local_state_reuse_and_stale(tmp_path: Path) -> None:
         count = state.backend.get_state(COUNT)
         assert isinstance(count, ValueState)
         count.update(5)
-        state.commit(0)
+        state.commit(0, "a")
     with local(0) as state:
         assert state.reused and state.backend is not None
         count = state.backend.get_state(COUNT)
@@ -69,5 +69,5 @@ def test_heap_local_state_reuse_and_stale(tmp_path: Path) -> None:
         assert isinstance(count, ValueState)
         state.backend.set_current_key("k")
         assert count.value() == 0
-        state.commit(1)
+        state.commit(1, "a")
     assert not root.exists()  # heap state never touches the local directory

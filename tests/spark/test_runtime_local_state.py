@@ -60,7 +60,7 @@ def test_marker_reuse_and_stale(tmp_path: Path) -> None:
     storage = CheckpointStorage(tmp_path.as_uri(), "job")
 
     def local(previous: int | None, generation: str = "g1") -> LocalKeyedState:
-        version = LocalVersion(generation, previous, None, 1, 128)
+        version = LocalVersion(generation, previous, None, 1, 128, accepted=("a",))
         return local_keyed_state(tmp_path / "local", 0, version, storage, "op", StrSerializer())
 
     def count_of_k(state: LocalKeyedState) -> int:
@@ -76,15 +76,15 @@ def test_marker_reuse_and_stale(tmp_path: Path) -> None:
         count = state.backend.get_state(COUNT)
         assert isinstance(count, ValueState)
         count.update(5)
-        state.commit(0)
+        state.commit(0, "a")
     with local(0) as state:
         assert state.reused and state.restored_bytes == 0 and count_of_k(state) == 5
-        state.commit(1)
+        state.commit(1, "a")
     with local(1, "g2") as state:  # another generation: not reused
         assert not state.reused and not state.rebuilt and count_of_k(state) == 0
     with local(1) as state:  # g2 left without commit: the copy is gone
         assert not state.reused
-        state.commit(1)
+        state.commit(1, "a")
     with pytest.raises(RuntimeError), local(1) as state:  # a task failing midway ...
         assert state.reused
         raise RuntimeError("boom")
@@ -101,7 +101,7 @@ def test_a_commit_in_background_is_waited_for_by_the_next_opener(tmp_path: Path,
     storage = CheckpointStorage(tmp_path.as_uri(), "job")
 
     def local(previous: int | None) -> LocalKeyedState:
-        version = LocalVersion("g1", previous, None, 1, 128)
+        version = LocalVersion("g1", previous, None, 1, 128, accepted=("a",))
         return local_keyed_state(
             tmp_path / "local", 0, version, storage, "op", StrSerializer(), kind
         )
@@ -117,7 +117,7 @@ def test_a_commit_in_background_is_waited_for_by_the_next_opener(tmp_path: Path,
                 state.backend.set_current_key(key)
                 count.update(count.value() + n)
                 expected[key] = expected.get(key, 0) + n
-            state.commit(batch, in_background=True)
+            state.commit(batch, "a", in_background=True)
         if kind == "rocksdb":
             names = [thread.name for thread in threading.enumerate()]
             assert any(name.startswith("statebackend-close") for name in names), names

@@ -141,7 +141,15 @@ def test_a_batch_plan_travels_as_its_streams_part_and_its_own_fields() -> None:
             max_parallelism=128,
             batch_id=batch_id,
             times=BatchTimes(1_000 + batch_id, 10 * batch_id, 20 * batch_id),
-            version=LocalVersion("binding", restore, None, 3, 128, restore),
+            version=LocalVersion(
+                "binding",
+                restore,
+                None,
+                3,
+                128,
+                restore,
+                None if restore is None else ("run-17", "run-9", "run-170"),
+            ),
             restore_batch=restore,
             storage=storage,
             local_dir="/tmp/local",
@@ -155,3 +163,5 @@ def test_a_batch_plan_travels_as_its_streams_part_and_its_own_fields() -> None:
     assert parts[0] == parts[1] == parts[2]
     for each in plans:
         assert with_batch_fields(parts[0], batch_fields(each)) == each
+    # The accepted attempts travel as their common prefix and the rest of each.
+    assert batch_fields(plans[1]).count("run-") == 1

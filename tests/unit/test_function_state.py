@@ -63,7 +63,7 @@ class Counted(KeyedFunction):
 
 
 def version(previous_batch: int | None) -> LocalVersion:
-    return LocalVersion("run-1", previous_batch, None, 1, 128)
+    return LocalVersion("run-1", previous_batch, None, 1, 128, accepted=("a",))
 
 
 class Restores:
@@ -87,7 +87,7 @@ def run_batch(
     cut = run.snapshot(batch)
     if commit:
         restores.committed = cut
-        keep_function(run, root, 0, version(batch - 1 if batch else None), batch)
+        keep_function(run, root, 0, version(batch - 1 if batch else None), batch, "a")
     return run
 
 
