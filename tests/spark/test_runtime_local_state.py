@@ -18,6 +18,7 @@ from statebackend.keygroups import (
     compute_key_group_range_for_operator_index,
 )
 from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.local_state import LocalKeyedState, LocalVersion, local_keyed_state
 from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
@@ -170,3 +171,55 @@ def test_a_stale_copy_is_rebuilt_from_the_batch_manifest(tmp_path: Path, kind: s
     serialize = StrSerializer().serialize
     mine = {k: v for k, v in expected.items() if assign_to_key_group(serialize(k), 128) in owned}
     assert actual == mine and 0 < len(mine) < len(expected)
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "heap"])
+@pytest.mark.parametrize("accepted", ["attempt-a", "attempt-b"])
+def test_a_copy_is_reused_only_if_the_manifest_accepted_the_attempt_that_left_it(
+    tmp_path: Path, kind: str, accepted: str
+) -> None:
+    """Batch 1 of subtask 0 runs twice: attempt A on host 1 (count 2) marks its copy at
+    batch 1, but the batch fails elsewhere before manifest 1 is written; it runs again on
+    host 2, attempt B (count 3). At batch 2 on host 1 the copy says batch 1 either way: it
+    is reused if manifest 1 accepted A, and rebuilt from manifest 1 (B's count) if it
+    accepted B, instead of going on from state no manifest holds."""
+    storage = CheckpointStorage(tmp_path.as_uri(), "job")
+    changelog = ChangelogStorage(storage)
+
+    def run_batch(
+        host: str, batch: int, previous_accepted: str | None, attempt: str, count: int
+    ) -> tuple[LocalKeyedState, int, ChangelogHandle]:
+        """Run subtask 0's batch on ``host``: set k's count, write the record, commit
+        the local copy; the state, k's count before and the record's handle."""
+        previous = batch - 1 if batch else None
+        attempts = None if previous_accepted is None else (previous_accepted,)
+        version = LocalVersion("g1", previous, None, 1, 128, previous, attempts)
+        root = tmp_path / host
+        with local_keyed_state(root, 0, version, storage, "op", StrSerializer(), kind) as state:
+            assert state.backend is not None
+            state.backend.enable_changelog()
+            state.backend.set_current_key("k")
+            value = state.backend.get_state(COUNT)
+            assert isinstance(value, ValueState)
+            before = int(value.value())
+            value.update(count)
+            handle = changelog.write_record(
+                batch, "op", 0, attempt, state.backend.drain_changelog()
+            )
+            state.commit(batch, attempt)
+        return state, before, handle
+
+    _, _, zero = run_batch("host1", 0, None, "attempt-0", 1)
+    changelog.commit(0, {"op": [zero]}, max_parallelism=128)
+    first, before, a = run_batch("host1", 1, "attempt-0", "attempt-a", 2)
+    assert first.reused and before == 1
+    second, before, b = run_batch("host2", 1, "attempt-0", "attempt-b", 3)
+    assert second.rebuilt and before == 1
+    changelog.commit(1, {"op": [a if accepted == "attempt-a" else b]}, max_parallelism=128)
+
+    state, before, _ = run_batch("host1", 2, accepted, "attempt-c", 4)
+    if accepted == "attempt-a":
+        assert state.reused and not state.rebuilt and before == 2
+    else:
+        assert not state.reused and state.rebuilt and state.restored_bytes > 0
+        assert before == 3

@@ -183,3 +183,45 @@ def test_a_process_keeps_the_live_functions_of_a_bounded_number_of_subtasks(
     again = run_batch(tmp_path / "job-0", jobs[0], 1, [10])
     assert again is not first and jobs[0].calls == 2
     assert isinstance(again.function, Buffer) and again.function.items.get() == [1, 10]
+
+
+def test_a_live_function_of_an_attempt_the_manifest_did_not_accept_is_not_continued(
+    tmp_path: Path,
+) -> None:
+    """Attempt A of batch 1 ran subtask 0 (of 2) in this process and kept its function
+    live, but manifest 1 accepted attempt B (run elsewhere): batch 2 here restores B's
+    operator state instead of going on with A's function; with A accepted it goes on. The
+    live function of another subtask left by an attempt the manifest did not accept is
+    dropped too."""
+
+    def at(previous: int, *accepted: str) -> LocalVersion:
+        return LocalVersion("run-1", previous, None, 2, 128, previous, accepted)
+
+    restores = Restores()
+    a = start_function(Buffer(), tmp_path, 0, at(0, "attempt-0", "attempt-01"), True, restores)
+    assert isinstance(a.function, Buffer) and restores.calls == 1
+    a.function.items.add_all([2])
+    a.snapshot(1)
+    keep_function(a, tmp_path, 0, at(0), 1, "attempt-a")
+    other = start_function(Buffer(), tmp_path, 1, at(0), True, restores)
+    keep_function(other, tmp_path, 1, at(0), 1, "attempt-a1")
+    # Attempt B of batch 1, elsewhere, appended 3: manifest 1 accepts it.
+    b = OperatorStateBackend()
+    b.get_list_state("items", IntSerializer()).add_all([3])
+    restores.committed = b.sync_cut()
+    calls = restores.calls
+    accepted_b = at(1, "attempt-b", "attempt-a1")
+    rerun = start_function(Buffer(), tmp_path, 0, accepted_b, True, restores)
+    assert rerun is not a and restores.calls == calls + 1
+    assert isinstance(rerun.function, Buffer) and rerun.function.items.get() == [3]
+    # Subtask 1's live function, left by the accepted attempt, goes on ...
+    assert start_function(Buffer(), tmp_path, 1, accepted_b, True, restores) is other
+    keep_function(other, tmp_path, 1, at(0), 1, "attempt-a1")
+    keep_function(a, tmp_path, 0, at(0), 1, "attempt-a")
+    # ... and is dropped once subtask 0 opens with another attempt accepted for it.
+    start_function(Buffer(), tmp_path, 0, at(1, "attempt-a", "attempt-c1"), True, restores)
+    calls = restores.calls
+    start_function(Buffer(), tmp_path, 1, at(1, "attempt-a", "attempt-a1"), True, restores)
+    assert restores.calls == calls + 1
+    keep_function(a, tmp_path, 0, at(0), 1, "attempt-a")
+    assert start_function(Buffer(), tmp_path, 0, at(1, "attempt-a", "x"), True, restores) is a
