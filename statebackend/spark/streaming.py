@@ -189,12 +189,20 @@ def _check_replayable(df: DataFrame) -> None:
             )
 
 
-def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
-    if time_mode != "EventTime":
-        return None
+def _watermark_column(df: DataFrame) -> str | None:
+    """The column ``df.withWatermark`` was called with, if any."""
     for field in df.schema.fields:
         if WATERMARK_METADATA in (field.metadata or {}):
             return str(field.name)
+    return None
+
+
+def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
+    if time_mode != "EventTime":
+        return None
+    column = _watermark_column(df)
+    if column is not None:
+        return column
     raise ConfigurationError(
         "time_mode 'EventTime' needs an event-time column: call df.withWatermark(column, "
         "delay) before transform_with_state"
@@ -349,6 +357,10 @@ class StatefulStream:
         it after a failure) is not run again: its manifest is returned as it is."""
         committed = self.committer.reconcile(batch_id)
         if committed is not None:
+            if _watermark_column(batch_df) is not None:
+                # Spark sets the next batch's watermark from the event times this batch's
+                # plan sees: it must see them again, or the watermark stands still.
+                batch_df.write.format("noop").mode("overwrite").save()
             self._previous_batch = batch_id
             return committed
         restore_batch = self.committer.newest_batch()

@@ -583,6 +583,36 @@ def test_event_time_timers_like_spark(
     assert ours == expected
 
 
+def test_a_batch_run_again_after_our_commit_still_moves_the_watermark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """A driver dies after our manifest 1 and before Spark's ``commits/1`` (the commit
+    removed): the restarted query runs batch 1 again, which we publish as committed;
+    Spark must still see its event times, or batch 2's watermark stays at batch 1's and
+    timers fire late. Every batch's rows equal plain Python; batch 1's are published
+    again unchanged."""
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        EventTimers,
+        EVENT_OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    batches = _event_rows(EVENT_BATCHES)
+    input_dir, checkpoint = tmp_path / "input", tmp_path / "our-checkpoint"
+    with parity_settings(spark_local, tmp_path):
+        write_batches(input_dir, batches[:2])
+        first = run_ours(spark_local, case, input_dir, checkpoint, job_id="rerun")
+        for name in ("1", ".1.crc"):
+            (checkpoint / "commits" / name).unlink()
+        write_batches(input_dir, batches[2:], first=2)
+        second = run_ours(spark_local, case, input_dir, checkpoint, job_id="rerun")
+    expected = expected_event_timers(EVENT_BATCHES, len(EVENT_BATCHES))
+    assert first == Counter({k: n for k, n in expected.items() if k[0] < 2})
+    assert second == Counter({k: n for k, n in expected.items() if k[0] >= 1})
+
+
 def test_a_timer_registered_while_timers_fire_waits_for_the_next_batch_like_spark(
     spark_local: SparkSession, tmp_path: Path
 ) -> None:
