@@ -50,16 +50,19 @@ _FOLD_HINT = (
 
 def restore_location(storage: CheckpointStorage, restore_from: str) -> str:
     """The one spelling of ``restore_from``'s directory (as manifests record it).
-    ConfigurationError if it is not on the job's storage, which reads it."""
+    ConfigurationError if it is not on the file system of the job's storage, which reads
+    it."""
     if not isinstance(restore_from, str) or not restore_from:
         raise ConfigurationError(f"restore_from {restore_from!r} is invalid: give a directory")
     location = absolute_location(restore_from)
     ours = storage.layout.checkpoint_dir
-    if get_protocol(location) != get_protocol(ours):
+    protocol = get_protocol(ours)
+    if get_protocol(location) != protocol:
         raise ConfigurationError(
-            f"restore_from {restore_from} is not on the job's storage ({ours}), which the "
-            f"keyed subtasks read it with: copy it there with statebackend savepoint "
-            f"create --from {restore_from} --to <a directory under {ours}>"
+            f"restore_from {restore_from} is not on the file system of the job's storage "
+            f"({ours}), with whose options the keyed subtasks read it: copy it to a "
+            f"{protocol}:// directory with statebackend savepoint create --from "
+            f"{restore_from} --to DIR"
         )
     return storage.resolve(location)
 
