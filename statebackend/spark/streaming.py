@@ -410,8 +410,9 @@ class StatefulStream:
             records = manifest.operators[OPERATOR_ID][-1].subtasks
             self._cut_attempts[checkpoint_id] = [handle.attempt for handle in records]
             tracker.uploads_started()
-            if self.ends_when_caught_up:
-                tracker.wait()
+            pending = tracker.pending
+            if self.ends_when_caught_up or (pending and pending.savepoint_request):
+                tracker.wait()  # nothing may poll it later; a savepoint's requester waits
         tracker.poll()
         self._previous_batch = batch_id
         return manifest
@@ -467,10 +468,15 @@ class StatefulStream:
 
     def _materialization_due(self, tracker: CheckpointTracker, batch_id: int) -> int | None:
         """Trigger the materialization that cuts the end of batch ``batch_id`` if it is
-        due (``materialize-every`` batches after the last one) and none is pending; its
-        checkpoint id. A pending one is polled first, never waited for."""
+        due (``materialize-every`` batches after the last one) and none is pending, or if
+        a savepoint was requested (``statebackend savepoint trigger``: the materialization
+        is also copied to the savepoint, after the pending one completed); its checkpoint
+        id. A pending one is polled first, and waited for only by a savepoint (whose
+        batch then waits for it too)."""
+        request = tracker.savepoint_request()
         idle = tracker.idle()
-        if not idle or batch_id - self._materialized_batch < self.conf.materialize_every:
+        due = idle and batch_id - self._materialized_batch >= self.conf.materialize_every
+        if request is None and not due:
             return None
         self._materialized_batch = batch_id
         properties = {
@@ -478,7 +484,7 @@ class StatefulStream:
             "operator": OPERATOR_ID,
             "key_by": list(self.spec.key_columns),
         }
-        return tracker.trigger({OPERATOR_ID: self.parallelism}, batch_id, None, properties)
+        return tracker.trigger({OPERATOR_ID: self.parallelism}, batch_id, request, properties)
 
     def _materialized(self, pending: TrackedCheckpoint, metadata: CheckpointMetadata) -> None:
         """A materialization completed: its metrics; the next manifests build on it

@@ -343,7 +343,15 @@ def state_totals(
     spark: SparkSession, job_dir: Path | str, storage_options: dict[str, Any] | None = None
 ) -> dict[str, tuple[int, int]]:
     """The ``totals`` state at the job's newest manifest, read with ``read_state``."""
-    frame = read_state(spark, f"{job_dir}/latest", OPERATOR_ID, "totals", storage_options)
+    return totals_at(spark, f"{job_dir}/latest", storage_options)
+
+
+def totals_at(
+    spark: SparkSession, location: str, storage_options: dict[str, Any] | None = None
+) -> dict[str, tuple[int, int]]:
+    """The ``totals`` state in a checkpoint, savepoint or manifest, read with
+    ``read_state``."""
+    frame = read_state(spark, location, OPERATOR_ID, "totals", storage_options)
     totals = {}
     for key, value in frame.collect():  # row tuples come as JSON arrays
         (user,), (count, total) = json.loads(key), json.loads(value)

@@ -17,6 +17,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StatefulProcessor
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
 from statebackend.errors import ConfigurationError, IncompatibleStateError
@@ -30,6 +32,7 @@ from tests.spark.test_streaming_exactly_once import (
     make_batches,
     read_output,
     state_totals,
+    totals_at,
     write_batch_files,
 )
 
@@ -193,7 +196,7 @@ def test_each_bad_restore_from_is_one_error_before_any_batch(
     manifest = f"{tmp_path / 'ours' / 'v1'}/manifests/1"
     with pytest.raises(ConfigurationError, match="is not a completed checkpoint or savepoint"):
         start(manifest)
-    with pytest.raises(ConfigurationError, match="is not on the job's storage"):
+    with pytest.raises(ConfigurationError, match="is not on the file system of the job's storage"):
         start("s3://bucket/savepoints/v1")
     with pytest.raises(ConfigurationError, match="is keyed by .*, this query by"):
         start(str(savepoint), key_by=["user", "amount"])
@@ -217,3 +220,43 @@ def test_each_bad_restore_from_is_one_error_before_any_batch(
     with pytest.raises(ConfigurationError, match="applies to a job's first start only"):
         start(str(savepoint), job_id="v1")
     assert not (tmp_path / "ours" / "v2").exists()
+
+
+def test_savepoint_trigger_of_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
+    """``savepoint trigger`` of a running transform_with_state job: the request is taken
+    at the next batch, whose end the savepoint holds (plain Python over the batches up to
+    it), and a new job restored from it continues exactly."""
+    batches = make_batches(5, seed=73)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:2])
+    stateful = transform_with_state(
+        _source(spark, input_dir),
+        key_by="user",
+        processor=example.UserTotals(),
+        output_schema=example.OUTPUT_SCHEMA,
+        job_id="v1",
+        parallelism=2,
+    )
+    query = (
+        stateful.writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="50 milliseconds")
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+        job_dir = f"{(tmp_path / 'ours').as_uri()}/v1"
+        fs = open_filesystem(job_dir)
+        request = request_savepoint(fs, job_dir)
+        write_batch_files(input_dir, batches[2:3], first=2)  # batch 2 takes the request
+        savepoint = wait_for_savepoint(fs, job_dir, request, 60)
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert read_output(spark, out) == expected_output(batches[:3])
+    assert totals_at(spark, savepoint) == expected_totals(batches[:3])
+
+    write_batch_files(tmp_path / "in-v2", batches[3:], first=3)
+    _run(spark, tmp_path / "in-v2", tmp_path / "out-v2", tmp_path / "ckpt-v2", "v2", 3, savepoint)
+    assert read_output(spark, tmp_path / "out-v2") == _shifted(expected_output(batches), 3)
