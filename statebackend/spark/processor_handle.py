@@ -383,6 +383,12 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     def _register(self, descriptor: StateDescriptor) -> Any:
         if self.backend is None:
+            if descriptor.name in self.declared:  # checked once, on the driver
+                raise StatefulProcessorError(
+                    "STATEFUL_PROCESSOR_DUPLICATE_STATE_VARIABLE_DEFINED",
+                    f"State variable with name {descriptor.name} has already been defined "
+                    f"in the StatefulProcessor: give each state a name of its own",
+                )
             self.declared[descriptor.name] = descriptor
             return None
         state = self.backend.get_state(descriptor)

@@ -408,6 +408,15 @@ def test_ddl_schemas_are_parsed_on_the_driver_and_looked_up_on_executors(
         executor.getValueState("other", "other long")
 
 
+def test_a_state_name_declared_twice_is_spark_s_error() -> None:
+    """As Spark's handle: a second declaration of a name in ``init``, of any kind, fails."""
+    driver = ProcessorHandle(time_mode="None", catalog=SchemaCatalog(), parse_ddl=lambda _: COUNT)
+    driver.getValueState("count", "count long")
+    with pytest.raises(StatefulProcessorError, match="DUPLICATE_STATE_VARIABLE_DEFINED.*count"):
+        driver.getListState("count", "count long")
+    assert list(driver.declared) == ["count"]
+
+
 def test_time_modes_and_timer_values() -> None:
     assert parse_time_mode("processingtime") == "ProcessingTime"
     with pytest.raises(ConfigurationError, match="time_mode 'Later'"):
