@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -88,8 +87,8 @@ class CheckpointStorage:
         self._held_files: dict[int, frozenset[str]] = {}
         """``completed_files`` of the newest completed checkpoints asked for: a
         ``_metadata`` never changes, and every incremental snapshot of this process asks
-        for the previous checkpoint's."""
-        self._held_files_lock = threading.Lock()
+        for the previous checkpoint's. Without a lock (the storage is pickled): threads
+        that ask at once read it once each."""
 
     @property
     def executor(self) -> Executor:
@@ -254,8 +253,7 @@ class CheckpointStorage:
         ``_metadata`` references; None if N is not complete, no files if its
         ``_metadata`` cannot be read (nothing of it may be reused). Read once per
         instance for the newest few checkpoints."""
-        with self._held_files_lock:
-            held = self._held_files.get(checkpoint_id)
+        held = self._held_files.get(checkpoint_id)
         if held is not None:
             return held
         try:
@@ -265,10 +263,9 @@ class CheckpointStorage:
         except CheckpointError:
             return frozenset()
         held = frozenset(f.path for f in metadata.files())
-        with self._held_files_lock:
-            self._held_files[checkpoint_id] = held
-            while len(self._held_files) > _HELD_FILES_CACHED:
-                del self._held_files[min(self._held_files)]
+        self._held_files[checkpoint_id] = held
+        for older in sorted(self._held_files)[:-_HELD_FILES_CACHED]:
+            self._held_files.pop(older, None)
         return held
 
     def completed_checkpoint_ids(self) -> list[int]:
