@@ -809,7 +809,8 @@ def stored_reader(restored: StateMetaInfo, descriptor: StateDescriptor) -> Seria
     if restored.kind is not descriptor.kind:
         raise IncompatibleStateError(
             f"state {descriptor.name!r} was stored as {restored.kind.value} state and "
-            f"cannot be read as {descriptor.kind.value} state"
+            f"cannot be read as {descriptor.kind.value} state: declare it as "
+            f"{restored.kind.value} state again, or give the new state another name"
         )
     if isinstance(descriptor, MapStateDescriptor):
         stored_key = restored.serializers.get("user_key", {})
