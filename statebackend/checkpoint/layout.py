@@ -44,6 +44,8 @@ LEADER_DIR = "_leader"
 OUTPUTS_DIR = "outputs"
 PUBLISHED_DIR = "published"
 SPARK_BINDING_FILE = "spark-binding.json"
+LOCATION_BINDING_FILE = "statebackend-binding.json"
+"""Our file in a Spark checkpointLocation, naming the state job it is bound to."""
 METRICS_DIR = "metrics"
 
 _CHECKPOINT_PREFIX = "chk-"

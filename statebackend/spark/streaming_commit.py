@@ -61,7 +61,7 @@ from statebackend.checkpoint.filesystem import (
     normalize_url,
     open_filesystem,
 )
-from statebackend.checkpoint.layout import batch_ids, join
+from statebackend.checkpoint.layout import LOCATION_BINDING_FILE, batch_ids, join
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.signing import FILE_CHECKSUM
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -71,8 +71,6 @@ from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.spark.processor_handle import BatchTimes
 from statebackend.spark.tasks import StorageSpec
 
-SPARK_BINDING_FILE = "statebackend-binding.json"
-"""Our file in the Spark checkpointLocation, naming the state job it is bound to."""
 OUTPUTS_PROPERTY = "outputs"
 """Manifest property: the staged output files of the accepted attempts, by subtask."""
 OUTPUT_CHECKSUMS_PROPERTY = "output_checksums"
@@ -188,7 +186,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     """
     location = spark_location(checkpoint_location)
     spark_fs = location_filesystem(location, storage, options)
-    spark_path = join(location, SPARK_BINDING_FILE)
+    spark_path = join(location, LOCATION_BINDING_FILE)
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
     theirs = _read_json(spark_fs, spark_path)
     job_side = _read_json(storage.fs, storage.layout.spark_binding_path)
@@ -207,7 +205,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     if theirs is None and job_side is not None:
         raise ConfigurationError(
             f"checkpointLocation {location} of state job {storage.job_id!r} lost its "
-            f"{SPARK_BINDING_FILE} (was it deleted and recreated?): restore the Spark "
+            f"{LOCATION_BINDING_FILE} (was it deleted and recreated?): restore the Spark "
             f"checkpoint, or start a new job_id with a new checkpointLocation"
         )
     created = theirs is None

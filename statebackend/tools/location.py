@@ -9,6 +9,7 @@ later batch (or the job has no manifests).
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 from dataclasses import dataclass
@@ -20,7 +21,14 @@ from statebackend.checkpoint.filesystem import (
     normalize_url,
     open_filesystem,
 )
-from statebackend.checkpoint.layout import MANIFESTS_DIR, METADATA_FILE, batch_ids
+from statebackend.checkpoint.layout import (
+    LOCATION_BINDING_FILE,
+    MANIFESTS_DIR,
+    METADATA_FILE,
+    batch_ids,
+    checkpoint_ids,
+    join,
+)
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.signing import SigningKey, VerifiedReads
@@ -28,6 +36,7 @@ from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    StateBackendError,
 )
 
 _log = logging.getLogger(__name__)
@@ -78,10 +87,35 @@ def open_checkpoint(
     """
     fs = open_location(url, storage_options)
     directory = checkpoint_directory(url)
-    metadata = load_metadata(fs, directory, signing_key)
+    try:
+        metadata = load_metadata(fs, directory, signing_key)
+    except CheckpointNotFoundError as exc:
+        hint = _what_else(fs, directory)
+        if hint is None:
+            raise
+        raise CheckpointNotFoundError(f"{directory} is not a checkpoint: {hint}") from exc
     if signing_key is not None:
         fs = VerifiedReads(fs, directory, metadata.files())
     return CheckpointRef(fs, directory, metadata, signing_key)
+
+
+def _what_else(fs: CheckpointFileSystem, directory: str) -> str | None:
+    """What to give instead of ``directory`` if it is a job's directory or a Spark
+    checkpointLocation bound to a job; None if it is neither."""
+    try:
+        names = fs.list_dir(directory)
+        if LOCATION_BINDING_FILE in names:
+            binding = json.loads(fs.read_file(join(directory, LOCATION_BINDING_FILE)))
+            job_dir = join(str(binding["checkpoint_dir"]), str(binding["job_id"]))
+            return (
+                f"it is the Spark checkpointLocation of state job {binding['job_id']!r}: "
+                f"give {job_dir}/{LATEST} (its newest state) or one of its chk-<N>"
+            )
+    except (StateBackendError, ValueError, KeyError, TypeError):
+        return None
+    if MANIFESTS_DIR in names or checkpoint_ids(names):
+        return f"it is a job's directory: give {directory}/{LATEST} (its newest state) or a chk-<N>"
+    return None
 
 
 LATEST = "latest"

@@ -109,7 +109,8 @@ def test_a_new_query_continues_from_a_savepoint_at_another_parallelism(
     gives for v1's and v2's input together, from v2's first batch on. v2's first batch
     materializes, so once that completes the savepoint can go: v2 restarts, its local
     copies lost, with the same ``restore_from`` and rebuilds from its own storage.
-    ``inspect`` and ``list`` name the savepoint as the base of v2's first manifest."""
+    ``inspect`` and ``list`` name the savepoint as the base of v2's first manifest;
+    ``inspect`` of v2's directory or checkpointLocation says what to give instead."""
     batches = make_batches(8, seed=71)
     savepoint = _old_job(spark, tmp_path, batches[:4])
     v2 = tmp_path / "ours" / "v2"
@@ -139,6 +140,13 @@ def test_a_new_query_continues_from_a_savepoint_at_another_parallelism(
     assert "base: the savepoint the job started from (restore_from), " in capsys.readouterr().out
     assert main(["list", str(tmp_path / "ours")]) == 0
     assert "v1 (restore_from)" in capsys.readouterr().out
+    # A job's directory, or the query's checkpointLocation, given for a checkpoint.
+    assert main(["inspect", str(v2)]) == 1
+    assert f"it is a job's directory: give {v2}/latest" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "ckpt-v2")]) == 1
+    error = capsys.readouterr().err
+    assert "it is the Spark checkpointLocation of state job 'v2': give " in error, error
+    assert f"{v2.as_uri()}/latest" in error
 
     shutil.rmtree(savepoint)
     lose_local_state(tmp_path / "local")

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from statebackend.checkpoint.layout import LOCATION_BINDING_FILE
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError
-from statebackend.spark.streaming_commit import SPARK_BINDING_FILE, bind, spark_location
+from statebackend.spark.streaming_commit import bind, spark_location
 
 
 def test_a_first_start_that_cannot_write_the_job_side_leaves_the_location_unbound(
@@ -23,7 +24,7 @@ def test_a_first_start_that_cannot_write_the_job_side_leaves_the_location_unboun
     location = str(tmp_path / "spark")
     with pytest.raises(CheckpointError, match="could not write"):
         bind(CheckpointStorage((blocker / "ckpt").as_uri(), "job"), location, {})
-    assert not (tmp_path / "spark" / SPARK_BINDING_FILE).exists()
+    assert not (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
     corrected = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
     binding = bind(corrected, location, {})
     assert bind(corrected, location, {}) == binding
