@@ -225,6 +225,12 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
             f"the names given by --storage-option or spark.statebackend.storage.*"
         ) from exc
     except Exception as exc:
+        if type(exc).__name__ == "NoCredentialsError":  # botocore's, for s3://
+            raise ConfigurationError(
+                f"could not {action} {path}: {exc}: give credentials with --storage-option "
+                f"key=... --storage-option secret=... (a job: spark.statebackend.storage.key "
+                f"and .secret), or the AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY variables"
+            ) from exc
         raise CheckpointError(f"could not {action} {path}: {exc}") from exc
 
 

@@ -19,6 +19,7 @@ from statebackend.checkpoint.filesystem import (
     open_filesystem,
     verify_checksum,
 )
+from statebackend.cli import main
 from statebackend.errors import (
     CheckpointCancelledError,
     CheckpointCorruptedError,
@@ -399,3 +400,23 @@ def test_s3_cancelled_multipart_upload_leaves_nothing(s3_endpoint: S3Endpoint) -
     client = boto3.client("s3", endpoint_url=s3_endpoint.endpoint_url)
     uploads = client.list_multipart_uploads(Bucket=s3_endpoint.bucket).get("Uploads", [])
     assert [u for u in uploads if u["Key"].startswith(storage.url.split("/", 3)[3])] == []
+
+
+@pytest.mark.s3
+def test_s3_without_credentials_says_how_to_give_them(
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No key in the options nor in the environment: one ConfigurationError (the CLI's one
+    line) naming the path and where credentials go, not botocore's bare message."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    url = f"s3://{s3_endpoint.bucket}/no-credentials"
+    fs = open_filesystem(url, {"endpoint_url": s3_endpoint.endpoint_url})
+    with pytest.raises(
+        ConfigurationError, match=r"could not list .*no-credentials: .*--storage-option key="
+    ):
+        fs.list_dir(url)
+    status = main(["list", url, "--storage-option", f"endpoint_url={s3_endpoint.endpoint_url}"])
+    assert status != 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "AWS_ACCESS_KEY_ID" in line
