@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
 from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.signing import SigningKey, load_signing_key
@@ -227,7 +228,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         json_document(info)
         return 0
-    out(f"{info['kind']} {info['checkpoint_id']} of job {info['job_id']}: {info['path']}")
+    folded = info["properties"].get(FOLDED_FROM_PROPERTY)
+    if folded is None:
+        out(f"{info['kind']} {info['checkpoint_id']} of job {info['job_id']}: {info['path']}")
+    else:
+        out(
+            f"savepoint of job {info['job_id']} folded from its batch manifest {folded} (the "
+            f"state at the end of batch {folded}): {info['path']}"
+        )
     out(
         f"  completed {local_time(info['completed_at'])}, "
         f"max parallelism {info['max_parallelism']}, " + state_size(info)

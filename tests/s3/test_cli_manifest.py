@@ -309,6 +309,12 @@ def test_savepoint_folds_a_manifest_and_restores_at_any_parallelism(
     assert metadata.is_savepoint and metadata.operators[OPERATOR].parallelism == 2
     assert metadata.properties["batch_id"] == 5
     assert cli(capsys, job.storage, "verify", target)[0] == 0
+    status, out, _ = cli(capsys, job.storage, "inspect", target)
+    assert status == 0
+    assert out.startswith(
+        f"savepoint of job job folded from its batch manifest 5 (the state at the end of "
+        f"batch 5): {target}"
+    ), out
     for parallelism in (1, 3, 4):
         found: dict[str, Any] = {}
         for i in range(parallelism):
