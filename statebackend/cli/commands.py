@@ -336,11 +336,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{s['old_subtask']} ({s['key_groups'][0]}-{s['key_groups'][1]})"
                 for s in sub["keyed_sources"]
             )
-            keyed = (
-                f"{size(sub['keyed_bytes'])} keyed state from old subtasks {sources}"
-                if sources
-                else "no keyed state"
-            )
+            if sources:
+                keyed = f"{size(sub['keyed_bytes'])} keyed state from old subtasks {sources}"
+            elif "changelog_sources" in sub:  # a manifest: the base holds none of it
+                keyed = "no base state (its state is in the changelog)"
+            else:
+                keyed = "no keyed state"
             out(f"  subtask {sub['subtask']}: key groups {start}-{end}, {keyed}")
             if "changelog_sources" in sub:
                 out(

@@ -290,6 +290,10 @@ def test_inspect_and_plan_a_manifest(
     status, out, _ = cli(capsys, job.storage, "plan", job.manifest(5), "-p", "2")
     assert status == 0 and "changelog:" in out and "batches 3, 4, 5" in out
     assert f"keyed imbalance {imbalance:.2f} (max/mean)" in out
+    # Manifest 3 has no base: each subtask's state is in the changelog alone.
+    status, out, _ = cli(capsys, job.storage, "plan", job.manifest(3), "-p", "2")
+    assert status == 0 and "no keyed state" not in out, out
+    assert out.count("no base state (its state is in the changelog)") == 2, out
 
 
 def test_savepoint_folds_a_manifest_and_restores_at_any_parallelism(
