@@ -43,6 +43,9 @@ If the local directory cannot be used (not writable, disk full), the task fails 
 LocalStateError naming it, instead of a RocksDB or OS error: a probe file is written to
 tell a broken directory from other failures.
 
+A subtask that opens its RocksDB also removes the copies of subtasks beyond the current
+parallelism (left by a run at a higher one) that no task holds.
+
 With the ``heap`` backend the state lives in the Python worker's memory instead: a
 process-wide table maps (root, subtask) to (marker, backend). A worker that holds the
 subtask at (generation, previous_batch, accepted attempt) reuses it; any other worker
@@ -426,6 +429,7 @@ class LocalRocksDBState(LocalKeyedState):
         self.directory.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self._remove_subtasks_beyond_parallelism()
         options = self._options()
         if self._is_current(self._read_marker()):
             self.reused = True
@@ -436,6 +440,29 @@ class LocalRocksDBState(LocalKeyedState):
             backend = self._rebuild(RocksDBKeyedStateBackend(self.directory, **options))
         self._marker.unlink(missing_ok=True)
         return backend
+
+    def _remove_subtasks_beyond_parallelism(self) -> None:
+        """Delete the copies of subtasks the job no longer has (left by a run at a higher
+        parallelism: nothing would ever reuse or remove them) that no task holds now."""
+        for lock_path in self._root.glob("subtask-*.lock"):
+            index = lock_path.name.removeprefix("subtask-").removesuffix(".lock")
+            if not index.isdigit() or int(index) < self._version.parallelism:
+                continue
+            try:
+                fd = os.open(lock_path, os.O_RDWR)
+            except FileNotFoundError:  # another task removed it first
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a task of an older run still holds it
+                os.close(fd)
+                continue
+            try:
+                (self._root / f"subtask-{index}.version").unlink(missing_ok=True)
+                shutil.rmtree(self._root / f"subtask-{index}", ignore_errors=True)
+                lock_path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
 
     def _keep(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
         assert isinstance(backend, RocksDBKeyedStateBackend)

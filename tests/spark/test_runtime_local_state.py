@@ -93,6 +93,33 @@ def test_marker_reuse_and_stale(tmp_path: Path) -> None:
         assert not state.reused
 
 
+def test_copies_of_subtasks_beyond_a_lower_parallelism_are_removed(tmp_path: Path) -> None:
+    """A run at parallelism 3 leaves copies of subtasks 0-2; the next at parallelism 2
+    removes subtask 2's (nothing would reuse it) when a subtask opens, unless a task
+    still holds it."""
+    storage = CheckpointStorage(tmp_path.as_uri(), "job")
+    root = tmp_path / "local"
+
+    def run(subtask: int, parallelism: int) -> LocalKeyedState:
+        version = LocalVersion("g1", None, None, parallelism, 128)
+        return local_keyed_state(root, subtask, version, storage, "op", StrSerializer())
+
+    for subtask in range(3):
+        with run(subtask, 3) as state:
+            state.commit(0, "a")
+    assert (root / "subtask-2").is_dir() and (root / "subtask-2.version").exists()
+    with run(2, 3) as held:  # a task of the old run holds subtask 2 ...
+        with run(0, 2) as state:
+            state.commit(1, "b")
+        assert (root / "subtask-2").is_dir()  # ... so it stays
+        held.commit(1, "a")
+    with run(1, 2) as state:
+        state.commit(1, "b")
+    assert sorted(p.name for p in root.iterdir()) == [
+        f"subtask-{i}{suffix}" for i in range(2) for suffix in ("", ".lock", ".version")
+    ]
+
+
 @pytest.mark.parametrize("kind", ["rocksdb", "heap"])
 def test_a_commit_in_background_is_waited_for_by_the_next_opener(tmp_path: Path, kind: str) -> None:
     """``commit(in_background=True)``, as a task whose Python worker outlives it commits:
