@@ -10,6 +10,8 @@ computation gives for its source offsets, and restore a restarted job exactly.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import threading
 from pathlib import Path
@@ -73,6 +75,8 @@ class GcLoop:
     def __init__(self, job_dir: Path) -> None:
         self.job_dir = job_dir
         self.statuses: list[int] = []
+        self.errors: list[str] = []
+        """What gc printed on stderr when it failed."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gc-loop", daemon=True)
 
@@ -81,8 +85,12 @@ class GcLoop:
             if self._stop.wait(0.01):
                 return
         while not self._stop.is_set():
-            status = main(["gc", self.job_dir.as_uri(), "--apply", "--grace", "0"])
+            said = io.StringIO()
+            with contextlib.redirect_stderr(said):  # for the failure's message
+                status = main(["gc", self.job_dir.as_uri(), "--apply", "--grace", "0"])
             self.statuses.append(status)
+            if status:
+                self.errors.append(said.getvalue())
 
     def __enter__(self) -> GcLoop:
         self._thread.start()
@@ -144,14 +152,14 @@ def test_gc_in_a_loop_never_breaks_a_running_incremental_job(
         assert compare_totals(expected, read_totals(capsys, location, directory)) == []
     storage.close()
     assert len(gc.statuses) >= 10, "gc must have run while the job checkpointed"
-    assert set(gc.statuses) == {0}
+    assert set(gc.statuses) == {0}, gc.errors
 
     # A restart on a fresh local directory restores every subtask from the checkpoint.
     generate_events(input_dir, 400, USERS, PARTITIONS, seed=22)
     with GcLoop(job_dir) as gc:
         summary = run(tmp_path / "local-restart")
     assert summary.restored_from is not None and summary.failures == 0
-    assert set(gc.statuses) == {0}
+    assert set(gc.statuses) == {0}, gc.errors
     assert summary.last_checkpoint is not None
     expected = expected_totals(read_events(input_dir))
     assert compare_totals(expected, read_totals(capsys, location, summary.last_checkpoint)) == []
