@@ -64,7 +64,9 @@ from statebackend.checkpoint.metrics import (
     MetricsHistory,
     RestoreMetrics,
     combine_batches,
+    read_history,
     record_from_json,
+    records_of,
 )
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
@@ -88,6 +90,7 @@ from statebackend.spark.processor_handle import (
 )
 from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
 from statebackend.spark.streaming_commit import (
+    METRICS_PROPERTY,
     QUERY_PROPERTY,
     RESTORED_FROM,
     BatchCommitter,
@@ -361,6 +364,7 @@ class StatefulStream:
                 # Spark sets the next batch's watermark from the event times this batch's
                 # plan sees: it must see them again, or the watermark stands still.
                 batch_df.write.format("noop").mode("overwrite").save()
+            self._record_if_missing(committed)
             self._previous_batch = batch_id
             return committed
         restore_batch = self.committer.newest_batch()
@@ -398,14 +402,16 @@ class StatefulStream:
             with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
                 combined = combined_input(batch_df, self.spec, initial, self.with_key_groups)
                 rows = self._keyed_batches.run(combined, plan)
+            parts = [record_from_json(json.loads(row.metrics)) for row in rows]
+            batch = combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
             manifest = self.committer.commit(
-                batch_id, rows, self.parallelism, self.max_parallelism, times, self.query
+                batch_id, rows, self.parallelism, self.max_parallelism, times, self.query, batch
             )
         except BaseException as exc:
             if checkpoint_id is not None:  # it would cut no committed state
                 tracker.abort(f"batch {batch_id} failed: {exc}")
             raise
-        self._record_batch(batch_id, rows, checkpoint_id, restore_batch)
+        self._record_batch(batch, rows, checkpoint_id, restore_batch)
         if checkpoint_id is not None:
             records = manifest.operators[OPERATOR_ID][-1].subtasks
             self._cut_attempts[checkpoint_id] = [handle.attempt for handle in records]
@@ -518,12 +524,14 @@ class StatefulStream:
         return True
 
     def _record_batch(
-        self, batch_id: int, rows: list[Row], checkpoint_id: int | None, restore_batch: int | None
+        self,
+        batch: BatchMetrics,
+        rows: list[Row],
+        checkpoint_id: int | None,
+        restore_batch: int | None,
     ) -> None:
         """Record the batch's metrics, and a restore if subtasks rebuilt from storage
         (from manifest ``restore_batch``)."""
-        parts = [record_from_json(json.loads(row.metrics)) for row in rows]
-        batch = combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
         self.metrics.record(batch)
         if checkpoint_id is not None and self._tracker is not None:
             self._tracker.cut_taken(
@@ -546,6 +554,18 @@ class StatefulStream:
                     len(rebuilt),
                 )
             )
+
+    def _record_if_missing(self, manifest: BatchManifest) -> None:
+        """Record the metrics of a committed batch Spark runs again, which the manifest
+        holds, if the run that committed it died before recording them."""
+        recorded = manifest.properties.get(METRICS_PROPERTY)
+        batch = None if recorded is None else record_from_json(recorded)
+        if not isinstance(batch, BatchMetrics):
+            return
+        storage = self.committer.storage
+        history = read_history(storage.fs, storage.layout.job_dir)
+        if all(b.batch_id != batch.batch_id for b in records_of(history, BatchMetrics)):
+            self.metrics.record(batch)
 
     def output(self, manifest: BatchManifest) -> DataFrame:
         """The output rows of a committed batch, read from its staged files."""

@@ -63,6 +63,7 @@ from statebackend.checkpoint.filesystem import (
 )
 from statebackend.checkpoint.layout import LOCATION_BINDING_FILE, batch_ids, join
 from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
 from statebackend.checkpoint.signing import FILE_CHECKSUM
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import algorithm_of, checksum
@@ -124,6 +125,9 @@ def location_filesystem(
 
 QUERY_PROPERTY = "query"
 """Manifest property: what a restart of the query must keep (``check_same_query``)."""
+METRICS_PROPERTY = "metrics"
+"""Manifest property: the batch's ``BatchMetrics`` (``record_to_json``), recorded again
+if the run that committed the batch died before recording them."""
 RESTORED_FROM = "restored_from"
 """Key of the ``QUERY_PROPERTY``: the savepoint or checkpoint the job's first batch
 restored (``transform_with_state``'s ``restore_from``), or None."""
@@ -287,10 +291,12 @@ class BatchCommitter:
         max_parallelism: int,
         times: BatchTimes,
         query: dict[str, Any],
+        metrics: BatchMetrics,
     ) -> BatchManifest:
         """Write manifest ``batch_id`` accepting the subtask attempts of ``rows`` (the
         collected metadata rows, one per subtask), with the ``query`` that ran it
-        (``check_same_query``). Raises CheckpointError if a subtask's row is missing."""
+        (``check_same_query``) and its ``metrics``. Raises CheckpointError if a subtask's
+        row is missing."""
         by_subtask = {int(row.subtask): row for row in rows}
         missing = sorted(set(range(parallelism)) - set(by_subtask))
         if missing:
@@ -307,6 +313,7 @@ class BatchCommitter:
             OUTPUT_CHECKSUMS_PROPERTY: [str(row.output_checksum) for row in ordered],
             "rows": sum(int(row.rows) for row in ordered),
             QUERY_PROPERTY: query,
+            METRICS_PROPERTY: record_to_json(metrics),
         }
         manifest = self.changelog.commit(
             batch_id,

@@ -23,6 +23,8 @@ from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from statebackend.checkpoint.metrics import BatchMetrics, read_history, records_of
+from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.state_reader import read_state
@@ -317,9 +319,18 @@ def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_pat
         query.awaitTermination()
 
     run()
-    # A driver dying after our commit and publish but before Spark's commits/2:
+    # A driver dying after our commit and publish but before Spark's commits/2, and
+    # before it recorded batch 2's metrics:
     (checkpoint / "commits" / "2").unlink()
     (checkpoint / "commits" / ".2.crc").unlink(missing_ok=True)
+    job_dir = tmp_path / "ours" / "json-sink"
+    for segment in (job_dir / "metrics").rglob("*"):
+        if segment.is_file():
+            lines = segment.read_text().splitlines(keepends=True)
+            kept = [
+                line for line in lines if not ('"kind":"batch"' in line and '"batch_id":2,' in line)
+            ]
+            segment.write_text("".join(kept))
     run()  # Spark runs batch 2 again
     assert (checkpoint / "commits" / "2").exists()
     written = Counter(
@@ -327,6 +338,12 @@ def test_rerun_of_a_committed_batch_appends_nothing(spark: SparkSession, tmp_pat
         for row in spark.read.schema(example.OUTPUT_SCHEMA).json(str(out)).collect()
     )
     assert written == Counter(row for (_, row) in expected_output(batches).elements())
+    # The batch's metrics come from its manifest, once.
+    fs = CheckpointStorage((tmp_path / "ours").as_uri(), "json-sink").fs
+    recorded = records_of(read_history(fs, job_dir.as_uri()), BatchMetrics)
+    assert sorted((b.batch_id, b.records_in) for b in recorded) == [
+        (n, len(rows)) for n, rows in enumerate(batches)
+    ]
 
 
 def expected_totals(batches: Batches) -> dict[str, tuple[int, int]]:
