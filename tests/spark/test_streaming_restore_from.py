@@ -116,15 +116,8 @@ def test_a_new_query_continues_from_a_savepoint_at_another_parallelism(
     v2 = tmp_path / "ours" / "v2"
 
     write_batch_files(tmp_path / "in-v2", batches[4:7])
-    _run(
-        spark,
-        tmp_path / "in-v2",
-        tmp_path / "out-v2",
-        tmp_path / "ckpt-v2",
-        "v2",
-        3,
-        str(savepoint),
-    )
+    new_query = (tmp_path / "in-v2", tmp_path / "out-v2", tmp_path / "ckpt-v2", "v2")
+    _run(spark, *new_query, 3, str(savepoint))
     assert read_output(spark, tmp_path / "out-v2") == _shifted(expected_output(batches[:7]), 4)
     assert state_totals(spark, v2) == expected_totals(batches[:7])
 
@@ -151,15 +144,7 @@ def test_a_new_query_continues_from_a_savepoint_at_another_parallelism(
     shutil.rmtree(savepoint)
     lose_local_state(tmp_path / "local")
     write_batch_files(tmp_path / "in-v2", batches[7:], first=7)
-    _run(
-        spark,
-        tmp_path / "in-v2",
-        tmp_path / "out-v2",
-        tmp_path / "ckpt-v2",
-        "v2",
-        2,
-        str(savepoint),
-    )
+    _run(spark, *new_query, 2, str(savepoint))
     written = read_output(spark, tmp_path / "out-v2")
     assert written == _shifted(expected_output(batches), 4)
     assert max(written.values()) == 1
