@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import posixpath
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -30,10 +32,12 @@ from statebackend.errors import (
     CheckpointUnreadableError,
     ConfigurationError,
 )
+from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.incremental import SharedLocation
 from statebackend.snapshot.target import AbortSignal, SnapshotDirectory
 
 DEFAULT_TRANSFER_THREADS = 4
+_log = logging.getLogger(__name__)
 _HELD_FILES_CACHED = 4
 
 
@@ -157,13 +161,27 @@ class CheckpointStorage:
         file per task attempt, written atomically.
 
         Writes nothing and returns False if N is no longer pending (aborted, or completed
-        and cleaned up), so that a late ack does not recreate its directory.
+        and cleaned up), so that a late ack does not recreate its directory; the files its
+        snapshot wrote itself (named after it: ``snapshot_name``), which nothing can
+        reference now, are deleted then (the shared files it reuses are not its own).
         """
         if not self.is_pending(checkpoint_id):
+            self._discard_own_files(checkpoint_id, ack)
             return False
         path = self.layout.ack_path(checkpoint_id, ack.operator_id, ack.subtask, ack.attempt)
         self.fs.write_atomic(path, json.dumps(ack.to_json()).encode("utf-8"))
         return True
+
+    def _discard_own_files(self, checkpoint_id: int, ack: SubtaskAck) -> None:
+        directory = self.layout.checkpoint_path(checkpoint_id)
+        own = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt) + "-"
+        for stored in ack.files():
+            path = resolve_path(directory, stored.path)
+            if posixpath.basename(path).startswith(own):
+                try:
+                    self.fs.delete(path)
+                except CheckpointError:  # left to statebackend gc
+                    _log.warning("could not delete %s of a late ack", path, exc_info=True)
 
     def read_acks(self, checkpoint_id: int) -> list[SubtaskAck]:
         """Every acknowledgement of checkpoint N so far (of every run and task attempt),

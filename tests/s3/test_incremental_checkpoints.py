@@ -793,3 +793,30 @@ def test_a_checkpoint_referencing_deleted_shared_files_is_aborted(
         assert restore(fs, job.storage.resolve(after), 1, tmp_path) == job.models[after]
     finally:
         job.close()
+
+
+def test_a_late_ack_deletes_the_files_its_snapshot_uploaded(job: Job, tmp_path: Path) -> None:
+    """An upload that finishes after its checkpoint was aborted: ``write_ack`` writes no
+    ack and deletes the shared files that snapshot uploaded itself (nothing can reference
+    them), not those it reuses from the completed checkpoint before, which still
+    restores to its model."""
+    job.write(3000)
+    completed = job.checkpoint()
+    job.write(500)
+    late = job.coordinator.trigger({OPERATOR: 1})
+    target = job.storage.snapshot_target(late, OPERATOR, 0, job.coordinator.run_id, "late")
+    handle = job.backends[0].snapshot(late, target).result(WAIT)
+    job.coordinator.abort(late)
+    ack = ack_of(job, handle, "late")
+    directory = job.storage.resolve(late)
+    shared = [p for f in ack.files() if "/shared/" in (p := resolve_path(directory, f.path))]
+    own = [p for p in shared if "-late-" in p.rpartition("/")[2]]
+    reused = [p for p in shared if p not in own]
+    assert own and reused, shared
+    assert all(job.storage.fs.exists(p) for p in shared)
+    assert not job.storage.write_ack(late, ack)
+    assert [p for p in own if job.storage.fs.exists(p)] == []
+    assert all(job.storage.fs.exists(p) for p in reused)
+    assert not job.storage.fs.exists(job.storage.layout.acks_dir(late))
+    restored = restore(job.storage.fs, job.storage.resolve(completed), 1, tmp_path / "restored")
+    assert restored == job.models[completed]
