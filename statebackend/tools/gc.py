@@ -73,7 +73,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import (
     CheckpointCorruptedError,
-    CheckpointNotFoundError,
+    CheckpointError,
     ConfigurationError,
     StateBackendError,
 )
@@ -131,7 +131,7 @@ def _load_completed(fs: CheckpointFileSystem, directory: str) -> CheckpointMetad
     """
     try:
         return load_metadata(fs, directory)
-    except CheckpointNotFoundError:
+    except CheckpointError:  # also one deleted between its existence check and its read
         if fs.exists(metadata_path(directory)):
             raise
         return None

@@ -386,3 +386,35 @@ def test_modified_is_the_storage_write_time(checkpoint_url: Storage) -> None:
     assert storage.fs.modified(path) > first
     with pytest.raises(CheckpointCorruptedError, match="missing"):
         storage.fs.modified(storage.layout.shared_path("nothing"))
+
+
+class RetentionRaceFileSystem(CheckpointFileSystem):
+    """A checkpoint file system on which the job's retention deletes checkpoint
+    ``doomed`` between gc's check that its ``_metadata`` exists and gc's read of it."""
+
+    def __init__(self, location: Storage, doomed: str) -> None:
+        super().__init__(raw_fs(location))
+        self.doomed = doomed
+        self.raced = False
+
+    def read_file(self, path: str) -> bytes:
+        """``CheckpointFileSystem.read_file``, with the doomed checkpoint deleted first."""
+        if path == f"{self.doomed}/_metadata" and not self.raced:
+            self.raced = True
+            self.delete(self.doomed, recursive=True)
+        return super().read_file(path)
+
+
+def test_a_checkpoint_deleted_while_gc_reads_it_is_skipped(
+    checkpoint_url: Storage, job: Job
+) -> None:
+    """Retention deletes an old checkpoint between gc's listing of its ``_metadata`` and
+    the read: gc goes on without it (it failed, so a gc loop next to a job failed now
+    and then), and lists the files of the others as before: none."""
+    job.write(2000)
+    older = job.checkpoint()
+    job.write(500)
+    job.checkpoint()
+    fs = RetentionRaceFileSystem(checkpoint_url, job.storage.resolve(older))
+    assert find_garbage(fs, job_dir(job), grace_seconds=0) == []
+    assert fs.raced
