@@ -414,7 +414,8 @@ class StatefulStream:
         self._record_batch(batch, rows, checkpoint_id, restore_batch)
         if checkpoint_id is not None:
             records = manifest.operators[OPERATOR_ID][-1].subtasks
-            self._cut_attempts[checkpoint_id] = [handle.attempt for handle in records]
+            # One materialization is pending at a time: an aborted one's entry goes.
+            self._cut_attempts = {checkpoint_id: [handle.attempt for handle in records]}
             tracker.uploads_started()
             pending = tracker.pending
             if self.ends_when_caught_up or (pending and pending.savepoint_request):
