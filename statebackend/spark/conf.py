@@ -183,6 +183,19 @@ TICK_INTERVAL_KEY = PREFIX + "streaming.tick-interval"
 MAX_PARALLELISM_KEY = PREFIX + "max-parallelism"
 
 
+def check_max_parallelism_setting(
+    setting: int | None, stored: int, of: str, otherwise: str = ""
+) -> None:
+    """ConfigurationError unless ``spark.statebackend.max-parallelism`` (``setting``) is
+    unset or ``stored``, the max parallelism of ``of``: a state's key groups are fixed for
+    its life. ``otherwise`` ends the message (another way out than unsetting it)."""
+    if setting not in (None, stored):
+        raise ConfigurationError(
+            f"{MAX_PARALLELISM_KEY}={setting} differs from the max parallelism {stored} of "
+            f"{of} (its key groups are fixed): unset {MAX_PARALLELISM_KEY}{otherwise}"
+        )
+
+
 def default_local_dir() -> str:
     """Where executors keep their RocksDB instances unless ``local.dir`` is set: one
     host-wide directory, so every executor process on a host finds the local copies."""

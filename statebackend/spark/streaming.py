@@ -79,7 +79,7 @@ from statebackend.spark.arrow_path import (
     combined_input,
 )
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
-from statebackend.spark.conf import MAX_PARALLELISM_KEY, StateBackendConf
+from statebackend.spark.conf import StateBackendConf, check_max_parallelism_setting
 from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion, accepted_attempts
 from statebackend.spark.processor_handle import (
@@ -284,13 +284,12 @@ class StatefulStream:
                     stored_reader(stored[descriptor.name], descriptor)
             # Key groups are fixed for the job's life: a restart at another parallelism
             # keeps them.
-            if conf.max_parallelism not in (None, committed.max_parallelism):
-                raise ConfigurationError(
-                    f"{MAX_PARALLELISM_KEY}={conf.max_parallelism} differs from the max "
-                    f"parallelism {committed.max_parallelism} of state job {job_id!r} (its "
-                    f"key groups are fixed): unset {MAX_PARALLELISM_KEY}, or start a new "
-                    f"job_id with a new checkpointLocation"
-                )
+            check_max_parallelism_setting(
+                conf.max_parallelism,
+                committed.max_parallelism,
+                f"state job {job_id!r}",
+                ", or start a new job_id with a new checkpointLocation",
+            )
             self.max_parallelism = committed.max_parallelism
             check_parallelism(parallelism, self.max_parallelism)
         elif requested is not None:
@@ -314,7 +313,7 @@ class StatefulStream:
         """Without Python worker reuse an upload would die with its task's worker."""
         self._tracker: CheckpointTracker | None = None
         self._keyed_batches = KeyedBatches()
-        self._cut_attempts: dict[int, list[str]] = {}
+        self._cut_attempts: dict[int, tuple[str, ...] | None] = {}
         """Per pending materialization, the subtask attempts its batch's manifest accepted
         (that manifest may be deleted by the time the materialization completes)."""
         self.ends_when_caught_up = False
@@ -413,9 +412,8 @@ class StatefulStream:
             raise
         self._record_batch(batch, rows, checkpoint_id, restore_batch)
         if checkpoint_id is not None:
-            records = manifest.operators[OPERATOR_ID][-1].subtasks
             # One materialization is pending at a time: an aborted one's entry goes.
-            self._cut_attempts = {checkpoint_id: [handle.attempt for handle in records]}
+            self._cut_attempts = {checkpoint_id: accepted_attempts(manifest, OPERATOR_ID)}
             tracker.uploads_started()
             pending = tracker.pending
             if self.ends_when_caught_up or (pending and pending.savepoint_request):
@@ -468,8 +466,7 @@ class StatefulStream:
             or batch_id not in changelog.manifest_ids()
         ):
             return base
-        records = changelog.load_manifest(batch_id).operators[OPERATOR_ID][-1]
-        accepted = [handle.attempt for handle in records.subtasks]
+        accepted = accepted_attempts(changelog.load_manifest(batch_id), OPERATOR_ID)
         adopted = self._make_base(completed[-1], batch_id, metadata, accepted)
         return batch_id if adopted else base
 
@@ -502,15 +499,19 @@ class StatefulStream:
         self._make_base(pending.checkpoint_id, pending.batch_id, metadata, accepted)
 
     def _make_base(
-        self, checkpoint_id: int, batch_id: int, metadata: CheckpointMetadata, accepted: list[str]
+        self,
+        checkpoint_id: int,
+        batch_id: int,
+        metadata: CheckpointMetadata,
+        accepted: tuple[str, ...] | None,
     ) -> bool:
         """Make completed materialization N (``metadata``), cut at the end of batch b, the
         base of the next manifests if it cut the subtask attempts ``accepted`` (those
         manifest b accepted: another attempt, e.g. a speculative copy, ran the same batch
         but need not have left the same state); whether it did."""
-        cut = [
+        cut = tuple(
             attempt_name(ack.run, ack.attempt) for ack in metadata.operators[OPERATOR_ID].subtasks
-        ]
+        )
         if cut != accepted:
             _log.warning(
                 "materialization %s cut task attempts %s of batch %s, whose manifest "

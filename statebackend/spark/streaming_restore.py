@@ -39,7 +39,7 @@ from statebackend.serializers import (
     serializer_from_config,
 )
 from statebackend.spark.arrow_path import OPERATOR_ID
-from statebackend.spark.conf import MAX_PARALLELISM_KEY
+from statebackend.spark.conf import check_max_parallelism_setting
 from statebackend.state.descriptors import StateDescriptor
 
 _FOLD_HINT = (
@@ -87,12 +87,9 @@ def restore_point(
             f"restore_from {directory} is not a completed checkpoint or savepoint (no "
             f"_metadata): {_FOLD_HINT}"
         ) from exc
-    if max_parallelism not in (None, metadata.max_parallelism):
-        raise ConfigurationError(
-            f"{MAX_PARALLELISM_KEY}={max_parallelism} differs from the max parallelism "
-            f"{metadata.max_parallelism} of restore_from {directory} (its key groups are "
-            f"fixed): unset {MAX_PARALLELISM_KEY}"
-        )
+    check_max_parallelism_setting(
+        max_parallelism, metadata.max_parallelism, f"restore_from {directory}"
+    )
     operator = metadata.operators.get(OPERATOR_ID)
     if operator is None:
         held = ", ".join(sorted(metadata.operators)) or "none"
