@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.storage import CheckpointStorage, snapshot_name
+from statebackend.checkpoint.storage import CheckpointStorage, written_by
 from statebackend.errors import CheckpointNotFoundError
 from statebackend.snapshot.handles import StoredFile, normalize_path, resolve_path
 
@@ -67,9 +67,7 @@ class SharedFileRegistry:
         subtask, run or task attempt), uploaded for an earlier checkpoint."""
         reused: set[str] = set()
         for ack in acks:
-            name = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt)
-            own = f"{self._shared_prefix}{name}-"
-            reused.update(p for p in self.of_acks(checkpoint_id, [ack]) if not p.startswith(own))
+            reused.update(p for p in self.of_acks(checkpoint_id, [ack]) if not written_by(ack, p))
         return frozenset(reused)
 
     def retained(self) -> frozenset[str]:

@@ -47,6 +47,13 @@ def snapshot_name(operator_id: str, subtask: int, run: str | None, attempt: str 
     return "-".join([operator_id, str(subtask), *(part for part in (run, attempt) if part)])
 
 
+def written_by(ack: SubtaskAck, path: str) -> bool:
+    """Whether ``ack``'s own snapshot wrote the file at ``path`` (its name starts with the
+    snapshot's name), not an earlier snapshot whose shared file it reuses."""
+    own = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt) + "-"
+    return posixpath.basename(path).startswith(own)
+
+
 class CheckpointStorage:
     """Reads and writes the checkpoints of job ``job_id`` under ``checkpoint_dir``.
 
@@ -174,10 +181,9 @@ class CheckpointStorage:
 
     def _discard_own_files(self, checkpoint_id: int, ack: SubtaskAck) -> None:
         directory = self.layout.checkpoint_path(checkpoint_id)
-        own = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt) + "-"
         for stored in ack.files():
             path = resolve_path(directory, stored.path)
-            if posixpath.basename(path).startswith(own):
+            if written_by(ack, path):
                 try:
                     self.fs.delete(path)
                 except CheckpointError:  # left to statebackend gc
