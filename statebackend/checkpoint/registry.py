@@ -67,7 +67,11 @@ class SharedFileRegistry:
         subtask, run or task attempt), uploaded for an earlier checkpoint."""
         reused: set[str] = set()
         for ack in acks:
-            reused.update(p for p in self.of_acks(checkpoint_id, [ack]) if not written_by(ack, p))
+            reused.update(
+                p
+                for p in self.of_acks(checkpoint_id, [ack])
+                if not written_by(ack, p, checkpoint_id)
+            )
         return frozenset(reused)
 
     def retained(self) -> frozenset[str]:

@@ -41,16 +41,22 @@ _log = logging.getLogger(__name__)
 _HELD_FILES_CACHED = 4
 
 
-def snapshot_name(operator_id: str, subtask: int, run: str | None, attempt: str | None) -> str:
-    """The prefix of the names of the files one subtask's task attempt writes for a
-    checkpoint (``<operator>-<subtask>[-<run>][-<attempt>]``)."""
-    return "-".join([operator_id, str(subtask), *(part for part in (run, attempt) if part)])
+def snapshot_name(
+    operator_id: str, subtask: int, run: str | None, attempt: str | None, checkpoint_id: int
+) -> str:
+    """The prefix of the names of the files one subtask's task attempt writes for
+    checkpoint N (``<operator>-<subtask>[-<run>][-<attempt>]-c<N>``). N is part of it: the
+    shared files the same subtask, run and attempt uploaded for earlier checkpoints (which
+    later snapshots reuse) must not look like this snapshot's own (``written_by``); without
+    a task attempt (``attempt=None``) they did."""
+    parts = [operator_id, str(subtask), *(part for part in (run, attempt) if part)]
+    return "-".join([*parts, f"c{checkpoint_id}"])
 
 
-def written_by(ack: SubtaskAck, path: str) -> bool:
-    """Whether ``ack``'s own snapshot wrote the file at ``path`` (its name starts with the
-    snapshot's name), not an earlier snapshot whose shared file it reuses."""
-    own = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt) + "-"
+def written_by(ack: SubtaskAck, path: str, checkpoint_id: int) -> bool:
+    """Whether ``ack``'s own snapshot of checkpoint N wrote the file at ``path`` (its name
+    starts with the snapshot's name), not an earlier snapshot whose shared file it reuses."""
+    own = snapshot_name(ack.operator_id, ack.subtask, ack.run, ack.attempt, checkpoint_id) + "-"
     return posixpath.basename(path).startswith(own)
 
 
@@ -135,7 +141,7 @@ class CheckpointStorage:
         return SnapshotDirectory(
             self.fs,
             self.layout.checkpoint_path(checkpoint_id),
-            snapshot_name(operator_id, subtask, run, attempt),
+            snapshot_name(operator_id, subtask, run, attempt, checkpoint_id),
             self.executor,
             self.compression,
             self.shared_location() if self.incremental else None,
@@ -183,7 +189,7 @@ class CheckpointStorage:
         directory = self.layout.checkpoint_path(checkpoint_id)
         for stored in ack.files():
             path = resolve_path(directory, stored.path)
-            if written_by(ack, path):
+            if written_by(ack, path, checkpoint_id):
                 try:
                     self.fs.delete(path)
                 except CheckpointError:  # left to statebackend gc

@@ -820,3 +820,50 @@ def test_a_late_ack_deletes_the_files_its_snapshot_uploaded(job: Job, tmp_path: 
     assert not job.storage.fs.exists(job.storage.layout.acks_dir(late))
     restored = restore(job.storage.fs, job.storage.resolve(completed), 1, tmp_path / "restored")
     assert restored == job.models[completed]
+
+
+def test_a_late_ack_without_a_task_attempt_keeps_the_files_it_reuses(
+    job: Job, tmp_path: Path
+) -> None:
+    """The same as the test above, by a subtask acknowledging without a task attempt
+    (``attempt=None``, as ``Job.checkpoint`` and the README do): the late ack deletes only
+    the files its own snapshot uploaded, not the shared SSTs the same subtask uploaded for
+    the completed checkpoint and the late snapshot reuses (without the checkpoint id in
+    the files' names, ``written_by`` took those for its own)."""
+    job.write(3000)
+    completed = job.checkpoint()
+    job.write(500)
+    late = job.coordinator.trigger({OPERATOR: 1})
+    target = job.storage.snapshot_target(late, OPERATOR, 0, job.coordinator.run_id)
+    handle = job.backends[0].snapshot(late, target).result(WAIT)
+    job.coordinator.abort(late)
+    ack = SubtaskAck(OPERATOR, 0, 1, handle, None, job.coordinator.run_id)
+    held = job.storage.load(completed).files()
+    directory = job.storage.resolve(completed)
+    held_shared = [p for f in held if "/shared/" in (p := resolve_path(directory, f.path))]
+    assert held_shared and all(job.storage.fs.exists(p) for p in held_shared)
+    assert not job.storage.write_ack(late, ack)
+    assert [p for p in held_shared if not job.storage.fs.exists(p)] == []
+    restored = restore(job.storage.fs, job.storage.resolve(completed), 1, tmp_path / "restored")
+    assert restored == job.models[completed]
+
+
+def test_after_a_late_ack_without_a_task_attempt_the_next_checkpoint_restores(
+    job: Job, tmp_path: Path
+) -> None:
+    """After such a late ack, the next checkpoint (which reuses the completed one's SSTs
+    and is not checked for them: ``registry.reused_by`` trusts the subtask's own names)
+    references no missing file and restores."""
+    job.write(3000)
+    job.checkpoint()
+    job.write(500)
+    late = job.coordinator.trigger({OPERATOR: 1})
+    target = job.storage.snapshot_target(late, OPERATOR, 0, job.coordinator.run_id)
+    handle = job.backends[0].snapshot(late, target).result(WAIT)
+    job.coordinator.abort(late)
+    job.storage.write_ack(late, SubtaskAck(OPERATOR, 0, 1, handle, None, job.coordinator.run_id))
+    after = job.checkpoint()  # completes: nothing noticed
+    directory = job.storage.resolve(after)
+    referenced = [resolve_path(directory, f.path) for f in job.storage.load(after).files()]
+    assert [p for p in referenced if not job.storage.fs.exists(p)] == []
+    assert restore(job.storage.fs, directory, 1, tmp_path / "restored") == job.models[after]
