@@ -469,10 +469,21 @@ class CheckpointFileSystem:
     def delete(self, path: str, recursive: bool = False) -> None:
         """Delete the file at ``path`` (a directory and all below it if ``recursive``).
 
-        Deleting something that does not exist is not an error.
+        Deleting something that does not exist is not an error. A file the storage refuses
+        to delete raises CheckpointError. A recursive delete may leave files behind
+        without saying so: object stores delete many keys in one request that answers
+        refusals per key, and s3fs drops that answer; so deletes that must not fail
+        silently name their files one by one.
         """
+
+        def remove() -> None:
+            if recursive:
+                self._fs.rm(path, recursive=True)
+            else:  # a request of its own, whose refusal raises
+                self._fs.rm_file(path)
+
         with suppress(CheckpointCorruptedError):
-            self._retrying("delete", path, lambda: self._fs.rm(path, recursive=recursive))
+            self._retrying("delete", path, remove)
 
     def copy(self, src: str, dst: str) -> None:
         """Copy the file ``src`` to ``dst`` on this file system.

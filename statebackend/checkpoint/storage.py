@@ -233,8 +233,12 @@ class CheckpointStorage:
 
     def discard(self, checkpoint_id: int) -> None:
         """Delete checkpoint N and every file in its directory; its pending marker first,
-        so that its running uploads stop."""
+        so that its running uploads stop, then its ``_metadata`` (CheckpointError if that
+        fails), so that a discard cut short never leaves a completed checkpoint without
+        its files (the rest left behind is not a checkpoint; ``statebackend gc`` removes
+        it)."""
         self.end_pending(checkpoint_id)
+        self.fs.delete(self.layout.metadata_path(checkpoint_id))
         self.fs.delete(self.layout.checkpoint_path(checkpoint_id), recursive=True)
 
     # -- checkpoint ids and leader epochs ------------------------------------------------------
