@@ -9,8 +9,10 @@ Transient failures (a reset or refused connection, a timeout, a response cut sho
 idempotent operations (reads, sizes, listings, deletes, ``write_atomic``, ``copy``) are
 retried here, with exponential backoff (``RetryPolicy``), on top of whatever the fsspec
 implementation retries itself; whether an error is transient is a property of its type
-(``is_transient``). A streaming ``write_file`` is not retried: its chunks are consumed, so
-the snapshot (and with it the checkpoint) fails, and the next checkpoint starts afresh.
+(``is_transient``). Tools someone waits on (``FAIL_FAST_RETRY``) give up at once on a
+refused connection, with the client's own retries off. A streaming ``write_file`` is not
+retried: its chunks are consumed, so the snapshot (and with it the checkpoint) fails, and
+the next checkpoint starts afresh.
 
 Checksums are CRC-32 (``"crc32:<8 hex digits>"``) unless the file system was opened with
 ``checksum_algorithm="sha256"`` (signed checkpoints, ``signing.py``); a file is always
@@ -69,6 +71,13 @@ _DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "local": {"auto_mkdir": True},
 }
 
+# Options that switch a client's own retries off, per protocol (see RetryPolicy): botocore
+# retries a refused connection four times, with backoff, within each of our tries.
+_CLIENT_RETRIES_OFF: dict[str, dict[str, Any]] = {
+    "s3": {"config_kwargs": {"retries": {"total_max_attempts": 1}}},
+    "s3a": {"config_kwargs": {"retries": {"total_max_attempts": 1}}},
+}
+
 _INSTALL_HINTS = {
     "s3": "pip install statebackend[s3]",
     "s3a": "pip install statebackend[s3]",
@@ -121,22 +130,42 @@ def is_transient(exc: BaseException) -> bool:
     return any(isinstance(error, transient) for error in error_chain(exc))
 
 
+def is_refused(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a refused connection: nothing
+    listened at the storage endpoint's address."""
+    return any(isinstance(error, ConnectionRefusedError) for error in error_chain(exc))
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How idempotent storage operations are retried after a transient error: up to
     ``attempts`` tries in all, waiting ``first_delay`` seconds after the first failure and
-    twice as long after each further one, at most ``max_delay``."""
+    twice as long after each further one, at most ``max_delay``.
+
+    ``retry_refused=False`` gives up at once on a refused connection, where nothing
+    listening means a wrong endpoint rather than one restarting (a person waiting at the
+    ``statebackend`` command); the file system is then opened with the client's own retries
+    off (``_CLIENT_RETRIES_OFF``), so that this policy alone retries the other errors.
+    """
 
     attempts: int = 4
     first_delay: float = 0.2
     max_delay: float = 5.0
+    retry_refused: bool = True
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failed try."""
         return float(min(self.first_delay * 2 ** (failures - 1), self.max_delay))
 
+    def retries(self, exc: BaseException) -> bool:
+        """Whether a try that failed with ``exc`` is worth another one."""
+        return is_transient(exc) and (self.retry_refused or not is_refused(exc))
+
 
 DEFAULT_RETRY = RetryPolicy()
+FAIL_FAST_RETRY = RetryPolicy(retry_refused=False)
+"""For tools a person waits on: a refused connection fails at once, other transient
+errors are retried."""
 
 
 @dataclass(frozen=True)
@@ -184,11 +213,14 @@ def open_filesystem(
     ``storage_options`` go to the fsspec implementation, e.g. for s3 ``endpoint_url``,
     ``key``, ``secret``, ``client_kwargs`` or ``default_block_size`` (the multipart part
     size); without credentials s3fs uses the usual AWS chain. Files written get checksums
-    of ``checksum_algorithm``. Raises ConfigurationError naming the URL if the protocol
-    is unknown or its implementation is not installed.
+    of ``checksum_algorithm``. Transient errors are retried as ``retry`` says. Raises
+    ConfigurationError naming the URL if the protocol is unknown or its implementation is
+    not installed.
     """
     protocol = get_protocol(url)
     options = {**_DEFAULT_OPTIONS.get(protocol, {}), **(storage_options or {})}
+    if not retry.retry_refused:
+        options = _with_defaults(options, _CLIENT_RETRIES_OFF.get(protocol, {}))
     try:
         fs_class = fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
@@ -201,6 +233,17 @@ def open_filesystem(
             f"checkpoint storage {url!r} has an unknown protocol {protocol!r}: {exc}"
         ) from exc
     return CheckpointFileSystem(fs_class(**options), checksum_algorithm, retry)
+
+
+def _with_defaults(options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``defaults`` filled in, also inside options that are dicts
+    (``config_kwargs``): what the user gave wins."""
+    merged = {**defaults, **options}
+    for name, default in defaults.items():
+        given = options.get(name)
+        if isinstance(default, dict) and isinstance(given, dict):
+            merged[name] = _with_defaults(given, default)
+    return merged
 
 
 @contextmanager
@@ -230,6 +273,12 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
                 f"could not {action} {path}: {exc}: give credentials with --storage-option "
                 f"key=... --storage-option secret=... (a job: spark.statebackend.storage.key "
                 f"and .secret), or the AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY variables"
+            ) from exc
+        if is_refused(exc):
+            raise CheckpointError(
+                f"could not {action} {path}: nothing listens at the storage endpoint ({exc}): "
+                f"check its endpoint_url (--storage-option, or a job's "
+                f"spark.statebackend.storage.endpoint_url)"
             ) from exc
         raise CheckpointError(f"could not {action} {path}: {exc}") from exc
 
@@ -289,7 +338,7 @@ class CheckpointFileSystem:
                     return operation()
             except CheckpointError as exc:
                 failures += 1
-                if failures >= self._retry.attempts or not is_transient(exc):
+                if failures >= self._retry.attempts or not self._retry.retries(exc):
                     raise
                 delay = self._retry.delay(failures)
                 _log.warning(

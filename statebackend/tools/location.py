@@ -17,6 +17,7 @@ from typing import Any
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.filesystem import (
+    FAIL_FAST_RETRY,
     CheckpointFileSystem,
     normalize_url,
     open_filesystem,
@@ -47,10 +48,12 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None) -> Ch
     """The file system of ``url`` (any fsspec URL or a local path).
 
     ``storage_options`` apply to remote protocols only, so one set of options serves a
-    command that reads from s3 and writes to a local directory.
+    command that reads from s3 and writes to a local directory. A refused connection (a
+    wrong endpoint) fails at once, as someone is waiting (``FAIL_FAST_RETRY``).
     """
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    return open_filesystem(url, None if protocol in _LOCAL_PROTOCOLS else storage_options)
+    options = None if protocol in _LOCAL_PROTOCOLS else storage_options
+    return open_filesystem(url, options, retry=FAIL_FAST_RETRY)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""The ``statebackend`` command when its storage is not there: nothing listening at the
+endpoint. One error line that says so, at once."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from statebackend.checkpoint.filesystem import RetryPolicy, open_filesystem
+from statebackend.errors import CheckpointError
+from tests.s3.test_cli import assert_one_error_line
+
+pytestmark = pytest.mark.s3
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (connections to it are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_closed_endpoint_is_one_error_line_within_seconds() -> None:
+    """Run as a user runs it (a process of its own, so that the retry warnings would reach
+    stderr): it used to retry for about 30 s, printing a line per retry."""
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    options = [f"endpoint_url={endpoint}", "key=testing", "secret=testing"]
+    argv = ["list", "s3://bucket/checkpoints", *(f"--storage-option={o}" for o in options)]
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "statebackend", *argv], capture_output=True, text=True, timeout=60
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1 and result.stdout == ""
+    assert_one_error_line(result.stderr)
+    assert endpoint in result.stderr and "nothing listens" in result.stderr
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+
+
+def test_a_jobs_file_system_still_retries_a_refused_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only the command gives up at once: a job's storage may be restarting. (botocore's
+    own retries are switched off here to keep the test short.)"""
+    url = "s3://bucket/checkpoints"
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{closed_port()}",
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }
+    fs = open_filesystem(url, options, retry=RetryPolicy(attempts=3, first_delay=0.01))
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError, match="nothing listens"):
+        fs.list_dir(url)
+    assert [r.getMessage().split(")")[0] for r in caplog.records] == [
+        f"could not list {url} (try 1 of 3",
+        f"could not list {url} (try 2 of 3",
+    ]
