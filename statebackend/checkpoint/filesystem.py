@@ -3,7 +3,8 @@
 Paths given to a ``CheckpointFileSystem`` are URLs of its protocol (``s3://bucket/x``,
 ``file:///tmp/x``) or paths inside it (``/tmp/x``, ``bucket/x``). Errors from the file
 system come out as statebackend errors naming the path: a missing file is a
-``CheckpointCorruptedError``, any other failure a ``CheckpointError`` with the cause chained.
+``CheckpointCorruptedError``, any other failure (a bucket that does not exist too) a
+``CheckpointError`` with the cause chained.
 
 Transient failures (a reset or refused connection, a timeout, a response cut short) of
 idempotent operations (reads, sizes, listings, deletes, ``write_atomic``, ``copy``) are
@@ -235,6 +236,13 @@ def open_filesystem(
     return CheckpointFileSystem(fs_class(**options), checksum_algorithm, retry)
 
 
+def _bucket_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` came from an object store saying the bucket does not exist (s3fs
+    raises FileNotFoundError from botocore's NoSuchBucket, for a read or listing as well
+    as a write: a missing file inside a bucket has no such cause)."""
+    return any(type(error).__name__ == "NoSuchBucket" for error in error_chain(exc))
+
+
 def _with_defaults(options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """``options`` with ``defaults`` filled in, also inside options that are dicts
     (``config_kwargs``): what the user gave wins."""
@@ -254,9 +262,12 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
     except StateBackendError:
         raise
     except FileNotFoundError as exc:
-        if action == "write":  # s3fs says so of a bucket that does not exist
+        bucket_missing = _bucket_missing(exc)
+        if action == "write" or bucket_missing:
+            what = "bucket" if bucket_missing else "bucket or directory"
             raise CheckpointError(
-                f"could not write {path}: its bucket or directory does not exist ({exc})"
+                f"could not {action} {path}: its {what} does not exist ({exc}): create it "
+                f"or correct the location"
             ) from exc
         raise CheckpointCorruptedError(f"{path} is missing (could not {action} it)") from exc
     except TypeError as exc:
@@ -518,11 +529,11 @@ class CheckpointFileSystem:
     def delete(self, path: str, recursive: bool = False) -> None:
         """Delete the file at ``path`` (a directory and all below it if ``recursive``).
 
-        Deleting something that does not exist is not an error. A file the storage refuses
-        to delete raises CheckpointError. A recursive delete may leave files behind
-        without saying so: object stores delete many keys in one request that answers
-        refusals per key, and s3fs drops that answer; so deletes that must not fail
-        silently name their files one by one.
+        Deleting something that does not exist is not an error (in a bucket that does not
+        exist it is). A file the storage refuses to delete raises CheckpointError. A
+        recursive delete may leave files behind without saying so: object stores delete
+        many keys in one request that answers refusals per key, and s3fs drops that answer;
+        so deletes that must not fail silently name their files one by one.
         """
 
         def remove() -> None:

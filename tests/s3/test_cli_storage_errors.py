@@ -1,5 +1,5 @@
 """The ``statebackend`` command when its storage is not there: nothing listening at the
-endpoint. One error line that says so, at once."""
+endpoint, or a bucket that does not exist. One error line that says which, at once."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
 from statebackend.checkpoint.filesystem import RetryPolicy, open_filesystem
 from statebackend.errors import CheckpointError
-from tests.s3.test_cli import assert_one_error_line
+from tests.conftest import S3Endpoint, Storage
+from tests.s3.test_cli import assert_one_error_line, cli
 
 pytestmark = pytest.mark.s3
 
@@ -61,3 +63,21 @@ def test_a_jobs_file_system_still_retries_a_refused_connection(
         f"could not list {url} (try 1 of 3",
         f"could not list {url} (try 2 of 3",
     ]
+
+
+def test_a_missing_bucket_is_named_as_missing(
+    capsys: pytest.CaptureFixture[str], s3_endpoint: S3Endpoint
+) -> None:
+    """``list`` used to say there were no job checkpoints under the URL, as if the bucket
+    held an empty directory; a missing directory in a bucket that exists still says that."""
+    storage = Storage(
+        f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ckpt", s3_endpoint.storage_options
+    )
+    status, out, err = cli(capsys, storage, "list", storage.url)
+    assert (status, out) == (1, "")
+    assert_one_error_line(err)
+    assert f"could not list {storage.url}: its bucket does not exist" in err
+    existing = s3_endpoint.new_storage()
+    status, out, err = cli(capsys, existing, "list", existing.url)
+    assert (status, out) == (1, "")
+    assert "no job checkpoints under" in err and "bucket" not in err.replace(existing.url, "")
