@@ -45,6 +45,7 @@ from statebackend.backends.keyed import (
     SerializedKeys,
     StateMetaInfo,
 )
+from statebackend.backends.local_cuts import LocalCut, sweep_cuts
 from statebackend.backends.stores import (
     KEY_GROUP_PREFIX,
     CurrentKey,
@@ -437,7 +438,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
     ``dispose`` removes it. With ``open_existing=True`` a database a previous backend left
     there with ``close()`` is reopened with its states (they are taken over by
     ``get_state`` as restored states are); its max parallelism, key-group range and key
-    serializer must be the ones given, else IncompatibleStateError.
+    serializer must be the ones given, else IncompatibleStateError. Reopening removes the
+    snapshot cuts (``local_cuts``) that a process which died during an upload left there.
     """
 
     def __init__(
@@ -459,6 +461,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         self._checkpoints = 0
         self._keep_files = False
         if reopen:
+            sweep_cuts(self.local_dir)
             names = [n for n in Rdict.list_cf(str(db_path), _options()) if n != "default"]
             self._db = Rdict(
                 str(db_path), _options(), column_families={n: _options() for n in names}
@@ -670,9 +673,13 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
 
     def _freeze(self, names: list[str]) -> FrozenState:
         self._checkpoints += 1
-        parent = tempfile.mkdtemp(prefix=f"cut-{self._checkpoints}-", dir=self.local_dir)
-        path = str(Path(parent) / "checkpoint")
-        Checkpoint(self._db).create_checkpoint(path)
+        cut = LocalCut(self.local_dir, str(self._checkpoints))
+        path = str(cut.path / "checkpoint")
+        try:
+            Checkpoint(self._db).create_checkpoint(path)
+        except BaseException:
+            cut.release()
+            raise
         reader = CheckpointReader(path, names)
         views: dict[str, StateStoreView] = {
             name: RocksDBCheckpointView(reader, name) for name in names
@@ -681,7 +688,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         def release() -> None:
             views.clear()
             reader.close()
-            shutil.rmtree(parent, ignore_errors=True)
+            cut.release()
 
         native = NativeCheckpoint(Path(path), self.local_dir / _UPLOAD_RECORDS_DIR)
         return FrozenState(views, release, native)
