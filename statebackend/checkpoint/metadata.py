@@ -339,7 +339,7 @@ def _operator_problem(op: OperatorSnapshot, max_parallelism: int) -> str | None:
         if expected_start != max_parallelism:
             return f"the key-group ranges end at {expected_start - 1}, not at {max_parallelism - 1}"
     for ack in op.subtasks:
-        problem = _handle_problem(ack)
+        problem = ack_problem(ack)
         if problem is not None:
             return f"subtask {ack.subtask}: {problem}"
     return None
@@ -389,8 +389,9 @@ def _index_problem(handle: FullKeyedStateHandle | RawKeyedStateHandle) -> str | 
     return None
 
 
-def _handle_problem(ack: SubtaskAck) -> str | None:
-    """What is malformed in the subtask's handles, or None."""
+def ack_problem(ack: SubtaskAck) -> str | None:
+    """What is malformed in the subtask's handles (e.g. a file path leading outside its
+    checkpoint), or None."""
     for file in ack.files():
         problem = _file_problem(file)
         if problem is not None:

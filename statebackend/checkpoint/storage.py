@@ -23,10 +23,11 @@ from statebackend.checkpoint.layout import (
     metadata_path,
     parse_ack_name,
 )
-from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck, ack_problem
 from statebackend.checkpoint.signing import FILE_CHECKSUM, SigningKey
 from statebackend.checksums import CRC32
 from statebackend.errors import (
+    CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointUnreadableError,
@@ -196,14 +197,33 @@ class CheckpointStorage:
                     _log.warning("could not delete %s of a late ack", path, exc_info=True)
 
     def read_acks(self, checkpoint_id: int) -> list[SubtaskAck]:
-        """Every acknowledgement of checkpoint N so far (of every run and task attempt),
-        in the order of their file names."""
+        """Every well-formed acknowledgement of checkpoint N so far (of every run and task
+        attempt), in the order of their file names. A malformed one (not an ack, or naming
+        a file outside the checkpoint) is left out with a warning: it never becomes part
+        of a checkpoint, and none of the files it names is deleted."""
         directory = self.layout.acks_dir(checkpoint_id)
-        return [
-            SubtaskAck.from_json(json.loads(self.fs.read_file(join(directory, name))))
-            for name in self.fs.list_dir(directory)
-            if parse_ack_name(name) is not None
-        ]
+        acks = []
+        for name in self.fs.list_dir(directory):
+            if parse_ack_name(name) is None:
+                continue
+            path = join(directory, name)
+            data = self.fs.read_file(path)
+            try:
+                ack = SubtaskAck.from_json(json.loads(data))
+                problem = ack_problem(ack)
+            except (
+                CheckpointCorruptedError,
+                ValueError,
+                KeyError,
+                TypeError,
+                AttributeError,
+            ) as exc:
+                problem = f"it is no acknowledgement ({type(exc).__name__}: {exc})"
+            if problem is None:
+                acks.append(ack)
+            else:
+                _log.warning("ignoring %s: %s", path, problem)
+        return acks
 
     def complete(self, metadata: CheckpointMetadata) -> str:
         """Make checkpoint N complete by writing its ``_metadata`` last, atomically.

@@ -22,6 +22,7 @@ from tests.conftest import Storage
 from tests.s3.test_checkpoint_storage import (
     OPERATOR,
     Job,
+    P,
     assert_restores,
     new_job,
     raw_fs,
@@ -205,3 +206,28 @@ def test_invalid_metadata_is_refused_everywhere(
         assert err.count("\n") == 1 and path in err and reason in err, (argv, err)
     status, out, _ = cli(capsys, job.location, "list", job.storage.layout.job_dir)
     assert status == 0 and "unreadable" in out and reason in out
+
+
+def test_malformed_acks_are_ignored_and_their_files_never_deleted(job: Job) -> None:
+    """Acknowledgements are written by executors: one that is no ack, and one naming a
+    file outside the checkpoint (``../../victim``, from another run, so the coordinator
+    deletes its files once the checkpoint completed), are left out with a warning. The
+    checkpoint completes from the good acks and restores; the file outside is kept."""
+    job.checkpoint()
+    victim = f"{job.location.url.rstrip('/')}/victim"
+    raw = raw_fs(job.location)
+    raw.pipe_file(victim, b"not the job's")
+    job.process()
+    checkpoint_id = job.coordinator.trigger({OPERATOR: P})
+    job.snapshot_and_ack(checkpoint_id)
+    good = job.storage.read_acks(checkpoint_id)[0].to_json()
+    evil = json.loads(json.dumps(good))
+    evil["run"] = "another-run"
+    evil["keyed"]["path"] = "../../victim"
+    layout = job.storage.layout
+    raw.pipe_file(layout.ack_path(checkpoint_id, OPERATOR, 0, "evil"), json.dumps(evil).encode())
+    raw.pipe_file(layout.ack_path(checkpoint_id, OPERATOR, 1, "junk"), b'["not", "an ack"]')
+    job.remember(checkpoint_id)
+    assert job.coordinator.poll(checkpoint_id) is not None
+    assert raw.cat_file(victim) == b"not the job's"
+    assert_restores(job, checkpoint_id)
