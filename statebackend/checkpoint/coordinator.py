@@ -196,8 +196,8 @@ class CheckpointCoordinator:
         Raises CheckpointError if as many checkpoints as allowed are pending already,
         CheckpointFencedError if another coordinator took over the job.
         """
+        epoch = self.check_leader()  # first: a fenced coordinator discards nothing
         self._finish_completed()
-        epoch = self.check_leader()
         if len(self.pending) >= self.max_concurrent:
             raise CheckpointError(
                 f"checkpoint {min(self.pending)} is still pending: wait for it to complete "

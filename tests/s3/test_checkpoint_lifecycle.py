@@ -286,6 +286,27 @@ def test_a_failing_discard_of_older_checkpoints_is_retried_not_an_abort(
         job.close()
 
 
+def test_a_fenced_coordinator_discards_nothing(checkpoint_url: Storage) -> None:
+    """A discard that failed is retried at the next trigger, but not by a coordinator
+    another driver took the job from: it raises CheckpointFencedError first, and the
+    checkpoint it would have discarded stays complete."""
+    job, fs = flaky_heap_job(checkpoint_url, retained=1)
+    try:
+        job.checkpoint()
+        older = job.storage.layout.checkpoint_path(1)
+        fs.failing = lambda path: path.startswith(older)
+        job.checkpoint()
+        assert job.storage.completed_checkpoint_ids() == [1, 2]
+        fs.failing = lambda path: False
+        CheckpointCoordinator(job.storage, max_parallelism=heap_jobs.M).check_leader()
+        with pytest.raises(CheckpointFencedError):
+            job.coordinator.trigger({heap_jobs.OPERATOR: heap_jobs.P})
+        assert job.storage.completed_checkpoint_ids() == [1, 2]
+        heap_jobs.assert_restores(job, 1)
+    finally:
+        job.close()
+
+
 def test_a_failing_savepoint_copy_leaves_the_checkpoint_complete(
     checkpoint_url: Storage,
 ) -> None:
