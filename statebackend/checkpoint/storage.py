@@ -268,7 +268,14 @@ class CheckpointStorage:
         path = self.layout.checkpoint_id_path
         if not self.fs.exists(path):
             return 0
-        return int(self.fs.read_file(path))
+        text = self.fs.read_file(path)
+        if not text.strip().isdigit():
+            raise CheckpointCorruptedError(
+                f"{path} holds {text[:40]!r}, not a checkpoint id (cut short by a crash?): "
+                f"write into it an id above every chk-<N> the job ever had, e.g. the highest "
+                f"in {self.layout.job_dir} plus 100"
+            )
+        return int(text)
 
     def set_checkpoint_id_mark(self, checkpoint_id: int) -> None:
         """Record that checkpoint ``checkpoint_id`` was triggered."""

@@ -26,7 +26,12 @@ from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointCancelledError, CheckpointError, CheckpointFencedError
+from statebackend.errors import (
+    CheckpointCancelledError,
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointFencedError,
+)
 from statebackend.keygroups import KeyGroupRange
 from statebackend.state.interfaces import ValueState
 from statebackend.tools.gc import find_garbage
@@ -240,6 +245,23 @@ def test_ids_stay_unique_when_every_directory_is_gone(checkpoint_url: Storage) -
             job.storage.discard(checkpoint_id)
         restarted = CheckpointCoordinator(job.storage, max_parallelism=heap_jobs.M)
         assert restarted.trigger({heap_jobs.OPERATOR: heap_jobs.P}) == 3
+    finally:
+        job.close()
+
+
+def test_a_cut_short_checkpoint_id_mark_is_one_clear_error(checkpoint_url: Storage) -> None:
+    """``_checkpoint_id`` left empty (a crash while writing it, on a file system that
+    does not sync before renaming) is a CheckpointCorruptedError naming it and what to
+    write into it, not a ValueError from int(); a valid id there lets the job go on."""
+    job = heap_jobs.new_job(checkpoint_url)
+    try:
+        job.checkpoint()
+        mark = job.storage.layout.checkpoint_id_path
+        job.storage.fs.write_atomic(mark, b"")
+        with pytest.raises(CheckpointCorruptedError, match="_checkpoint_id holds b'', not a"):
+            job.coordinator.trigger({heap_jobs.OPERATOR: heap_jobs.P})
+        job.storage.fs.write_atomic(mark, b"101")
+        assert job.checkpoint()[0] == 102
     finally:
         job.close()
 
