@@ -14,14 +14,17 @@ Both are written atomically. Request ids sort in the order the requests were mad
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from statebackend.checkpoint.filesystem import CheckpointFileSystem
-from statebackend.checkpoint.layout import SAVEPOINTS_DIR, join
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_url
+from statebackend.checkpoint.layout import SAVEPOINTS_DIR, join, metadata_path
+from statebackend.checkpoint.signing import SigningKey
+from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import CheckpointError, ConfigurationError
 
 REQUESTS_DIR = "requests"
@@ -67,10 +70,14 @@ def request_savepoint(fs: CheckpointFileSystem, job_dir: str, target_dir: str | 
     return request_id
 
 
-def pending_savepoint_requests(fs: CheckpointFileSystem, job_dir: str) -> list[SavepointRequest]:
+def pending_savepoint_requests(
+    fs: CheckpointFileSystem, job_dir: str, signing_key: SigningKey | None = None
+) -> list[SavepointRequest]:
     """The unanswered savepoint requests of the job, oldest first (for the driver).
 
-    A malformed request file is answered with an error and skipped.
+    A malformed request file is answered with an error and skipped. So is a request whose
+    savepoint was taken by a driver that died before answering (``_taken_for``),
+    answered with that savepoint.
     """
     directory = join(job_dir, REQUESTS_DIR)
     names = fs.list_dir(directory)
@@ -83,16 +90,43 @@ def pending_savepoint_requests(fs: CheckpointFileSystem, job_dir: str) -> list[S
         try:
             document = json.loads(fs.read_file(join(directory, name)))
             target = document["target_dir"]
-            requests.append(
-                SavepointRequest(
-                    request_id,
-                    float(document["requested_at"]),
-                    None if target is None else str(target),
-                )
+            request = SavepointRequest(
+                request_id,
+                float(document["requested_at"]),
+                None if target is None else str(target),
             )
         except (ValueError, KeyError, TypeError) as exc:
             _write_answer(fs, job_dir, request_id, None, f"malformed savepoint request: {exc}")
+            continue
+        taken = _taken_for(fs, job_dir, request, signing_key)
+        if taken is None:
+            requests.append(request)
+        else:
+            _write_answer(fs, job_dir, request_id, taken, None)
     return requests
+
+
+def _taken_for(
+    fs: CheckpointFileSystem, job_dir: str, request: SavepointRequest, key: SigningKey | None
+) -> str | None:
+    """The request's savepoint directory if it holds a savepoint of this job whose
+    checkpoint was triggered after the request was made: one a driver took for it and
+    died before answering (asked again, the copy would fail on the full directory)."""
+    directory = request.savepoint_dir(job_dir)
+    if not fs.exists(metadata_path(directory)):
+        return None
+    try:
+        metadata = load_metadata(fs, directory, key)
+    except CheckpointError:
+        return None
+    job_id = posixpath.basename(job_dir.rstrip("/"))
+    if (
+        metadata.is_savepoint
+        and metadata.job_id == job_id
+        and metadata.triggered_at >= request.requested_at
+    ):
+        return normalize_url(directory)
+    return None
 
 
 def _write_answer(

@@ -90,7 +90,9 @@ class CheckpointTracker:
 
     def savepoint_request(self) -> SavepointRequest | None:
         """The oldest unanswered savepoint request of the job, if any."""
-        requests = pending_savepoint_requests(self.storage.fs, self.storage.layout.job_dir)
+        requests = pending_savepoint_requests(
+            self.storage.fs, self.storage.layout.job_dir, self.storage.signing_key
+        )
         return requests[0] if requests else None
 
     def _answer(self, request: SavepointRequest, path: str | None, error: str | None) -> None:

@@ -13,6 +13,7 @@ import pytest
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
+from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.keygroups import (
     assign_to_key_group,
@@ -94,3 +95,31 @@ def test_trigger_waits_for_the_pending_checkpoint(tmp_path: Path) -> None:
     assert second > first and tracker.pending is not None
     assert tracker.pending.checkpoint_id == second
     assert len(tracker.waits) == 1 and tracker.waits[0] >= 0.2
+
+
+def test_a_savepoint_taken_by_a_driver_that_died_before_answering_is_the_answer(
+    tmp_path: Path,
+) -> None:
+    """A driver took the requested savepoint and died before writing the answer: the
+    next driver answers the request with that savepoint instead of taking it again
+    (which failed on the full directory). A savepoint older than the request in the
+    requested directory is no answer: the request stays pending."""
+    storage, tracker, _ = _setup(tmp_path)
+    job_dir = storage.layout.job_dir
+    request_id = request_savepoint(storage.fs, job_dir)
+    request = tracker.savepoint_request()
+    assert request is not None and request.request_id == request_id
+    checkpoint_id = tracker.trigger({OPERATOR: P}, 0, request, {})
+    for subtask in range(P):
+        _acknowledge(storage, tracker, checkpoint_id, subtask)
+    tracker.wait()
+    taken = wait_for_savepoint(storage.fs, job_dir, request_id, timeout=0)
+    storage.fs.delete(f"{job_dir}/requests/savepoint-{request_id}.done.json")  # never answered
+
+    restarted = _setup(tmp_path)[1]
+    assert restarted.savepoint_request() is None
+    assert wait_for_savepoint(storage.fs, job_dir, request_id, timeout=0) == taken
+
+    later = request_savepoint(storage.fs, job_dir, target_dir=taken)
+    pending = restarted.savepoint_request()
+    assert pending is not None and pending.request_id == later
