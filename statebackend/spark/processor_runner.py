@@ -32,6 +32,7 @@ from collections import _tuplegetter  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from operator import ne
 from typing import Any
@@ -49,6 +50,7 @@ from statebackend.errors import OutputSchemaError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
+from statebackend.spark.pandas_times import session_local_frame, session_local_key, utc_series
 from statebackend.spark.processor_handle import (
     BatchTimes,
     Phase,
@@ -87,6 +89,9 @@ class ProcessorSpec:
     output_schema_json: str
     catalog: SchemaCatalog
     event_time_column: str | None = None
+    time_zone: str = "UTC"
+    """The session time zone: pandas mode shows timestamps as its wall times
+    (``pandas_times``)."""
 
     @property
     def output_schema(self) -> StructType:
@@ -257,8 +262,10 @@ class OutputBuilder:
     record batches of the output schema (``ready``, taken with ``take_ready``); a value
     that does not fit names its column."""
 
-    def __init__(self, schema: StructType) -> None:
+    def __init__(self, schema: StructType, time_zone: str = "UTC") -> None:
         self.schema = schema
+        self.time_zone = time_zone
+        """Naive timestamps of pandas-mode output are wall times of this zone."""
         self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
         self._struct_fillers = {
@@ -325,8 +332,13 @@ class OutputBuilder:
                         f"{self.names} (it has {list(frame.columns)}): return those columns"
                     )
                 series = frame[field.name] if by_name else frame.iloc[:, position]
-                arrays.append(self._column(field, pa.Array.from_pandas, series))
+                arrays.append(self._column(field, self._from_pandas, series))
             self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
+
+    def _from_pandas(self, series: Any, type: pa.DataType) -> pa.Array:
+        if pa.types.is_timestamp(type) and type.tz is not None:
+            series = utc_series(series, self.time_zone)
+        return pa.Array.from_pandas(series, type=type)
 
     @staticmethod
     def _column(field: pa.Field, convert: Callable[..., pa.Array], values: Any) -> pa.Array:
@@ -458,8 +470,11 @@ class _Inputs:
     def input_rows(self, runs: list[Run]) -> Iterator[Any]:
         """The key's input rows: Rows, or one DataFrame per run (pandas mode)."""
         if self._spec.use_pandas:
-            names = self._input_names
-            return (self._select(run, names, names).to_pandas() for run in runs)
+            names, zone = self._input_names, self._spec.time_zone
+            return (
+                session_local_frame(self._select(run, names, names).to_pandas(), zone)
+                for run in runs
+            )
         if len(runs) == 1:  # the common case, once per key: no _batch_rows frame
             batch, start, stop = runs[0]
             if batch is self._rows_of:
@@ -474,7 +489,7 @@ class _Inputs:
         names = list(self._spec.initial_columns)
         table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         if self._spec.use_pandas:
-            return iter([table.to_pandas()])
+            return iter([session_local_frame(table.to_pandas(), self._spec.time_zone)])
         assert self._make_initial_rows is not None
         return iter(self._make_initial_rows([column.to_pylist() for column in table.columns]))
 
@@ -536,7 +551,7 @@ def run_keyed_subtask(
         time_mode=spec.time_mode, catalog=spec.catalog, backend=backend, timers=timer_service
     )
     timer_values = times.timer_values(spec.time_mode)
-    output = OutputBuilder(spec.output_schema)
+    output = OutputBuilder(spec.output_schema, spec.time_zone)
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)
 
@@ -554,16 +569,18 @@ def run_keyed_subtask(
             set_current_key, handle_input_rows = backend.set_current_key, processor.handleInputRows
             input_rows, ready = inputs.input_rows, output.ready
             read_ahead = _read_ahead_of(backend, spec.key_columns)
+            shown_key = _shown_key(spec)
             runs = _keys(batches, spec.key_columns, read_ahead)
             for key, record, initial, input_runs in runs:
                 if counts is not None:
                     counts.keys += 1
                 set_current_key(key, record)
+                shown = shown_key(key)
                 if initial:
                     for initial_state in inputs.initial_states(initial):
-                        processor.handleInitialState(key, initial_state, timer_values)
+                        processor.handleInitialState(shown, initial_state, timer_values)
                 if input_runs:
-                    emit(handle_input_rows(key, input_rows(input_runs), timer_values) or ())
+                    emit(handle_input_rows(shown, input_rows(input_runs), timer_values) or ())
                     if ready:
                         yield from output.take_ready()
 
@@ -575,6 +592,14 @@ def run_keyed_subtask(
         handle.phase = Phase.CLOSED
         if not spec.use_pandas:
             yield output.flush()
+
+
+def _shown_key(spec: ProcessorSpec) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The key as the processor gets it: as it is in Row mode; in pandas mode with its
+    timestamps as wall times of the session time zone (``pandas_times``)."""
+    if not spec.use_pandas:
+        return _unchanged
+    return partial(session_local_key, time_zone=spec.time_zone)
 
 
 def _fire_timers(

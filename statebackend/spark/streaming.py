@@ -646,6 +646,7 @@ def transform_with_state(
         output_schema_json=str(schema.json()),
         catalog=catalog,
         event_time_column=_event_time_column(df, mode),
+        time_zone=str(df.sparkSession.conf.get("spark.sql.session.timeZone")),
     )
     return StatefulStream(
         df,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pandas as pd
 import pytest
@@ -820,3 +821,97 @@ def test_signed_zero_keys_timestamps_and_nested_state_like_spark(
         k: n for k, n in expected.items() if k[0] == 0
     }
     assert (1, (-0.0, 1, 8, expected_latest(batches[1]))) in theirs  # Spark's own split
+
+
+WALL_INPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("t", TimestampType()),
+        StructField("ev", TimestampType()),
+    ]
+)
+WALL_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("t", TimestampType()),
+        StructField("key_type", StringType()),
+        StructField("n", LongType()),
+        StructField("since", LongType()),
+        StructField("latest", TimestampType()),
+    ]
+)
+WALL_ZONE = "America/New_York"
+
+
+class WallClock(StatefulProcessor):
+    """pandas mode, per (user, t): the count of rows, and what a processor written for
+    Spark computes from timestamps, which it gets as naive wall times of the session time
+    zone: the key's timestamp and its type, the newest ``ev`` minus a naive timestamp,
+    and the newest ``ev`` (a naive output timestamp: a wall time of that zone)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.getValueState("count", "n long")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        frame = pd.concat(list(rows))
+        current = self.count.get()
+        n = (current[0] if current else 0) + len(frame)
+        self.count.update((n,))
+        latest = frame["ev"].max()
+        since = int((latest - pd.Timestamp("2024-01-01")).total_seconds())
+        yield pd.DataFrame(
+            {
+                "user": [key[0]],
+                "t": [key[1]],
+                "key_type": [type(key[1]).__name__],
+                "n": [n],
+                "since": [since],
+                "latest": [latest],
+            }
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def collected_wall_time(wall: str) -> datetime:
+    """A wall time of ``WALL_ZONE`` as ``collect()`` shows the instant: naive, local."""
+    instant = datetime.fromisoformat(wall).replace(tzinfo=ZoneInfo(WALL_ZONE))
+    return datetime.fromtimestamp(instant.timestamp())
+
+
+def test_pandas_mode_timestamps_are_wall_times_of_the_session_time_zone_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """In a session time zone other than UTC, a pandas processor gets timestamps (key and
+    columns) as naive wall times of that zone, and its naive output timestamps are read
+    as such: as Spark's transformWithStateInPandas does. Summer and winter times."""
+    walls = ["2024-07-01T12:00:00", "2024-12-01T08:30:00", "2024-07-01T23:59:59"]
+    batches = [
+        [
+            {"user": "a", "t": walls[0], "ev": walls[0]},
+            {"user": "a", "t": walls[0], "ev": walls[2]},
+            {"user": "b", "t": walls[1], "ev": walls[1]},
+        ],
+        [{"user": "a", "t": walls[0], "ev": walls[1]}],
+    ]
+    case = ParityCase(WALL_INPUT, ["user", "t"], WallClock, WALL_OUTPUT, use_pandas=True)
+    spark_local.conf.set("spark.sql.session.timeZone", WALL_ZONE)
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset("spark.sql.session.timeZone")
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    counts: Counter[tuple[str, str]] = Counter()
+    for batch_id, batch in enumerate(batches):
+        for key in sorted({(row["user"], row["t"]) for row in batch}):
+            events = [row["ev"] for row in batch if (row["user"], row["t"]) == key]
+            counts[key] += len(events)
+            latest = max(events, key=datetime.fromisoformat)
+            since = datetime.fromisoformat(latest) - datetime(2024, 1, 1)
+            row = (key[0], collected_wall_time(key[1]), "Timestamp", counts[key])
+            expected[
+                (batch_id, (*row, int(since.total_seconds()), collected_wall_time(latest)))
+            ] += 1
+    assert ours == expected
+    assert theirs == expected

@@ -1,0 +1,59 @@
+"""Timestamps in pandas mode, as Spark's ``transformWithStateInPandas`` hands them to a
+processor and takes them back.
+
+Spark carries a timestamp as an instant (Arrow: UTC microseconds with the session's time
+zone). A pandas processor sees it as the wall time of the session time zone
+(``spark.sql.session.timeZone``), without a zone: input columns are ``datetime64[ns]`` and a
+key's timestamp is a naive ``pandas.Timestamp``. An output column of naive timestamps is
+read as wall time of that zone (an ambiguous wall time as standard time, as Spark does); one
+with a zone is converted. Row mode is not concerned: there Spark hands zone-aware datetimes,
+as Arrow gives them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pandas as pd
+
+
+def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
+    """``frame`` with its zone-aware timestamp columns as naive ``datetime64[ns]`` wall
+    times of ``time_zone`` (the same frame if it has none)."""
+    aware = [name for name, dtype in frame.dtypes.items() if isinstance(dtype, pd.DatetimeTZDtype)]
+    if not aware:
+        return frame
+    frame = frame.copy(deep=False)
+    for name in aware:
+        local = frame[name].dt.tz_convert(time_zone).dt.tz_localize(None)
+        frame[name] = local.astype("datetime64[ns]")
+    return frame
+
+
+def session_local_key(key: tuple[Any, ...], time_zone: str) -> tuple[Any, ...]:
+    """``key`` with its timestamps as naive ``pandas.Timestamp`` wall times of
+    ``time_zone`` (the same tuple if it has none)."""
+    if not any(isinstance(value, datetime.datetime) for value in key):
+        return key
+    return tuple(
+        _local_timestamp(value, time_zone) if isinstance(value, datetime.datetime) else value
+        for value in key
+    )
+
+
+def _local_timestamp(value: datetime.datetime, time_zone: str) -> pd.Timestamp:
+    stamp = pd.Timestamp(value)
+    if stamp.tzinfo is None:
+        return stamp
+    return stamp.tz_convert(time_zone).tz_localize(None)
+
+
+def utc_series(series: pd.Series, time_zone: str) -> pd.Series:
+    """An output column of a zone-aware timestamp type as UTC instants: naive timestamps
+    are wall times of ``time_zone``; other columns are returned as they are."""
+    if isinstance(series.dtype, pd.DatetimeTZDtype):
+        return series.dt.tz_convert("UTC")
+    if pd.api.types.is_datetime64_dtype(series.dtype):
+        return series.dt.tz_localize(time_zone, ambiguous=False).dt.tz_convert("UTC")
+    return series
