@@ -5,6 +5,7 @@ keyed subtasks and publishes its committed output to the sink exactly once."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import DataFrame
@@ -163,13 +164,7 @@ class StatefulStreamWriter:
         if table is not None and self._cluster_by:
             writer = writer.clusterBy(*self._cluster_by)
         if table is not None:
-
-            def create(empty: DataFrame) -> None:
-                creator = self._writer(empty, self._format, options)
-                if self._cluster_by:
-                    creator = creator.clusterBy(*self._cluster_by)
-                creator.saveAsTable(table)
-
+            create = partial(self._create_table, table)
             conf = stream.conf
             if publish_to_table(
                 storage, batch_id, output, table, create, options, conf.storage_options
@@ -177,6 +172,15 @@ class StatefulStreamWriter:
                 return
         save = (lambda: writer.saveAsTable(table)) if table is not None else writer.save
         publish_once(storage, batch_id, save)
+
+    def _create_table(self, table: str, empty: DataFrame) -> None:
+        """Create ``table`` for the rows of ``empty`` (none, of the output's schema) with
+        the sink's format, options, partitioning and clustering."""
+        options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}
+        creator = self._writer(empty, self._format, options)
+        if self._cluster_by:
+            creator = creator.clusterBy(*self._cluster_by)
+        creator.saveAsTable(table)
 
     def _format_name(self) -> str | None:
         """The sink's format as Spark matches short names: in lower case."""
@@ -245,6 +249,10 @@ class StatefulStreamWriter:
                     raise
                 raise stopped from None
 
+        spark = stream.df.sparkSession
+        if table is not None and not spark.catalog.tableExists(table):
+            # As Spark's toTable does, before any batch: not inside one a kill can cut short.
+            self._create_table(table, spark.createDataFrame([], stream.output_schema))
         keyed = stream.with_key_groups(stream.df)
         source = keyed if tick is None else with_ticks(keyed, tick)
         writer = source.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)

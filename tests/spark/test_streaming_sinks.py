@@ -312,6 +312,34 @@ def test_file_tables_hold_each_row_once_also_after_a_rerun_over_a_dead_attempt(
         spark.sql(f"DROP TABLE IF EXISTS {table}")
 
 
+def test_to_table_creates_a_missing_table_before_any_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """As Spark's ``toTable``: the table exists (empty, of the output's columns and the
+    sink's format) once ``toTable`` returns, with no input for a batch (it is not created
+    inside a batch, where a kill can leave its directory without its catalog entry)."""
+    (tmp_path / "empty" / "input").mkdir(parents=True)
+    query = (
+        transform_with_state(source(spark, tmp_path / "empty"), "user", Totals(), OUTPUT, "eager")
+        .writeStream.format("json")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="1 hour")
+        .toTable("eager_totals")
+    )
+    try:
+        assert spark.catalog.tableExists("eager_totals")
+        provider = next(
+            row[1]
+            for row in spark.sql("DESCRIBE TABLE EXTENDED eager_totals").collect()
+            if row[0] == "Provider"
+        )
+        assert provider == "json"
+        assert spark.table("eager_totals").columns == ["user", "total"]
+    finally:
+        query.stop()
+        spark.sql("DROP TABLE IF EXISTS eager_totals")
+
+
 def test_a_table_of_other_columns_or_format_is_one_clear_error_before_any_batch(
     spark: SparkSession, tmp_path: Path
 ) -> None:
