@@ -15,6 +15,8 @@ serializer named, in ``to_jsonable``).
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -389,9 +391,14 @@ def _json_key(key: Any) -> Any:
 
 def _expose_opaque(value: Any) -> Any:
     """``value`` with every ``OpaqueValue`` in it (in lists, tuples, dict values) as its
-    JSON, and dict keys as ``_json_key`` gives them."""
+    JSON, dates and times as ISO 8601 text, decimals as their text, and dict keys as
+    ``_json_key`` gives them."""
     if isinstance(value, OpaqueValue):
         return value.to_json()
+    if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
     if isinstance(value, (list, tuple)):
         return [_expose_opaque(item) for item in value]
     if isinstance(value, dict):

@@ -3,6 +3,8 @@ and the key parsing of ``statebackend read --key``."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import uuid
 from typing import Any
@@ -141,3 +143,18 @@ def test_a_map_state_with_tuple_user_keys_prints_as_a_json_object() -> None:
         ("x", 1): [9],
         ("y", 2): {"nested": [3, 4]},
     }
+
+
+def test_dates_times_and_decimals_print_as_json_text() -> None:
+    """A transform_with_state value with timestamp, date and decimal fields prints as
+    JSON (ISO 8601 text, the decimal's digits), not as the repr of the whole value."""
+    at = datetime.datetime(2024, 1, 1, 0, 4, 37, 120, tzinfo=datetime.UTC)
+    value = [40, at, datetime.date(2024, 7, 1), decimal.Decimal("1871.50"), datetime.time(9, 30)]
+    assert to_jsonable(value) == [
+        40,
+        "2024-01-01T00:04:37.000120+00:00",
+        "2024-07-01",
+        "1871.50",
+        "09:30:00",
+    ]
+    assert to_jsonable({"naive": datetime.datetime(2024, 1, 1)}) == {"naive": "2024-01-01T00:00:00"}
