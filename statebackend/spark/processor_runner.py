@@ -336,9 +336,15 @@ class OutputBuilder:
             self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
 
     def _from_pandas(self, series: Any, type: pa.DataType) -> pa.Array:
+        """A pandas-mode output column as Arrow of ``type``, converted as Spark does:
+        values Arrow does not take as that type directly (e.g. the text ``"2"`` for a
+        long) are taken as they are and cast safely."""
         if pa.types.is_timestamp(type) and type.tz is not None:
             series = utc_series(series, self.time_zone)
-        return pa.Array.from_pandas(series, type=type)
+        try:
+            return pa.Array.from_pandas(series, type=type)
+        except pa.ArrowInvalid:
+            return pa.Array.from_pandas(series).cast(type, safe=True)
 
     @staticmethod
     def _column(field: pa.Field, convert: Callable[..., pa.Array], values: Any) -> pa.Array:

@@ -526,6 +526,20 @@ def test_nested_rows_in_the_output_fill_their_structs_by_field_name() -> None:
     ]
 
 
+def test_pandas_output_is_cast_safely_as_spark_casts_it() -> None:
+    """As Spark's transformWithStateInPandas (``arrow_cast``): text of a number in a long
+    column is cast; a value a safe cast would change (1.7 in a long) is an
+    OutputSchemaError naming the column."""
+    schema = StructType([StructField("user", StringType()), StructField("n", LongType())])
+    builder = OutputBuilder(schema)
+    builder.add_frames([pd.DataFrame({"user": ["a", "b"], "n": ["2", "-7"]})])
+    assert [batch.to_pylist() for batch in builder.take_ready()] == [
+        [{"user": "a", "n": 2}, {"user": "b", "n": -7}]
+    ]
+    with pytest.raises(OutputSchemaError, match="output column 'n' does not fit its type int64"):
+        builder.add_frames([pd.DataFrame({"user": ["a"], "n": [1.7]})])
+
+
 def test_output_of_many_rows_per_key_is_complete_and_in_order(
     backend: KeyedStateBackend,
 ) -> None:
