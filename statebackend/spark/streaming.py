@@ -50,6 +50,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, GroupedData, Row
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 from pyspark.sql.types import StructType, _parse_datatype_string
@@ -68,7 +69,7 @@ from statebackend.checkpoint.metrics import (
     record_from_json,
     records_of,
 )
-from statebackend.errors import ConfigurationError
+from statebackend.errors import ConfigurationError, ProcessorFailedError, StateBackendError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedFunction
@@ -634,8 +635,17 @@ def transform_with_state(
     )
     # On a shallow copy, so the instance shipped to executors carries no driver-side states.
     probe = copy.copy(processor)
-    probe.init(driver_handle)
-    probe.close()
+    try:
+        probe.init(driver_handle)
+        probe.close()
+    except (StateBackendError, PySparkException):  # ours and Spark's: they name the fault
+        raise
+    except Exception as exc:
+        raise ProcessorFailedError(
+            f"processor {type(processor).__name__} raised {type(exc).__name__}: {exc} in "
+            f"init or close on the driver, where transform_with_state declares its states; "
+            f"no batch ran: fix the processor"
+        ) from exc
     spec = ProcessorSpec(
         processor=processor,
         use_pandas=bool(use_pandas),

@@ -21,7 +21,7 @@ from pyspark.sql.streaming.stateful_processor import (
     TimerValues,
 )
 
-from statebackend.errors import ConfigurationError, IncompatibleStateError
+from statebackend.errors import ConfigurationError, IncompatibleStateError, ProcessorFailedError
 from statebackend.spark.arrow_path import KeyedBatches
 from statebackend.spark.processor_runner import SUBTASK_COLUMN
 from statebackend.spark.query_stop import stop_interruption
@@ -241,6 +241,25 @@ def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
     run("fixed")
     written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
     assert written == expected_totals(batches)
+
+
+class BrokenInit(Totals):
+    """``Totals`` whose ``init`` raises."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        raise ValueError("no config")
+
+
+def test_a_processor_whose_init_raises_is_one_error_naming_it_before_any_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    write_batches(tmp_path / "input", [[{"user": "a", "amount": 1}]])
+    with pytest.raises(
+        ProcessorFailedError, match="processor BrokenInit raised ValueError: no config in init"
+    ):
+        transform_with_state(
+            batch_files(spark, tmp_path / "input"), "user", BrokenInit(), OUTPUT, "broken"
+        )
 
 
 class TotalsAs(Totals):
