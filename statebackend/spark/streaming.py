@@ -338,6 +338,13 @@ class StatefulStream:
             raise ConfigurationError(
                 "toDF() runs a batch DataFrame: start a streaming one with writeStream"
             )
+        storage = self.committer.storage
+        if storage.fs.exists(storage.layout.spark_binding_path):
+            raise ConfigurationError(
+                f"state job {storage.job_id!r} is the state of a streaming query "
+                f"({storage.layout.spark_binding_path}): a batch of toDF() would be one that "
+                f"query takes for its own and skips; run toDF() with another job_id"
+            )
         previous = self._previous_batch
         if previous is None:
             previous = self.committer.newest_batch()

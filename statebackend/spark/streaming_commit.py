@@ -185,8 +185,9 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     check that they are bound to each other; the binding's id.
 
     Raises ConfigurationError naming both sides if either is bound to another partner,
-    or if the job has a partner location whose binding file is gone (a new Spark
-    checkpoint would re-run batches the job has committed).
+    if the job has a partner location whose binding file is gone, or if an unbound job
+    holds batches already (``toDF()`` ran them): a new Spark checkpoint would take the
+    job's committed batches for its own re-runs and skip its own first batches.
     """
     location = spark_location(checkpoint_location)
     spark_fs = location_filesystem(location, storage, options)
@@ -212,6 +213,17 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
             f"{LOCATION_BINDING_FILE} (was it deleted and recreated?): restore the Spark "
             f"checkpoint, or start a new job_id with a new checkpointLocation"
         )
+    if theirs is None and job_side is None:
+        committed = ChangelogStorage(storage).manifest_ids()
+        if committed:
+            raise ConfigurationError(
+                f"state job {storage.job_id!r} in {storage.layout.checkpoint_dir} holds "
+                f"batches {committed[0]}..{committed[-1]} that no streaming query ran "
+                f"(toDF() did), and checkpointLocation {location} is new: a query would "
+                f"take them for its own. To go on from that state, start the query with a "
+                f"new job_id and restore_from a savepoint of it (statebackend savepoint "
+                f"create {storage.layout.job_dir}/latest --to DIR)"
+            )
     created = theirs is None
     if theirs is None:
         theirs = {**ours, "binding_id": uuid.uuid4().hex}

@@ -243,6 +243,40 @@ def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
     assert written == expected_totals(batches)
 
 
+def test_a_job_is_either_a_queries_state_or_run_by_to_df_not_both(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A stream on a job that toDF() ran batches of is refused at start (its batch 0
+    would be taken for a re-run of toDF's batch 0, and skipped), and toDF() on a
+    stream's job is refused (the stream would skip its next batch): one error each,
+    naming the job, and the state is left as it was."""
+    backfill = spark.createDataFrame([("a", 100)], "user string, amount long")
+    ran = transform_with_state(backfill, "user", Totals(), OUTPUT, "backfilled").toDF()
+    assert [tuple(row) for row in ran.collect()] == [("a", 100)]
+    write_batches(tmp_path / "input", [[{"user": "a", "amount": 1}]])
+
+    def stream(job_id: str) -> Any:
+        return (
+            transform_with_state(
+                batch_files(spark, tmp_path / "input"), "user", Totals(), OUTPUT, job_id
+            )
+            .writeStream.format("parquet")
+            .options(
+                path=str(tmp_path / job_id), checkpointLocation=str(tmp_path / f"{job_id}-ckpt")
+            )
+            .trigger(availableNow=True)
+        )
+
+    with pytest.raises(ConfigurationError, match="'backfilled' .* holds batches 0..0"):
+        stream("backfilled").start()
+    stream("streamed").start().awaitTermination()
+    assert [tuple(r) for r in spark.read.parquet(str(tmp_path / "streamed")).collect()] == [
+        ("a", 1)
+    ]
+    with pytest.raises(ConfigurationError, match="'streamed' is the state of a streaming query"):
+        transform_with_state(backfill, "user", Totals(), OUTPUT, "streamed").toDF()
+
+
 class BrokenInit(Totals):
     """``Totals`` whose ``init`` raises."""
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.layout import LOCATION_BINDING_FILE
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.errors import CheckpointError
+from statebackend.errors import CheckpointError, ConfigurationError
 from statebackend.spark.streaming_commit import bind, spark_location
 
 
@@ -22,7 +23,7 @@ def test_a_first_start_that_cannot_write_the_job_side_leaves_the_location_unboun
     blocker = tmp_path / "blocker"
     blocker.write_text("a file, not a directory")
     location = str(tmp_path / "spark")
-    with pytest.raises(CheckpointError, match="could not write"):
+    with pytest.raises(CheckpointError, match="could not (list|write)"):
         bind(CheckpointStorage((blocker / "ckpt").as_uri(), "job"), location, {})
     assert not (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
     corrected = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
@@ -45,3 +46,16 @@ def test_a_checkpoint_location_is_spelled_one_way() -> None:
         ("hdfs:/q", "hdfs:/q"),
     ):
         assert spark_location(given) == spelled, given
+
+
+def test_an_unbound_job_with_batches_is_not_bound_to_a_new_location(tmp_path: Path) -> None:
+    """A job whose batches ``toDF()`` committed (no query bound it) is refused to a new
+    checkpointLocation, whose batch 0 would be taken for a re-run of the job's batch 0
+    and skipped; nothing is bound on either side."""
+    storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
+    ChangelogStorage(storage).commit(0, {}, max_parallelism=8, properties={})
+    location = str(tmp_path / "spark")
+    with pytest.raises(ConfigurationError, match="holds batches 0..0 that no streaming query"):
+        bind(storage, location, {})
+    assert not (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
+    assert not storage.fs.exists(storage.layout.spark_binding_path)
