@@ -35,6 +35,7 @@ Invariant: ``commits/N`` exists => manifest N exists => state(N) = base + change
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
@@ -178,6 +179,14 @@ def spark_location(checkpoint_location: str) -> str:
     if location.startswith("file:"):
         location = "/" + location.removeprefix("file:").lstrip("/")
     return normalize_url(absolute_location(location))
+
+
+def is_bound(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> bool:
+    """Whether the Spark ``checkpointLocation`` is bound to a state job (a query started
+    with it before)."""
+    location = spark_location(checkpoint_location)
+    spark_fs = location_filesystem(location, storage, options)
+    return bool(spark_fs.exists(join(location, LOCATION_BINDING_FILE)))
 
 
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
@@ -400,6 +409,8 @@ def batch_output(
 FILE_FORMATS = frozenset({"parquet", "json", "csv", "orc", "text", "avro"})
 """Sink formats that write files under a path: published exactly once by file names."""
 STAGING_DIR = "_statebackend-staging"
+_PUBLISHED_NAME = re.compile(r"part-[0-9]+-[0-9]+(\.|$)")
+"""The names of published files (``publish_parquet``, ``publish_files``)."""
 """Where ``publish_files`` lets Spark write a batch inside the sink's path: a name that
 starts with '_' is skipped by every reader of the path, as Spark's ``_spark_metadata``."""
 
@@ -493,6 +504,30 @@ def publish_files(
     # This attempt's directory, and any an attempt that died before this step left.
     sink.rm(f"{root}/{STAGING_DIR}", recursive=True)
     return published
+
+
+def check_sink_path_is_new(
+    storage: CheckpointStorage, path: str, options: dict[str, Any], partition_columns: int = 0
+) -> None:
+    """ConfigurationError if the file sink ``path`` holds files a query published
+    (``part-<N>-<k>...``, as ``publish_parquet`` and ``publish_files`` name them, in
+    ``partition_columns`` levels of partition directories): for a query that has not run
+    a batch yet, they are another query's (an old job that a ``restore_from`` job
+    replaces, say), whose batch ids the new one counts again from 0, so it would replace
+    or delete them."""
+    sink, root = _sink_filesystem(storage, path, options)
+    try:
+        files = sink.find(root, maxdepth=partition_columns + 1)
+    except FileNotFoundError:
+        return
+    names = [str(file).rstrip("/").rpartition("/")[2] for file in files]
+    published = sorted(name for name in names if _PUBLISHED_NAME.match(name))
+    if published:
+        raise ConfigurationError(
+            f"sink path {path} holds files another query published ({', '.join(published[:3])}"
+            f"{', ...' if len(published) > 3 else ''}): this query numbers its batches from 0 "
+            f"and would replace or delete them; give it a new path"
+        )
 
 
 def publish_once(storage: CheckpointStorage, batch_id: int, append: Callable[[], None]) -> None:

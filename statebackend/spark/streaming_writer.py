@@ -20,6 +20,8 @@ from statebackend.spark.query_stop import stop_interruption
 from statebackend.spark.streaming_commit import (
     FILE_FORMATS,
     bind,
+    check_sink_path_is_new,
+    is_bound,
     location_filesystem,
     publish_files,
     publish_once,
@@ -182,6 +184,13 @@ class StatefulStreamWriter:
             creator = creator.clusterBy(*self._cluster_by)
         creator.saveAsTable(table)
 
+    def _publishes_files(self, table: str | None) -> bool:
+        """Whether batches are published as files into the sink's ``path``."""
+        if table is not None or self._foreach_batch is not None or self._foreach is not None:
+            return False
+        name = self._format_name()
+        return "path" in self._options and (name is None or name in FILE_FORMATS)
+
     def _format_name(self) -> str | None:
         """The sink's format as Spark matches short names: in lower case."""
         return None if self._format is None else self._format.lower()
@@ -232,6 +241,10 @@ class StatefulStreamWriter:
                 f"tick: use trigger(processingTime=...) or unset {TICK_INTERVAL_KEY}"
             )
         storage, options = stream.committer.storage, stream.conf.storage_options
+        first_start = not is_bound(storage, checkpoint, options)
+        if first_start and self._publishes_files(table) and stream.committer.newest_batch() is None:
+            path = self._options["path"]
+            check_sink_path_is_new(storage, path, options, len(self._partition_by))
         stream.binding_id = bind(storage, checkpoint, options)
         stream.ends_when_caught_up = "processingTime" not in trigger and bool(trigger)
         offsets = BatchTimesReader(location_filesystem(checkpoint, storage, options), checkpoint)

@@ -170,8 +170,8 @@ def test_each_bad_restore_from_is_one_error_before_any_batch(
     """A manifest instead of a savepoint, another storage, a savepoint keyed by other
     columns, a state of another kind, another max parallelism, one without a
     transform_with_state operator, and a restore_from given to a job that has committed
-    batches from elsewhere: each raises from ``transform_with_state``, naming it, and
-    nothing is written to the new job's directory."""
+    batches from elsewhere: each raises from ``transform_with_state``, naming it; and the
+    old job's sink path, from ``start``. Nothing is written to the new job's directory."""
     savepoint = _old_job(spark, tmp_path, make_batches(2, seed=72))
     source = _source(spark, tmp_path / "in-v1")
 
@@ -212,7 +212,19 @@ def test_each_bad_restore_from_is_one_error_before_any_batch(
     # v1 has committed batches and did not start from the savepoint.
     with pytest.raises(ConfigurationError, match="applies to a job's first start only"):
         start(str(savepoint), job_id="v1")
+    # v1's sink path: v2 numbers its batches from 0 and would replace v1's part-0-* files.
+    with pytest.raises(ConfigurationError, match="holds files another query published"):
+        _run(
+            spark,
+            tmp_path / "in-v1",
+            tmp_path / "out-v1",
+            tmp_path / "ckpt-v2",
+            "v2",
+            2,
+            str(savepoint),
+        )
     assert not (tmp_path / "ours" / "v2").exists()
+    assert not (tmp_path / "ckpt-v2").exists()
 
 
 def test_savepoint_trigger_of_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
