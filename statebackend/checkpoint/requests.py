@@ -129,6 +129,11 @@ def _taken_for(
     return None
 
 
+def is_answered(fs: CheckpointFileSystem, job_dir: str, request: SavepointRequest) -> bool:
+    """Whether ``request`` has its answer (a savepoint or an error) already."""
+    return fs.exists(_done_path(job_dir, request.request_id))
+
+
 def _write_answer(
     fs: CheckpointFileSystem,
     job_dir: str,

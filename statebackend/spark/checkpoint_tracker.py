@@ -32,6 +32,7 @@ from statebackend.checkpoint.metrics import CheckpointMetrics, checkpoint_metric
 from statebackend.checkpoint.requests import (
     SavepointRequest,
     answer_savepoint_request,
+    is_answered,
     pending_savepoint_requests,
 )
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -108,8 +109,12 @@ class CheckpointTracker:
         properties: Mapping[str, Any],
     ) -> int:
         """Wait for the pending checkpoint, then trigger one that cuts the end of batch
-        ``batch_id`` (a savepoint if ``request``); its id."""
+        ``batch_id`` (a savepoint if ``request`` is still unanswered: the pending one may
+        have been its savepoint); its id."""
         self.wait()
+        job_dir = self.storage.layout.job_dir
+        if request is not None and is_answered(self.storage.fs, job_dir, request):
+            request = None
         savepoint_dir = None
         if request is not None:
             savepoint_dir = request.savepoint_dir(self.storage.layout.job_dir)

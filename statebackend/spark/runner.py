@@ -488,6 +488,8 @@ class StatefulJob:
                 break
             try:
                 idle = self._tracker.idle()  # polled every batch, never waited for
+                if request is not None:  # a savepoint this poll completed answered it
+                    request = self._tracker.savepoint_request()
                 ends = self._single_stage_ends() if more else None
                 checkpoint = (
                     not more

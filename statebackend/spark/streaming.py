@@ -485,8 +485,8 @@ class StatefulStream:
         is also copied to the savepoint, after the pending one completed); its checkpoint
         id. A pending one is polled first, and waited for only by a savepoint (whose
         batch then waits for it too)."""
+        idle = tracker.idle()  # first: a savepoint it completes answers its request
         request = tracker.savepoint_request()
-        idle = tracker.idle()
         due = idle and batch_id - self._materialized_batch >= self.conf.materialize_every
         if request is None and not due:
             return None

@@ -123,3 +123,27 @@ def test_a_savepoint_taken_by_a_driver_that_died_before_answering_is_the_answer(
     later = request_savepoint(storage.fs, job_dir, target_dir=taken)
     pending = restarted.savepoint_request()
     assert pending is not None and pending.request_id == later
+
+
+def test_a_request_its_pending_savepoint_answered_is_not_served_again(tmp_path: Path) -> None:
+    """A loop read the request before the poll that completed its savepoint, and passes
+    it to the next trigger: that checkpoint is no savepoint, and the request keeps its
+    answer (a second copy into the full directory failed and answered it with an error)."""
+    storage, tracker, _ = _setup(tmp_path)
+    job_dir = storage.layout.job_dir
+    request_id = request_savepoint(storage.fs, job_dir)
+    request = tracker.savepoint_request()
+    assert request is not None
+    first = tracker.trigger({OPERATOR: P}, 0, request, {})
+    for subtask in range(P):
+        _acknowledge(storage, tracker, first, subtask)
+    stale = tracker.savepoint_request()  # read before the poll below, as a job's loop does
+    assert tracker.idle()
+    taken = wait_for_savepoint(storage.fs, job_dir, request_id, timeout=0)
+    second = tracker.trigger({OPERATOR: P}, 1, stale, {})
+    assert tracker.pending is not None and tracker.pending.savepoint_request is None
+    for subtask in range(P):
+        _acknowledge(storage, tracker, second, subtask)
+    assert tracker.idle()
+    assert wait_for_savepoint(storage.fs, job_dir, request_id, timeout=0) == taken
+    assert tracker.savepoints == [taken]
