@@ -49,6 +49,12 @@ if [[ -z "$job_dir" || -z "$parallelism" ]]; then usage >&2; exit 2; fi
 [[ "$job_dir" == *://* ]] || job_dir="$(realpath -m "$job_dir")"
 [[ -z "$input" ]] || input="$(realpath -m "$input")"
 [[ -z "$target" || "$target" == *://* ]] || target="$(realpath -m "$target")"
+scheme() { if [[ "$1" == *://* ]]; then echo "${1%%://*}"; else echo file; fi; }
+if [[ -n "$target" && "$(scheme "$target")" != "$(scheme "$job_dir")" ]]; then
+    echo "savepoint-and-rescale: --to $target is not on the job's storage ($job_dir)," \
+        "with which the restarted job reads it: give a $(scheme "$job_dir"):// directory" >&2
+    exit 2
+fi
 
 sb() { "$PYTHON" -m statebackend "$@" "${options[@]}"; }
 # json_field EXPR: evaluate EXPR on the JSON document on stdin (as `d`) and print it.

@@ -69,7 +69,6 @@ from statebackend import errors
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
-from statebackend.checkpoint.filesystem import absolute_location
 from statebackend.checkpoint.layout import validate_id
 from statebackend.checkpoint.manifest import (
     FOLDED_FROM_PROPERTY,
@@ -122,6 +121,7 @@ from statebackend.spark.source import (
     offsets_state,
     split_offsets,
 )
+from statebackend.spark.streaming_restore import restore_location
 from statebackend.spark.tasks import (
     KeyedPlan,
     KeyedResult,
@@ -299,7 +299,7 @@ class StatefulJob:
             return []
         if self.restore == "latest":
             return completed
-        return [storage.resolve(absolute_location(self.restore))]  # executors read it
+        return [restore_location(storage, self.restore, "restore")]  # executors read it
 
     def _restart_from(self, directory: str | None) -> CheckpointMetadata | None:
         """Make ``directory`` (None: nothing) the restore point and reset the driver's

@@ -48,18 +48,20 @@ _FOLD_HINT = (
 )
 
 
-def restore_location(storage: CheckpointStorage, restore_from: str) -> str:
-    """The one spelling of ``restore_from``'s directory (as manifests record it).
-    ConfigurationError if it is not on the file system of the job's storage, which reads
-    it."""
+def restore_location(
+    storage: CheckpointStorage, restore_from: str, argument: str = "restore_from"
+) -> str:
+    """The one spelling of the directory a job restores from (as manifests record it;
+    ``argument`` names where it was given). ConfigurationError if it is not on the file
+    system of the job's storage, with which the keyed subtasks read it."""
     if not isinstance(restore_from, str) or not restore_from:
-        raise ConfigurationError(f"restore_from {restore_from!r} is invalid: give a directory")
+        raise ConfigurationError(f"{argument} {restore_from!r} is invalid: give a directory")
     location = absolute_location(restore_from)
     ours = storage.layout.checkpoint_dir
     protocol = get_protocol(ours)
     if get_protocol(location) != protocol:
         raise ConfigurationError(
-            f"restore_from {restore_from} is not on the file system of the job's storage "
+            f"{argument} {restore_from} is not on the file system of the job's storage "
             f"({ours}), with whose options the keyed subtasks read it: copy it to a "
             f"{protocol}:// directory with statebackend savepoint create --from "
             f"{restore_from} --to DIR"

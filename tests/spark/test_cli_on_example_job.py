@@ -628,3 +628,21 @@ def test_report_of_the_example_job(
     shown = figures(page.read_text())
     for plot in ("checkpoint-duration", "checkpoint-size", f"key-groups-{OPERATOR_ID}"):
         assert marks(shown[plot]) > 0, plot
+
+
+def test_savepoint_and_rescale_script_refuses_a_savepoint_off_the_jobs_storage(
+    tmp_path: Path,
+) -> None:
+    """``--to`` a local directory for a job on S3: the restarted job would read its
+    savepoint with the job's storage, where it is not; one error before anything runs."""
+    result = subprocess.run(
+        [str(REPO / "scripts/savepoint-and-rescale.sh"), "s3://bucket/ckpt/job", "-p", "3"]
+        + ["--to", str(tmp_path / "sp")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "is not on the job's storage (s3://bucket/ckpt/job)" in result.stderr
+    assert "give a s3:// directory" in result.stderr
+    assert not (tmp_path / "sp").exists()
