@@ -23,6 +23,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,11 +259,39 @@ class SavepointWriter:
         return open_filesystem(url, dict(self.storage_options or {}))
 
     def check_target(self) -> None:
-        """CheckpointError if the target already holds a checkpoint or savepoint."""
-        if self._fs(self.target).exists(metadata_path(self.target)):
+        """CheckpointError if the target already holds a checkpoint or savepoint, or any
+        other file (what a write cut short left, say)."""
+        fs = self._fs(self.target)
+        self._check_no_savepoint(fs)
+        entries = fs.list_dir(self.target)
+        if entries:
+            raise CheckpointError(
+                f"{self.target} is not empty (it holds {', '.join(entries[:3])}"
+                f"{', ...' if len(entries) > 3 else ''}): choose an empty directory, or "
+                f"delete it"
+            )
+
+    def _check_no_savepoint(self, fs: CheckpointFileSystem) -> None:
+        if fs.exists(metadata_path(self.target)):
             raise CheckpointError(
                 f"{self.target} already holds a checkpoint or savepoint: choose an empty directory"
             )
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Check the target (``check_target``), then run the block that writes the
+        savepoint; if it raises (an error, Ctrl-C), delete what it wrote into the target,
+        which was empty (unless another writer completed a savepoint there meanwhile),
+        and raise."""
+        self.check_target()
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):
+                fs = self._fs(self.target)
+                if not fs.exists(metadata_path(self.target)):
+                    fs.delete(self.target, recursive=True)
+            raise
 
     def source_metadata(self) -> CheckpointMetadata | None:
         """The source's ``_metadata`` (None without a source)."""
@@ -378,8 +407,9 @@ class SavepointWriter:
             is_savepoint=True,
             properties=dict(properties or {}),
         )
-        self.check_target()
-        self._fs(self.target).write_atomic(metadata_path(self.target), metadata.to_bytes())
+        fs = self._fs(self.target)
+        self._check_no_savepoint(fs)  # written by another writer meanwhile
+        fs.write_atomic(metadata_path(self.target), metadata.to_bytes())
         return self.target
 
 

@@ -287,18 +287,18 @@ class StateWriter:
             storage_options=self.storage_options,
             compression=compression,
         )
-        writer.check_target()
-        acks: list[SubtaskAck] = []
         metadata = self.metadata
         job_id = job_id or (metadata.job_id if metadata else "bootstrap")
-        for rewrite in rewrites:
-            acks += self._write_operator(writer, rewrite, job_id)
-        return writer.complete(
-            acks,
-            job_id=job_id,
-            checkpoint_id=metadata.checkpoint_id if metadata else 0,
-            properties=metadata.properties if metadata else None,
-        )
+        with writer.writing():
+            acks: list[SubtaskAck] = []
+            for rewrite in rewrites:
+                acks += self._write_operator(writer, rewrite, job_id)
+            return writer.complete(
+                acks,
+                job_id=job_id,
+                checkpoint_id=metadata.checkpoint_id if metadata else 0,
+                properties=metadata.properties if metadata else None,
+            )
 
     def _write_operator(
         self, writer: SavepointWriter, rewrite: OperatorRewrite, job_id: str

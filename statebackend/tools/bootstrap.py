@@ -113,10 +113,10 @@ def bootstrap_from_files(
         storage_options=storage_options,
         compression=compression,
     )
-    writer.check_target()
-    per_subtask: list[list[Row]] = [[] for _ in range(parallelism)]
-    for index, state in enumerate(states):
-        for row in _rows(index, state, storage_options):
-            per_subtask[rewrite.subtask_of(row[1], max_parallelism, state.name)].append(row)
-    acks = [writer.write_subtask(rewrite, i, rows) for i, rows in enumerate(per_subtask)]
-    return writer.complete(acks, job_id=job_id)
+    with writer.writing():
+        per_subtask: list[list[Row]] = [[] for _ in range(parallelism)]
+        for index, state in enumerate(states):
+            for row in _rows(index, state, storage_options):
+                per_subtask[rewrite.subtask_of(row[1], max_parallelism, state.name)].append(row)
+        acks = [writer.write_subtask(rewrite, i, rows) for i, rows in enumerate(per_subtask)]
+        return writer.complete(acks, job_id=job_id)

@@ -480,42 +480,42 @@ def fold_manifest(
         storage_options=storage_options,
         compression=compression,
     )
-    writer.check_target()
-    fs = open_filesystem(writer.target, dict(storage_options or {}))
-    acks = []
-    with ThreadPoolExecutor(1, thread_name_prefix="statebackend-fold") as pool:
-        for operator_id in operator_ids(ref):
-            p = parallelism or parallelism_of(ref, operator_id)
-            check_parallelism(p, manifest.max_parallelism)
-            for subtask in range(p):
-                key_groups = compute_key_group_range_for_operator_index(
-                    manifest.max_parallelism, p, subtask
-                )
-                directory = SnapshotDirectory(
-                    fs, writer.target, f"{operator_id}-{subtask}", pool, compression
-                )
-                backend = rebuild_subtask(ref, operator_id, key_groups)
-                try:
-                    handle = directory.write_keyed_snapshot(0, backend.sync_cut()).result()
-                finally:
-                    backend.dispose()
-                operator_handle = None
-                cut = rebuild_operator_state(
-                    ref.changelog, manifest, operator_id, subtask, p
-                ).sync_cut()
-                if cut.states or cut.raw:
-                    operator_handle = directory.write_operator_snapshot(0, cut).result()
-                acks.append(SubtaskAck(operator_id, subtask, p, handle, operator_handle))
-                if written is not None:
-                    written(operator_id, subtask)
-    properties = {"batch_id": manifest.batch_id, **manifest.properties}
-    properties[FOLDED_FROM_PROPERTY] = manifest.batch_id
-    return writer.complete(
-        acks,
-        job_id=manifest.job_id,
-        checkpoint_id=0 if manifest.base is None else manifest.base.checkpoint_id,
-        properties=properties,
-    )
+    with writer.writing():
+        fs = open_filesystem(writer.target, dict(storage_options or {}))
+        acks = []
+        with ThreadPoolExecutor(1, thread_name_prefix="statebackend-fold") as pool:
+            for operator_id in operator_ids(ref):
+                p = parallelism or parallelism_of(ref, operator_id)
+                check_parallelism(p, manifest.max_parallelism)
+                for subtask in range(p):
+                    key_groups = compute_key_group_range_for_operator_index(
+                        manifest.max_parallelism, p, subtask
+                    )
+                    directory = SnapshotDirectory(
+                        fs, writer.target, f"{operator_id}-{subtask}", pool, compression
+                    )
+                    backend = rebuild_subtask(ref, operator_id, key_groups)
+                    try:
+                        handle = directory.write_keyed_snapshot(0, backend.sync_cut()).result()
+                    finally:
+                        backend.dispose()
+                    operator_handle = None
+                    cut = rebuild_operator_state(
+                        ref.changelog, manifest, operator_id, subtask, p
+                    ).sync_cut()
+                    if cut.states or cut.raw:
+                        operator_handle = directory.write_operator_snapshot(0, cut).result()
+                    acks.append(SubtaskAck(operator_id, subtask, p, handle, operator_handle))
+                    if written is not None:
+                        written(operator_id, subtask)
+        properties = {"batch_id": manifest.batch_id, **manifest.properties}
+        properties[FOLDED_FROM_PROPERTY] = manifest.batch_id
+        return writer.complete(
+            acks,
+            job_id=manifest.job_id,
+            checkpoint_id=0 if manifest.base is None else manifest.base.checkpoint_id,
+            properties=properties,
+        )
 
 
 def committed_source_offsets(

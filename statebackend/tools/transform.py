@@ -93,16 +93,16 @@ def transform_savepoint(
         storage_options=storage_options,
         compression=compression,
     )
-    writer.check_target()
-    acks = []
-    for rewrite in rewrites:
-        for subtask in range(rewrite.parallelism):
-            acks.append(writer.write_subtask(rewrite, subtask, ()))
-            if written is not None:
-                written(rewrite.operator_id, subtask)
-    return writer.complete(
-        acks,
-        job_id=ref.metadata.job_id,
-        checkpoint_id=ref.metadata.checkpoint_id,
-        properties=ref.metadata.properties,
-    )
+    with writer.writing():
+        acks = []
+        for rewrite in rewrites:
+            for subtask in range(rewrite.parallelism):
+                acks.append(writer.write_subtask(rewrite, subtask, ()))
+                if written is not None:
+                    written(rewrite.operator_id, subtask)
+        return writer.complete(
+            acks,
+            job_id=ref.metadata.job_id,
+            checkpoint_id=ref.metadata.checkpoint_id,
+            properties=ref.metadata.properties,
+        )

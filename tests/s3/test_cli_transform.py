@@ -37,6 +37,8 @@ from statebackend.state.descriptors import (
     ValueStateDescriptor,
 )
 from statebackend.state.ttl import StateTtlConfig
+from statebackend.tools.location import open_checkpoint
+from statebackend.tools.transform import plan_transform, transform_savepoint
 from tests.conftest import Storage
 
 M = 32
@@ -409,3 +411,40 @@ def test_savepoints_the_command_writes_are_lz4_by_default(
     plain = (str(tmp_path / "boot"), str(tmp_path / "plain"), "--compression", "none")
     assert transform(storage, capsys, *plain)[0] == 0
     assert frame_codecs(tmp_path / "plain") == {"none"}
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, pressed once the first subtask is written."""
+
+
+def test_an_interrupted_transform_leaves_nothing_and_a_used_target_is_refused(
+    checkpoint_url: Storage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C after the first subtask's files are written: the target is removed (it was
+    empty), so the same command runs again into it; a target holding any file (what a
+    write cut short elsewhere left) is refused, naming it."""
+    source, model = build(checkpoint_url, 2)
+    target = target_of(checkpoint_url, "interrupted")
+    ref = open_checkpoint(source, checkpoint_url.storage_options)
+    rewrites = plan_transform(ref, drop_operators=["source"], parallelism=3)
+    written: list[int] = []
+
+    def interrupt(operator_id: str, subtask: int) -> None:
+        written.append(subtask)
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        transform_savepoint(
+            ref, target, rewrites, storage_options=checkpoint_url.storage_options, written=interrupt
+        )
+    assert written == [0]
+    assert not ref.fs.exists(target)
+    status, _, err = transform(checkpoint_url, capsys, source, target, "--drop-operator", "source")
+    assert status == 0, err
+    assert restore(checkpoint_url, target, 2, [COUNT])["count"] == model["count"]
+
+    used = target_of(checkpoint_url, "used")
+    ref.fs.write_atomic(f"{used}/enrich-0-leftover", b"cut short")
+    status, _, err = transform(checkpoint_url, capsys, source, used)
+    assert status == 1
+    assert f"{used} is not empty (it holds enrich-0-leftover)" in err
