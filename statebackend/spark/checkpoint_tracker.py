@@ -117,7 +117,7 @@ class CheckpointTracker:
             request = None
         savepoint_dir = None
         if request is not None:
-            savepoint_dir = request.savepoint_dir(self.storage.layout.job_dir)
+            savepoint_dir = request.savepoint_dir(job_dir)
         checkpoint_id = self.coordinator.trigger(
             expected, savepoint_dir=savepoint_dir, properties=properties
         )

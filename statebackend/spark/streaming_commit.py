@@ -181,12 +181,21 @@ def spark_location(checkpoint_location: str) -> str:
     return normalize_url(absolute_location(location))
 
 
+def _spark_side(
+    storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]
+) -> tuple[str, CheckpointFileSystem, str]:
+    """The Spark ``checkpointLocation`` as ``spark_location`` spells it, its file system,
+    and the path of its binding file."""
+    location = spark_location(checkpoint_location)
+    spark_fs = location_filesystem(location, storage, options)
+    return location, spark_fs, join(location, LOCATION_BINDING_FILE)
+
+
 def is_bound(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> bool:
     """Whether the Spark ``checkpointLocation`` is bound to a state job (a query started
     with it before)."""
-    location = spark_location(checkpoint_location)
-    spark_fs = location_filesystem(location, storage, options)
-    return bool(spark_fs.exists(join(location, LOCATION_BINDING_FILE)))
+    _, spark_fs, spark_path = _spark_side(storage, checkpoint_location, options)
+    return spark_fs.exists(spark_path)
 
 
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
@@ -198,9 +207,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     holds batches already (``toDF()`` ran them): a new Spark checkpoint would take the
     job's committed batches for its own re-runs and skip its own first batches.
     """
-    location = spark_location(checkpoint_location)
-    spark_fs = location_filesystem(location, storage, options)
-    spark_path = join(location, LOCATION_BINDING_FILE)
+    location, spark_fs, spark_path = _spark_side(storage, checkpoint_location, options)
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
     theirs = _read_json(spark_fs, spark_path)
     job_side = _read_json(storage.fs, storage.layout.spark_binding_path)
