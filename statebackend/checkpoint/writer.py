@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -239,6 +239,10 @@ def _renamed_operator(cut: OperatorStateCut, rewrite: OperatorRewrite) -> Operat
         if name not in rewrite.drop_states
     }
     return OperatorStateCut(states, cut.raw)
+
+
+Written = Callable[[str, int], None]
+"""Called with (operator id, subtask) after each subtask of a savepoint is written."""
 
 
 @dataclass(frozen=True)

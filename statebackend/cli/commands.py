@@ -52,6 +52,7 @@ from statebackend.tools.manifests import (
     fold_manifest,
     inspect_manifest,
     manifest_bytes,
+    operator_ids,
     parallelism_of,
     plan_manifest,
     plan_manifest_imbalance,
@@ -423,15 +424,19 @@ def cmd_savepoint_create(args: argparse.Namespace) -> int:
     key = _signing_key(args)
     source = open_state(args.source, _options(args), key)
     if isinstance(source, ManifestRef):
-        out(
-            fold_manifest(
+        subtasks = sum(
+            args.parallelism or parallelism_of(source, op) for op in operator_ids(source)
+        )
+        with progress("writing", subtasks, unit="subtasks") as advance:
+            folded = fold_manifest(
                 source,
                 args.target,
                 storage_options=_options(args),
                 parallelism=args.parallelism,
                 allow_pickle=args.allow_pickle,
+                written=lambda _operator, _subtask: advance(1),
             )
-        )
+        out(folded)
         print(
             f"{PROG}: note: {args.target} is not signed (folded savepoints are not)",
             file=sys.stderr,
@@ -478,15 +483,17 @@ def cmd_savepoint_transform(args: argparse.Namespace) -> int:
         rename_states=[_rename(text) for text in args.rename_state],
         parallelism=args.parallelism,
     )
-    out(
-        transform_savepoint(
+    subtasks = sum(rewrite.parallelism for rewrite in rewrites)
+    with progress("writing", subtasks, unit="subtasks") as advance:
+        target = transform_savepoint(
             source,
             args.target,
             rewrites,
             storage_options=_options(args),
             compression=args.compression,
+            written=lambda _operator, _subtask: advance(1),
         )
-    )
+    out(target)
     return 0
 
 
@@ -496,8 +503,8 @@ def cmd_savepoint_bootstrap(args: argparse.Namespace) -> int:
     def serializer(identity: str) -> Any:
         return serializer_from_config({"identity": identity})
 
-    out(
-        bootstrap_from_files(
+    with progress("writing", args.parallelism, unit="subtasks") as advance:
+        target = bootstrap_from_files(
             args.target,
             args.operator,
             [parse_state_file(text) for text in args.state],
@@ -509,8 +516,9 @@ def cmd_savepoint_bootstrap(args: argparse.Namespace) -> int:
             job_id=args.job_id,
             storage_options=_options(args),
             compression=args.compression,
+            written=lambda _operator, _subtask: advance(1),
         )
-    )
+    out(target)
     return 0
 
 

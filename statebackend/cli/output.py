@@ -71,8 +71,9 @@ def cell(value: Any) -> str:
 
 
 @contextmanager
-def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A byte-counting progress bar on stderr, shown only when stderr is a terminal."""
+def progress(description: str, total: int, unit: str = "bytes") -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr counting bytes (else ``total`` things named ``unit``),
+    shown only when stderr is a terminal."""
     if not sys.stderr.isatty():
         yield lambda n: None
         return
@@ -80,6 +81,7 @@ def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
+        MofNCompleteColumn,
         Progress,
         TextColumn,
         TimeRemainingColumn,
@@ -88,7 +90,8 @@ def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(),
+        DownloadColumn() if unit == "bytes" else MofNCompleteColumn(),
+        TextColumn("" if unit == "bytes" else unit),
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:

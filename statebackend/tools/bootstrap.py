@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from statebackend.checkpoint.writer import OperatorRewrite, Row, SavepointWriter
+from statebackend.checkpoint.writer import OperatorRewrite, Row, SavepointWriter, Written
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.serializers import Serializer
@@ -92,10 +92,11 @@ def bootstrap_from_files(
     job_id: str = "bootstrap",
     storage_options: Mapping[str, Any] | None = None,
     compression: str = DEFAULT_CODEC,
+    written: Written | None = None,
 ) -> str:
     """Write a savepoint of ``operator_id`` at ``parallelism`` holding ``states``, its
-    files compressed with ``compression``; ``_metadata`` last. Returns the savepoint's
-    directory."""
+    files compressed with ``compression``; ``_metadata`` last, ``written`` told of each
+    subtask written. Returns the savepoint's directory."""
     if len({s.name for s in states}) != len(states):
         raise ConfigurationError("a state is given twice: give each state once")
     max_parallelism = max_parallelism or compute_default_max_parallelism(parallelism)
@@ -118,5 +119,9 @@ def bootstrap_from_files(
         for index, state in enumerate(states):
             for row in _rows(index, state, storage_options):
                 per_subtask[rewrite.subtask_of(row[1], max_parallelism, state.name)].append(row)
-        acks = [writer.write_subtask(rewrite, i, rows) for i, rows in enumerate(per_subtask)]
+        acks = []
+        for subtask, rows in enumerate(per_subtask):
+            acks.append(writer.write_subtask(rewrite, subtask, rows))
+            if written is not None:
+                written(operator_id, subtask)
         return writer.complete(acks, job_id=job_id)

@@ -23,7 +23,7 @@ which needs ``allow_pickle``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,7 +41,7 @@ from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import plan_restore
 from statebackend.checkpoint.savepoints import Progress
 from statebackend.checkpoint.signing import verified_reads
-from statebackend.checkpoint.writer import SavepointWriter
+from statebackend.checkpoint.writer import SavepointWriter, Written
 from statebackend.errors import CheckpointError, ConfigurationError
 from statebackend.keygroups import (
     KeyGroupRange,
@@ -445,9 +445,6 @@ def plan_manifest(
 
 
 # -- fold -------------------------------------------------------------------------------
-
-Written = Callable[[str, int], None]
-"""Called with (operator id, subtask) after each subtask is written."""
 
 
 def fold_manifest(

@@ -8,16 +8,18 @@ executors), optionally at another parallelism; the source is only read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter, check_rewrites
+from statebackend.checkpoint.writer import (
+    OperatorRewrite,
+    SavepointWriter,
+    Written,
+    check_rewrites,
+)
 from statebackend.errors import ConfigurationError
 from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.tools.location import CheckpointRef, checkpoint_directory
-
-Written = Callable[[str, int], None]
-"""Called with (operator id, subtask) after each subtask is written."""
 
 
 def parse_state_ref(text: str) -> tuple[str, str]:
