@@ -25,6 +25,7 @@ from fsspec.utils import get_protocol
 
 from statebackend.backends.keyed import stored_reader
 from statebackend.checkpoint.filesystem import absolute_location
+from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
@@ -66,7 +67,13 @@ def restore_location(
             f"{protocol}:// directory with statebackend savepoint create --from "
             f"{restore_from} --to DIR"
         )
-    return storage.resolve(location)
+    resolved = storage.resolve(location)
+    if resolved.endswith("/latest") and not storage.fs.exists(metadata_path(resolved)):
+        raise ConfigurationError(
+            f"{argument} {restore_from}: <job dir>/latest names a job's newest state on the "
+            f"command line, not a directory a job restores from: {_FOLD_HINT}"
+        )
+    return resolved
 
 
 def restore_point(
