@@ -25,7 +25,8 @@ Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoin
 - **Acks name their run.** A coordinator has a ``run_id``; triggering N writes
   ``chk-<N>/_pending`` naming it, every acknowledgement names the run (and the task
   attempt) it belongs to, and the coordinator ignores acknowledgements of other runs. Of
-  several attempts of one subtask the first acknowledgement read is taken; the files of
+  several attempts of one subtask the first acknowledgement read is taken, or only the
+  one ``take_only`` accepts (the attempt whose batch result the job kept); the files of
   the others are deleted once N completed (so a later snapshot from the local copy of an
   attempt not taken must not reuse them: it checks N's ``_metadata``).
 - **Abort reaches the uploads.** Aborting N removes its pending marker first: uploads
@@ -86,6 +87,17 @@ class PendingCheckpoint:
     acks: dict[tuple[str, int], SubtaskAck] = field(default_factory=dict)
     shared_deletions: int = 0
     """The registry's deletion count when the checkpoint was triggered."""
+    accepts: Callable[[SubtaskAck], bool] | None = None
+    """Which acknowledgements may be taken (``CheckpointCoordinator.take_only``)."""
+
+    def takes(self, ack: SubtaskAck, run_id: str) -> bool:
+        """Whether ``ack`` is one to take: of run ``run_id``, of a subtask that has not
+        acknowledged yet, and accepted."""
+        return (
+            ack.run == run_id
+            and (ack.operator_id, ack.subtask) not in self.acks
+            and (self.accepts is None or self.accepts(ack))
+        )
 
     def missing(self) -> list[tuple[str, int]]:
         """The (operator, subtask) pairs that have not acknowledged yet."""
@@ -225,11 +237,11 @@ class CheckpointCoordinator:
 
         Returns the directory of the completed checkpoint (or savepoint, if one was
         asked for) when this acknowledgement completed it, else None. Ignores (returns
-        None for) an acknowledgement of another run, and one of a subtask that has
-        acknowledged already (another task attempt's).
+        None for) an acknowledgement of another run, one of a subtask that has
+        acknowledged already (another task attempt's) and one ``take_only`` refuses.
         """
         pending = self._pending(checkpoint_id)
-        if ack.run != self.run_id or (ack.operator_id, ack.subtask) in pending.acks:
+        if not pending.takes(ack, self.run_id):
             _log.info(
                 "checkpoint %s: ignored the ack of %s subtask %s (run %s, attempt %s)",
                 checkpoint_id,
@@ -256,7 +268,7 @@ class CheckpointCoordinator:
         self._finish_completed()
         pending = self._pending(checkpoint_id)
         for ack in self.storage.read_acks(checkpoint_id):
-            if ack.run == self.run_id and (ack.operator_id, ack.subtask) not in pending.acks:
+            if pending.takes(ack, self.run_id):
                 result = self.acknowledge(checkpoint_id, ack)
                 if result is not None:
                     return result
@@ -268,6 +280,16 @@ class CheckpointCoordinator:
                 f"waiting for {missing}; it was aborted and its files deleted"
             )
         return None
+
+    def take_only(self, checkpoint_id: int, accepts: Callable[[SubtaskAck], bool]) -> None:
+        """From now on take only the acknowledgements of pending checkpoint N for which
+        ``accepts`` holds, and drop those taken already for which it does not: e.g. only
+        the task attempts whose results a batch kept, since another attempt of the same
+        batch (a speculative copy, a retry) need not have cut the same state. The files
+        of the acks dropped or refused are deleted once N completed, as other attempts'."""
+        pending = self._pending(checkpoint_id)
+        pending.accepts = accepts
+        pending.acks = {key: ack for key, ack in pending.acks.items() if accepts(ack)}
 
     def abort(self, checkpoint_id: int) -> None:
         """Abandon a pending checkpoint and delete its files (its shared files too, unless

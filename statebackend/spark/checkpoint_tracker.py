@@ -22,12 +22,12 @@ manifests, and to record its metrics without reading it back).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
-from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.metrics import CheckpointMetrics, checkpoint_metrics
 from statebackend.checkpoint.requests import (
     SavepointRequest,
@@ -38,6 +38,7 @@ from statebackend.checkpoint.requests import (
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError, CheckpointFencedError
 from statebackend.spark.heartbeat import StallWatch
+from statebackend.spark.tasks import attempt_name
 
 _POLL_FIRST_SECONDS = 0.002
 _POLL_MAX_SECONDS = 0.05
@@ -124,10 +125,27 @@ class CheckpointTracker:
         self.pending = TrackedCheckpoint(checkpoint_id, batch_id, request)
         return checkpoint_id
 
-    def uploads_started(self) -> None:
-        """The batch of the pending checkpoint returned: its uploads run in the background."""
-        if self.pending is not None:
-            self.pending.watch.uploads_since = time.monotonic()
+    def uploads_started(self, attempts: Sequence[str] | None) -> None:
+        """The batch of the pending checkpoint returned: its uploads run in the background.
+        Of the watched operator's acks only those of ``attempts`` (``attempt_name`` per
+        subtask: the attempts whose results the batch kept) are taken; None: the first
+        one of each subtask. Another attempt of the batch (a speculative copy, a retry)
+        need not have cut the same state as the one whose changelog record and output
+        were kept."""
+        pending = self.pending
+        if pending is None:
+            return
+        pending.watch.uploads_since = time.monotonic()
+        if attempts is not None:
+            operator, kept = self.watched_operator, tuple(attempts)
+
+            def accepts(ack: SubtaskAck) -> bool:
+                return ack.operator_id != operator or (
+                    ack.subtask < len(kept)
+                    and attempt_name(ack.run, ack.attempt) == kept[ack.subtask]
+                )
+
+            self.coordinator.take_only(pending.checkpoint_id, accepts)
 
     def idle(self) -> bool:
         """Whether no checkpoint is pending, after polling the pending one (never waiting

@@ -778,7 +778,7 @@ class StatefulJob:
         )
         self._apply(results, batch_id, offsets)
         if checkpoint_id is not None:
-            self._tracker.uploads_started()
+            self._tracker.uploads_started(self._accepted)
             self._acknowledge_source(checkpoint_id)
 
     def _single_stage_ends(self) -> dict[int, int] | None:

@@ -421,8 +421,9 @@ class StatefulStream:
         self._record_batch(batch, rows, checkpoint_id, restore_batch)
         if checkpoint_id is not None:
             # One materialization is pending at a time: an aborted one's entry goes.
-            self._cut_attempts = {checkpoint_id: accepted_attempts(manifest, OPERATOR_ID)}
-            tracker.uploads_started()
+            attempts = accepted_attempts(manifest, OPERATOR_ID)
+            self._cut_attempts = {checkpoint_id: attempts}
+            tracker.uploads_started(attempts)
             pending = tracker.pending
             if self.ends_when_caught_up or (pending and pending.savepoint_request):
                 tracker.wait()  # nothing may poll it later; a savepoint's requester waits

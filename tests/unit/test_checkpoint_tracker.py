@@ -21,6 +21,7 @@ from statebackend.keygroups import (
 )
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
+from statebackend.spark.tasks import attempt_name
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 
@@ -42,9 +43,15 @@ def _setup(tmp_path: Path) -> tuple[CheckpointStorage, CheckpointTracker, list[t
 
 
 def _acknowledge(
-    storage: CheckpointStorage, tracker: CheckpointTracker, checkpoint_id: int, subtask: int
-) -> None:
-    """Subtask ``subtask`` snapshots a heap backend holding one key and acknowledges."""
+    storage: CheckpointStorage,
+    tracker: CheckpointTracker,
+    checkpoint_id: int,
+    subtask: int,
+    attempt: str | None = None,
+    count_value: int | None = None,
+) -> SubtaskAck:
+    """Subtask ``subtask`` (task attempt ``attempt``) snapshots a heap backend holding one
+    key whose count is ``count_value`` (default: subtask + 1) and acknowledges."""
     backend = HeapKeyedStateBackend(
         max_parallelism=M,
         key_group_range=compute_key_group_range_for_operator_index(M, P, subtask),
@@ -58,11 +65,13 @@ def _acknowledge(
         if assign_to_key_group(serialize(k), M) in backend.key_group_range
     )
     backend.set_current_key(key)
-    count.update(subtask + 1)
-    target = storage.snapshot_target(checkpoint_id, OPERATOR, subtask, tracker.coordinator.run_id)
+    count.update(subtask + 1 if count_value is None else count_value)
+    run = tracker.coordinator.run_id
+    target = storage.snapshot_target(checkpoint_id, OPERATOR, subtask, run, attempt)
     handle = backend.snapshot(checkpoint_id, target).result()
-    ack = SubtaskAck(OPERATOR, subtask, P, handle, None, tracker.coordinator.run_id)
+    ack = SubtaskAck(OPERATOR, subtask, P, handle, None, run, attempt)
     assert storage.write_ack(checkpoint_id, ack)
+    return ack
 
 
 @pytest.mark.timeout(60)  # an idle() that waited would hang here, for the missing ack
@@ -147,3 +156,30 @@ def test_a_request_its_pending_savepoint_answered_is_not_served_again(tmp_path: 
     assert tracker.idle()
     assert wait_for_savepoint(storage.fs, job_dir, request_id, timeout=0) == taken
     assert tracker.savepoints == [taken]
+
+
+def test_only_the_acks_of_the_attempts_the_batch_kept_complete_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Two task attempts of subtask 0 cut the batch (a retry, a speculative copy), with
+    different state; the batch kept attempt "b"'s result. The checkpoint completes with
+    "b"'s ack, even though "a"'s was read and taken first, and "a"'s files are deleted.
+    Before, the first ack read was kept: a checkpoint of state no manifest accepted."""
+    storage, tracker, completed = _setup(tmp_path)
+    run = tracker.coordinator.run_id
+    checkpoint_id = tracker.trigger({OPERATOR: P}, 5, None, {})
+    dropped = _acknowledge(storage, tracker, checkpoint_id, 0, "a", count_value=100)
+    assert not tracker.idle()  # "a"'s ack is taken; subtask 1 is missing
+    tracker.uploads_started([attempt_name(run, "b"), attempt_name(run, "c")])
+    _acknowledge(storage, tracker, checkpoint_id, 1, "c")
+    assert not tracker.idle()  # "a"'s ack was dropped: subtask 0 is missing again
+    kept = _acknowledge(storage, tracker, checkpoint_id, 0, "b", count_value=200)
+    assert tracker.idle()
+    assert completed == [(checkpoint_id, 5)]
+    metadata = storage.load(checkpoint_id)
+    subtasks = metadata.operators[OPERATOR].subtasks
+    assert [ack.attempt for ack in subtasks] == ["b", "c"]
+    assert subtasks[0].files() == kept.files()
+    names = {p.name for p in (tmp_path / "job" / f"chk-{checkpoint_id}").iterdir()}
+    assert {f.path.rsplit("/", 1)[-1] for f in kept.files()} <= names
+    assert not {f.path.rsplit("/", 1)[-1] for f in dropped.files()} & names
