@@ -59,15 +59,21 @@ def check_max_parallelism(
 
 
 def check_operators(
-    metadata: CheckpointMetadata, operator_ids: set[str], allow_non_restored_state: bool
+    metadata: CheckpointMetadata,
+    operator_ids: set[str],
+    allow_non_restored_state: bool,
+    where: str = "CHECKPOINT",
 ) -> None:
-    """IncompatibleStateError if the checkpoint has state of operators the job lacks,
-    unless the caller allows non-restored state."""
+    """IncompatibleStateError if the checkpoint (at ``where``) has state of operators the
+    job (``operator_ids``) lacks, unless the caller allows non-restored state."""
     unknown = sorted(set(metadata.operators) - operator_ids)
     if unknown and not allow_non_restored_state:
+        drops = " ".join(f"--drop-operator {operator}" for operator in unknown)
         raise IncompatibleStateError(
-            f"the checkpoint has state of operators {unknown} which this job does not have: "
-            f"restore with allow_non_restored_state to drop it"
+            f"{where} has state of operators {unknown}, which this job (operators "
+            f"{sorted(operator_ids)}) does not have: use the operator id the state was "
+            f"written with, or write a savepoint without it (`statebackend savepoint "
+            f"transform --from {where} --to NEW_DIR {drops}`) and restore from that"
         )
 
 

@@ -381,8 +381,9 @@ class StatefulJob:
                 f"{where} is a checkpoint of job {metadata.job_id!r}, not of {self.job_id!r}: "
                 f"use that job id, or restore from a savepoint"
             )
-        check_operators(metadata, {SOURCE_OPERATOR, self.operator_id}, False)
+        # Its own operator first: state of another job is named as such, not as extra state.
         self._check_state(where, metadata.properties, set(metadata.operators), self.job_id)
+        check_operators(metadata, {SOURCE_OPERATOR, self.operator_id}, False, where)
 
     def _check_state(
         self, where: str, properties: dict[str, Any], operators: set[str], job_id: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from statebackend.checkpoint.restore import (
 )
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.cli import main as cli_main
 from statebackend.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -622,11 +624,21 @@ def test_incompatible_serializer_names_the_state(two_checkpoints: tuple[Job, int
 
 def test_state_of_an_operator_the_job_lacks(two_checkpoints: tuple[Job, int, int]) -> None:
     """A job without the checkpoint's operator: IncompatibleStateError naming it, unless
-    non-restored state is allowed."""
+    non-restored state is allowed; the command it gives writes a savepoint without it."""
     job, first, second = two_checkpoints
     metadata: CheckpointMetadata = job.storage.load(second)
-    with pytest.raises(IncompatibleStateError, match=OPERATOR):
-        check_operators(metadata, {"renamed"}, allow_non_restored_state=False)
+    where = job.storage.resolve(second)
+    with pytest.raises(IncompatibleStateError, match=OPERATOR) as refused:
+        check_operators(metadata, {"renamed"}, allow_non_restored_state=False, where=where)
+    command = re.search(r"`statebackend (savepoint transform [^`]*)`", str(refused.value))
+    assert command is not None
+    dropped = f"{job.location.url}/dropped"
+    argv = command.group(1).replace("NEW_DIR", dropped).split()
+    options = [f"--storage-option={k}={v}" for k, v in job.location.storage_options.items()]
+    assert cli_main([*argv, *options]) == 0
+    without = load_metadata(job.storage.fs, dropped)
+    assert set(metadata.operators) - set(without.operators) == {OPERATOR}
+    check_operators(without, {"renamed"}, allow_non_restored_state=False)
     check_operators(metadata, {"renamed"}, allow_non_restored_state=True)
     check_operators(metadata, {OPERATOR, "new-one"}, allow_non_restored_state=False)
     assert_restores(job, second)

@@ -13,14 +13,23 @@ import pytest
 from pyspark.sql import SparkSession
 
 from statebackend.checkpoint.layout import METRICS_DIR
+from statebackend.checkpoint.savepoints import copy_checkpoint
+from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     IncompatibleStateError,
     SourceError,
 )
+from statebackend.spark import LogSource, StatefulJob
 from statebackend.spark.conf import StateBackendConf
-from statebackend.spark.example import KEY_FIELD, generate_events, user_totals_job
+from statebackend.spark.example import (
+    KEY_FIELD,
+    OPERATOR_ID,
+    UserTotals,
+    generate_events,
+    user_totals_job,
+)
 from statebackend.spark.runner import RunSummary
 from statebackend.spark.source import partition_path
 from tests.scripts import REPO
@@ -95,6 +104,35 @@ def test_checkpoint_of_another_job(
     with pytest.raises(ConfigurationError, match="checkpoint of job 'bad', not of 'other'"):
         _run(spark_local, tmp_path, job_id="other", restore=checkpointed.last_checkpoint)
     assert _files(tmp_path) == before
+
+
+def test_savepoint_of_another_operator(
+    spark_local: SparkSession, tmp_path: Path, checkpointed: RunSummary
+) -> None:
+    """A job restoring a savepoint of another operator id is told the state is another
+    job's (which operators it holds), not to drop state it would then lack."""
+    assert checkpointed.last_checkpoint is not None
+    storage = CheckpointStorage((tmp_path / "checkpoints").as_uri(), "bad")
+    savepoint = (tmp_path / "savepoint").as_uri()
+    copy_checkpoint(storage.fs, checkpointed.last_checkpoint, storage.fs, savepoint)
+    job = StatefulJob(
+        spark_local,
+        job_id="other",
+        source=LogSource(str(tmp_path / "input")),
+        operator_id="renamed",
+        key_by=KEY_FIELD,
+        function=UserTotals(),
+        parallelism=2,
+        restore=savepoint,
+        conf=StateBackendConf(
+            checkpoint_dir=(tmp_path / "checkpoints").as_uri(), local_dir=str(tmp_path / "l")
+        ),
+    )
+    with pytest.raises(
+        IncompatibleStateError,
+        match=rf"has no state of operator 'renamed'.*it has \['source', '{OPERATOR_ID}'\]",
+    ):
+        job.run()
 
 
 def test_restore_path_not_completed(
