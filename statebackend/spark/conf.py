@@ -285,6 +285,22 @@ class StateBackendConf:
             changes["storage_options"] = {**self.storage_options, **changes["storage_options"]}
         return dataclasses.replace(self, **changes)
 
+    def keys_changed_in(self, other: StateBackendConf) -> list[str]:
+        """The ``spark.statebackend.*`` keys whose setting differs in ``other``."""
+        fields = {name: key for key, (name, _) in KEYS.items()}
+        changed = [
+            PREFIX + fields[f.name]
+            for f in dataclasses.fields(self)
+            if f.name in fields and getattr(self, f.name) != getattr(other, f.name)
+        ]
+        options = set(self.storage_options) | set(other.storage_options)
+        changed += [
+            STORAGE_PREFIX + option
+            for option in sorted(options)
+            if self.storage_options.get(option) != other.storage_options.get(option)
+        ]
+        return changed
+
     def checkpoint_signing_key(self) -> SigningKey | None:
         """The key that signs and checks this job's checkpoints (``checkpoint.signing-key``
         or ``checkpoint.signing-key-file``), or None; ConfigurationError if both are set

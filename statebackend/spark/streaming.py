@@ -294,6 +294,14 @@ class StatefulStream:
             self.max_parallelism = committed.max_parallelism
             check_parallelism(parallelism, self.max_parallelism)
         elif requested is not None:
+            if initial_state is not None:
+                # As Spark: initial state seeds a query that starts without state.
+                raise ConfigurationError(
+                    f"job {job_id!r} starts from restore_from {requested}, and initial_state "
+                    f"seeds only a job that starts without state: drop initial_state (or "
+                    f"write those keys into a savepoint with `statebackend savepoint "
+                    f"bootstrap` and start from that)"
+                )
             metadata = restore_point(
                 storage,
                 requested,
@@ -322,6 +330,17 @@ class StatefulStream:
         ``once`` trigger): a materialization is then waited for in its own batch, as
         none may follow to poll it, and one left pending would never complete."""
 
+    def check_settings_unchanged(self) -> None:
+        """ConfigurationError if a ``spark.statebackend.*`` setting of the session changed
+        since ``transform_with_state`` read them (the query would run without it)."""
+        changed = self.conf.keys_changed_in(StateBackendConf.from_session(self.df.sparkSession))
+        if changed:
+            raise ConfigurationError(
+                f"{', '.join(changed)} changed after transform_with_state read the settings, "
+                f"so the query would run without the change: set spark.statebackend.* "
+                f"before calling transform_with_state (or call it again)"
+            )
+
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
         """A writer mirroring DataStreamWriter; each micro-batch runs through our backend."""
@@ -338,6 +357,7 @@ class StatefulStream:
             raise ConfigurationError(
                 "toDF() runs a batch DataFrame: start a streaming one with writeStream"
             )
+        self.check_settings_unchanged()
         storage = self.committer.storage
         if storage.fs.exists(storage.layout.spark_binding_path):
             raise ConfigurationError(

@@ -206,6 +206,7 @@ class StatefulStreamWriter:
 
     def _start(self, table: str | None) -> StreamingQuery:
         stream = self._stream
+        stream.check_settings_unchanged()
         if self._format_name() == "memory":
             raise ConfigurationError(
                 "format 'memory' is not supported: use foreachBatch or a file format"

@@ -119,6 +119,32 @@ def test_no_checkpoint_dir_is_a_clear_error(spark_local: SparkSession) -> None:
         transform_with_state(df, "user", Totals(), OUTPUT, "api")
 
 
+def test_a_setting_changed_after_transform_with_state_is_refused_at_start(
+    spark: SparkSession, events: DataFrame, tmp_path: Path
+) -> None:
+    """transform_with_state reads the spark.statebackend.* settings; one set afterwards
+    (the tick interval an idle stream's timers need) would be ignored: start() and toDF()
+    refuse to run without it, naming the key, before any batch."""
+    stateful = transform_with_state(events, "user", Totals(), OUTPUT, "late-conf")
+    (tmp_path / "in").mkdir()
+    streaming = transform_with_state(
+        batch_files(spark, tmp_path / "in"), "user", Totals(), OUTPUT, "late-conf-stream"
+    )
+    spark.conf.set("spark.statebackend.streaming.tick-interval", "1")
+    try:
+        with pytest.raises(ConfigurationError, match=r"streaming\.tick-interval changed after"):
+            stateful.toDF()
+        writer = streaming.writeStream.format("parquet").option("path", str(tmp_path / "out"))
+        with pytest.raises(ConfigurationError, match=r"streaming\.tick-interval changed after"):
+            writer.option("checkpointLocation", str(tmp_path / "ckpt")).start()
+    finally:
+        spark.conf.unset("spark.statebackend.streaming.tick-interval")
+    assert not (tmp_path / "ckpt").exists()
+    assert sorted(tuple(row) for row in stateful.toDF().collect()) == [
+        ("a", 4), ("b", 2), ("c", 4)
+    ]  # fmt: skip
+
+
 def test_batch_dataframe_is_one_batch_with_initial_state(
     spark: SparkSession, events: DataFrame
 ) -> None:

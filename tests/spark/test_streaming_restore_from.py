@@ -198,6 +198,9 @@ def test_each_bad_restore_from_is_one_error_before_any_batch(
         start(str(savepoint), key_by=["user", "amount"])
     with pytest.raises(IncompatibleStateError, match="'totals' was stored as value state"):
         start(str(savepoint), processor=ListTotals())
+    initial = spark.createDataFrame([("u1", 5)], "user string, amount long")
+    with pytest.raises(ConfigurationError, match="initial_state seeds only a job that starts"):
+        start(str(savepoint), initial_state=initial)
     spark.conf.set(MAX_PARALLELISM, "64")
     try:
         with pytest.raises(ConfigurationError, match=f"{MAX_PARALLELISM}=64 differs"):
