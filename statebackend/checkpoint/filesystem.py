@@ -65,6 +65,9 @@ _T = TypeVar("_T")
 # On object stores a rename is a copy + delete, and a single PUT is the atomic write.
 _ATOMIC_RENAME_PROTOCOLS = frozenset({"file", "local", "hdfs", "viewfs"})
 
+# Protocols whose files are on this machine's disks, where fsync makes a write durable.
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
 # Options statebackend needs unless the user says otherwise, per protocol.
 _DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     # Checkpoint files go into directories nobody created beforehand.
@@ -236,6 +239,15 @@ def open_filesystem(
     return CheckpointFileSystem(fs_class(**options), checksum_algorithm, retry)
 
 
+def _fsync(local_path: str) -> None:
+    """Flush the local file or directory ``local_path`` to disk."""
+    fd = os.open(local_path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _bucket_missing(exc: BaseException) -> bool:
     """Whether ``exc`` came from an object store saying the bucket does not exist (s3fs
     raises FileNotFoundError from botocore's NoSuchBucket, for a read or listing as well
@@ -317,6 +329,7 @@ class CheckpointFileSystem:
         self._retry = retry
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self._atomic_rename = bool(protocols & _ATOMIC_RENAME_PROTOCOLS)
+        self._local = bool(protocols & _LOCAL_PROTOCOLS)
         self._lock = threading.Lock()
         self._bytes_read = 0
         self._bytes_written = 0
@@ -448,7 +461,8 @@ class CheckpointFileSystem:
         """Write ``data`` to ``path`` so that readers see either nothing or all of it.
 
         Where renames are atomic (local, HDFS) this writes a temp file next to ``path`` and
-        renames it over ``path``; on object stores (s3, memory) it is a single PUT.
+        renames it over ``path`` (``_rename``); on object stores (s3, memory) it is a single
+        PUT.
         """
         target = f"{path}.{uuid.uuid4().hex}.tmp" if self._atomic_rename else path
 
@@ -456,7 +470,7 @@ class CheckpointFileSystem:
             try:
                 self._fs.pipe_file(target, data)
                 if target != path:
-                    self._fs.mv(target, path)
+                    self._rename(target, path)
             except BaseException:
                 if target != path:
                     with suppress(Exception):
@@ -465,6 +479,17 @@ class CheckpointFileSystem:
 
         self._retrying("write", path, write)
         self._count_written(len(data))
+
+    def _rename(self, source: str, target: str) -> None:
+        """Rename ``source`` over ``target``; on a local disk with the file flushed before
+        (fsync) and its directory after, so that a power loss leaves ``target`` with its old
+        content or the new, never empty or missing."""
+        if not self._local:
+            self._fs.mv(source, target)
+            return
+        _fsync(self._fs._strip_protocol(source))
+        self._fs.mv(source, target)
+        _fsync(os.path.dirname(self._fs._strip_protocol(target)))
 
     def read_file(self, path: str) -> bytes:
         """The whole content of the file at ``path``."""

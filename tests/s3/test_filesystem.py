@@ -225,6 +225,34 @@ def test_write_atomic(fs: CheckpointFileSystem, root: str) -> None:
     assert fs.bytes_written == 16
 
 
+def test_write_atomic_flushes_a_local_file_and_its_rename_to_disk(
+    fs: CheckpointFileSystem, root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss must not leave an empty ``_metadata``: on a local disk the temp file is
+    flushed (fsync) before its rename, its directory after. Power loss cannot be simulated,
+    so the fsync calls are recorded. An object store's single PUT has nothing to flush."""
+    path = f"{root}/job/chk-3/_metadata"
+    local = os.path.realpath(path.removeprefix("file://"))
+    synced: list[tuple[str, bool]] = []  # (what was flushed, whether ``path`` existed then)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), os.path.exists(local)))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fs.write_atomic(path, b'{"v": 1}')
+
+    assert fs.read_file(path) == b'{"v": 1}'
+    if not root.startswith("file://"):
+        assert synced == []
+        return
+    assert len(synced) == 2, synced
+    (temp, renamed_before), directory = synced
+    assert temp.startswith(f"{local}.") and temp.endswith(".tmp") and not renamed_before
+    assert directory == (os.path.dirname(local), True)
+
+
 def test_verify_catches_missing_truncated_and_flipped_files(
     fs: CheckpointFileSystem, root: str
 ) -> None:
