@@ -104,9 +104,10 @@ def open_checkpoint(
 
 def _what_else(fs: CheckpointFileSystem, directory: str) -> str | None:
     """What to give instead of ``directory`` if it is a job's directory or a Spark
-    checkpointLocation bound to a job; None if it is neither."""
+    checkpointLocation bound to a job; None if it is neither. A listing that fails (a
+    bucket that does not exist) raises: that is what is wrong."""
+    names = fs.list_dir(directory)
     try:
-        names = fs.list_dir(directory)
         if LOCATION_BINDING_FILE in names:
             binding = json.loads(fs.read_file(join(directory, LOCATION_BINDING_FILE)))
             job_dir = join(str(binding["checkpoint_dir"]), str(binding["job_id"]))

@@ -81,3 +81,18 @@ def test_a_missing_bucket_is_named_as_missing(
     status, out, err = cli(capsys, existing, "list", existing.url)
     assert (status, out) == (1, "")
     assert "no job checkpoints under" in err and "bucket" not in err.replace(existing.url, "")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("name", ["chk-1", "latest", "manifests/3"])
+def test_a_checkpoint_in_a_missing_bucket_is_named_as_missing(
+    capsys: pytest.CaptureFixture[str], s3_endpoint: S3Endpoint, command: str, name: str
+) -> None:
+    """``inspect`` and ``verify`` of a checkpoint used to say it had no ``_metadata``, as
+    if the bucket held an unfinished one."""
+    bucket = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}"
+    storage = Storage(f"{bucket}/ckpt", s3_endpoint.storage_options)
+    status, out, err = cli(capsys, storage, command, f"{storage.url}/job/{name}")
+    assert (status, out) == (1, "")
+    assert_one_error_line(err)
+    assert f"could not list {bucket}/ckpt/job" in err and "its bucket does not exist" in err, err
