@@ -32,7 +32,12 @@ from statebackend.backends.keyed import KeyedStateCut
 from statebackend.backends.operator import NamedStateCut, OperatorStateBackend, OperatorStateCut
 from statebackend.backends.operator_redistribution import redistribute_cut
 from statebackend.backends.raw_keyed import RawKeyedStateCut
-from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
+from statebackend.checkpoint.filesystem import (
+    DEFAULT_RETRY,
+    CheckpointFileSystem,
+    RetryPolicy,
+    open_filesystem,
+)
 from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot, SubtaskAck
 from statebackend.checkpoint.restore import (
@@ -250,7 +255,8 @@ class SavepointWriter:
     """Writes a new savepoint into ``target`` (an fsspec URL), optionally from the
     completed checkpoint or savepoint ``source``; picklable, to run on executors.
 
-    ``max_parallelism`` must be the source's when there is one.
+    ``max_parallelism`` must be the source's when there is one. Storage errors are
+    retried as ``retry`` says (a command someone waits on gives ``FAIL_FAST_RETRY``).
     """
 
     target: str
@@ -258,14 +264,17 @@ class SavepointWriter:
     source: str | None = None
     storage_options: Mapping[str, Any] | None = None
     compression: str = "none"
+    retry: RetryPolicy = DEFAULT_RETRY
 
-    def _fs(self, url: str) -> CheckpointFileSystem:
-        return open_filesystem(url, dict(self.storage_options or {}))
+    def filesystem(self, url: str) -> CheckpointFileSystem:
+        """The file system of ``url`` (the target's or the source's), opened with the
+        writer's storage options and retry policy."""
+        return open_filesystem(url, dict(self.storage_options or {}), retry=self.retry)
 
     def check_target(self) -> None:
         """CheckpointError if the target already holds a checkpoint or savepoint, or any
         other file (what a write cut short left, say)."""
-        fs = self._fs(self.target)
+        fs = self.filesystem(self.target)
         self._check_no_savepoint(fs)
         entries = fs.list_dir(self.target)
         if entries:
@@ -292,14 +301,16 @@ class SavepointWriter:
             yield
         except BaseException:
             with suppress(Exception):
-                fs = self._fs(self.target)
+                fs = self.filesystem(self.target)
                 if not fs.exists(metadata_path(self.target)):
                     fs.delete(self.target, recursive=True)
             raise
 
     def source_metadata(self) -> CheckpointMetadata | None:
         """The source's ``_metadata`` (None without a source)."""
-        return None if self.source is None else load_metadata(self._fs(self.source), self.source)
+        if self.source is None:
+            return None
+        return load_metadata(self.filesystem(self.source), self.source)
 
     def write_subtask(
         self, rewrite: OperatorRewrite, subtask: int, rows: Iterable[Row]
@@ -326,7 +337,7 @@ class SavepointWriter:
                 (s.name, s.cut_for(subtask, rewrite.parallelism)) for s in rewrite.operator_states
             )
             operator_state = OperatorStateCut(states, operator_state.raw if operator_state else ())
-        fs = self._fs(self.target)
+        fs = self.filesystem(self.target)
         with ThreadPoolExecutor(1, thread_name_prefix="statebackend-writer") as pool:
             target = SnapshotDirectory(
                 fs, self.target, f"{rewrite.operator_id}-{subtask}", pool, self.compression
@@ -350,7 +361,7 @@ class SavepointWriter:
         snapshot = None if metadata is None else metadata.operators.get(rewrite.operator_id)
         if metadata is None or snapshot is None or self.source is None:
             return None, None, None
-        fs = self._fs(self.source)
+        fs = self.filesystem(self.source)
         keyed = None
         handles = snapshot.keyed_handles()
         if handles:
@@ -411,7 +422,7 @@ class SavepointWriter:
             is_savepoint=True,
             properties=dict(properties or {}),
         )
-        fs = self._fs(self.target)
+        fs = self.filesystem(self.target)
         self._check_no_savepoint(fs)  # written by another writer meanwhile
         fs.write_atomic(metadata_path(self.target), metadata.to_bytes())
         return self.target

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from statebackend.checkpoint.filesystem import FAIL_FAST_RETRY
 from statebackend.checkpoint.writer import OperatorRewrite, Row, SavepointWriter, Written
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
@@ -113,6 +114,7 @@ def bootstrap_from_files(
         max_parallelism,
         storage_options=storage_options,
         compression=compression,
+        retry=FAIL_FAST_RETRY,
     )
     with writer.writing():
         per_subtask: list[list[Row]] = [[] for _ in range(parallelism)]

@@ -30,7 +30,7 @@ from typing import Any
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state, rebuild_operator_state
-from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.filesystem import FAIL_FAST_RETRY
 from statebackend.checkpoint.manifest import (
     FOLDED_FROM_PROPERTY,
     SOURCE_OFFSETS_PROPERTY,
@@ -476,9 +476,10 @@ def fold_manifest(
         manifest.max_parallelism,
         storage_options=storage_options,
         compression=compression,
+        retry=FAIL_FAST_RETRY,
     )
     with writer.writing():
-        fs = open_filesystem(writer.target, dict(storage_options or {}))
+        fs = writer.filesystem(writer.target)
         acks = []
         with ThreadPoolExecutor(1, thread_name_prefix="statebackend-fold") as pool:
             for operator_id in operator_ids(ref):

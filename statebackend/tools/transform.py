@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from statebackend.checkpoint.filesystem import FAIL_FAST_RETRY
 from statebackend.checkpoint.writer import (
     OperatorRewrite,
     SavepointWriter,
@@ -94,6 +95,7 @@ def transform_savepoint(
         source=ref.directory,
         storage_options=storage_options,
         compression=compression,
+        retry=FAIL_FAST_RETRY,
     )
     with writer.writing():
         acks = []

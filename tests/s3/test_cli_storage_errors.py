@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from statebackend.checkpoint.filesystem import RetryPolicy, open_filesystem
+from statebackend.cli import main
 from statebackend.errors import CheckpointError
 from tests.conftest import S3Endpoint, Storage
 from tests.s3.test_cli import assert_one_error_line, cli
@@ -42,6 +44,33 @@ def test_a_closed_endpoint_is_one_error_line_within_seconds() -> None:
     assert_one_error_line(result.stderr)
     assert endpoint in result.stderr and "nothing listens" in result.stderr
     assert elapsed < 5, f"took {elapsed:.1f} s"
+
+
+def test_savepoint_writes_to_a_closed_endpoint_fail_within_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``savepoint bootstrap`` and ``transform`` write through the savepoint writer, which
+    retried a refused connection for about 35 s where the other commands give up at once."""
+    rows = tmp_path / "counts.jsonl"
+    rows.write_text('{"key": "a", "value": 1}\n')
+    bootstrap = ["savepoint", "bootstrap", "--operator", "op", "--state", f"count:value={rows}"]
+    bootstrap += ["--value-serializer", "int", "-p", "1"]
+    assert main([*bootstrap, "--to", str(tmp_path / "local")]) == 0
+    transform = ["savepoint", "transform", "--from", str(tmp_path / "local")]
+    transform += ["--rename-state", "op/count=total"]
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    options = [f"endpoint_url={endpoint}", "key=testing", "secret=testing"]
+    for command in (bootstrap, transform):
+        capsys.readouterr()
+        started = time.monotonic()
+        argv = [*command, "--to", "s3://bucket/sp", *(f"--storage-option={o}" for o in options)]
+        status = main(argv)
+        elapsed = time.monotonic() - started
+        out, err = capsys.readouterr()
+        assert (status, out) == (1, ""), command
+        assert_one_error_line(err)
+        assert endpoint in err and "nothing listens" in err, err
+        assert elapsed < 5, f"{command[1]} took {elapsed:.1f} s"
 
 
 def test_a_jobs_file_system_still_retries_a_refused_connection(
