@@ -82,6 +82,18 @@ _CLIENT_RETRIES_OFF: dict[str, dict[str, Any]] = {
     "s3a": {"config_kwargs": {"retries": {"total_max_attempts": 1}}},
 }
 
+# Protocols whose client goes to a public cloud's endpoint unless given an endpoint_url.
+_ENDPOINT_PROTOCOLS = frozenset({"s3", "s3a"})
+
+_CHECK_ENDPOINT = (
+    "check its endpoint_url (--storage-option, or a job's spark.statebackend.storage.endpoint_url)"
+)
+_NO_ENDPOINT = (
+    "no endpoint_url is set, so the S3 client went to AWS (or AWS_ENDPOINT_URL): for other "
+    "storage give --storage-option endpoint_url=URL (a job: "
+    "spark.statebackend.storage.endpoint_url)"
+)
+
 _INSTALL_HINTS = {
     "s3": "pip install statebackend[s3]",
     "s3a": "pip install statebackend[s3]",
@@ -255,6 +267,14 @@ def _bucket_missing(exc: BaseException) -> bool:
     return any(type(error).__name__ == "NoSuchBucket" for error in error_chain(exc))
 
 
+def _endpoint_given(options: dict[str, Any]) -> bool:
+    """Whether a file system's ``options`` name an ``endpoint_url`` (s3fs takes it also
+    inside ``client_kwargs``)."""
+    client_kwargs = options.get("client_kwargs")
+    inner = client_kwargs.get("endpoint_url") if isinstance(client_kwargs, dict) else None
+    return bool(options.get("endpoint_url") or inner)
+
+
 def _with_defaults(options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """``options`` with ``defaults`` filled in, also inside options that are dicts
     (``config_kwargs``): what the user gave wins."""
@@ -267,8 +287,9 @@ def _with_defaults(options: dict[str, Any], defaults: dict[str, Any]) -> dict[st
 
 
 @contextmanager
-def _io_errors(action: str, path: str) -> Iterator[None]:
-    """Turn file system errors into statebackend errors naming ``path``."""
+def _io_errors(action: str, path: str, no_endpoint: bool = False) -> Iterator[None]:
+    """Turn file system errors into statebackend errors naming ``path``; ``no_endpoint``:
+    the storage's client was given no endpoint_url, which a failing connection then says."""
     try:
         yield
     except StateBackendError:
@@ -297,12 +318,14 @@ def _io_errors(action: str, path: str) -> Iterator[None]:
                 f"key=... --storage-option secret=... (a job: spark.statebackend.storage.key "
                 f"and .secret), or the AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY variables"
             ) from exc
+        endpoint = _NO_ENDPOINT if no_endpoint else _CHECK_ENDPOINT
         if is_refused(exc):
             raise CheckpointError(
                 f"could not {action} {path}: nothing listens at the storage endpoint ({exc}): "
-                f"check its endpoint_url (--storage-option, or a job's "
-                f"spark.statebackend.storage.endpoint_url)"
+                f"{endpoint}"
             ) from exc
+        if no_endpoint and is_transient(exc):
+            raise CheckpointError(f"could not {action} {path}: {exc}: {endpoint}") from exc
         raise CheckpointError(f"could not {action} {path}: {exc}") from exc
 
 
@@ -330,6 +353,9 @@ class CheckpointFileSystem:
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self._atomic_rename = bool(protocols & _ATOMIC_RENAME_PROTOCOLS)
         self._local = bool(protocols & _LOCAL_PROTOCOLS)
+        self._no_endpoint = bool(protocols & _ENDPOINT_PROTOCOLS) and not _endpoint_given(
+            fs.storage_options
+        )
         self._lock = threading.Lock()
         self._bytes_read = 0
         self._bytes_written = 0
@@ -358,7 +384,7 @@ class CheckpointFileSystem:
         failures = 0
         while True:
             try:
-                with _io_errors(action, path):
+                with _io_errors(action, path, self._no_endpoint):
                     return operation()
             except CheckpointError as exc:
                 failures += 1
@@ -530,7 +556,7 @@ class CheckpointFileSystem:
         """When the file at ``path`` was last written, as a POSIX timestamp of the storage's
         clock (on s3 the ``LastModified`` of the object, in whole seconds)."""
         self._fs.invalidate_cache(path)
-        with _io_errors("get the modification time of", path):
+        with _io_errors("get the modification time of", path, self._no_endpoint):
             return float(self._fs.modified(path).timestamp())
 
     def exists(self, path: str) -> bool:

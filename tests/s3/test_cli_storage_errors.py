@@ -17,6 +17,7 @@ from statebackend.checkpoint.filesystem import RetryPolicy, open_filesystem
 from statebackend.cli import main
 from statebackend.errors import CheckpointError
 from tests.conftest import S3Endpoint, Storage
+from tests.faultproxy import Fault, FaultProxy
 from tests.s3.test_cli import assert_one_error_line, cli
 
 pytestmark = pytest.mark.s3
@@ -125,3 +126,26 @@ def test_a_checkpoint_in_a_missing_bucket_is_named_as_missing(
     assert (status, out) == (1, "")
     assert_one_error_line(err)
     assert f"could not list {bucket}/ckpt/job" in err and "its bucket does not exist" in err, err
+
+
+def test_without_an_endpoint_url_a_failing_connection_says_none_is_set(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, s3_endpoint: S3Endpoint
+) -> None:
+    """Without endpoint_url the S3 client goes to AWS, which cannot be reached from here;
+    the command retried and gave the client's error alone. A proxy on 127.0.0.1 that
+    resets every connection stands in for the way to AWS, so no request leaves the
+    machine (its count of resets shows the requests went there)."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    # A key no other test gives: a file system fsspec cached with AWS_ENDPOINT_URL set
+    # is not reused.
+    storage = Storage("s3://bucket/ckpt", {"key": f"k-{uuid.uuid4().hex}", "secret": "s"})
+    with FaultProxy(s3_endpoint.endpoint_url) as proxy:
+        proxy.inject(Fault.RESET)
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        status, out, err = cli(capsys, storage, "list", storage.url)
+    assert proxy.injected[Fault.RESET] > 0, err
+    assert (status, out) == (1, "")
+    assert_one_error_line(err)
+    assert f"could not list {storage.url}: " in err, err
+    assert ": no endpoint_url is set, so the S3 client went to AWS" in err, err
+    assert "--storage-option endpoint_url=URL" in err, err
