@@ -18,6 +18,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,11 +43,15 @@ from statebackend.serializers import (
 from statebackend.spark.arrow_path import OPERATOR_ID
 from statebackend.spark.conf import check_max_parallelism_setting
 from statebackend.state.descriptors import StateDescriptor
+from statebackend.tools.location import job_directory_of
 
-_FOLD_HINT = (
-    "give a chk-<N> or savepoint directory (fold a job's batch manifests into one first: "
-    "statebackend savepoint create --from <job dir>/latest --to DIR)"
-)
+
+def _fold_hint(job_dir: str = "<job dir>") -> str:
+    """What to restore from instead, and how to fold the manifests of ``job_dir`` into it."""
+    return (
+        f"give a chk-<N> or savepoint directory (fold a job's batch manifests into one first: "
+        f"statebackend savepoint create --from {job_dir}/latest --to DIR)"
+    )
 
 
 def restore_location(
@@ -54,7 +59,8 @@ def restore_location(
 ) -> str:
     """The one spelling of the directory a job restores from (as manifests record it;
     ``argument`` names where it was given). ConfigurationError if it is not on the file
-    system of the job's storage, with which the keyed subtasks read it."""
+    system of the job's storage, with which the keyed subtasks read it, or names a job (its
+    directory, ``<job dir>/latest``, its Spark checkpointLocation), not a checkpoint."""
     if not isinstance(restore_from, str) or not restore_from:
         raise ConfigurationError(f"{argument} {restore_from!r} is invalid: give a directory")
     location = absolute_location(restore_from)
@@ -68,10 +74,19 @@ def restore_location(
             f"{restore_from} --to DIR"
         )
     resolved = storage.resolve(location)
-    if resolved.endswith("/latest") and not storage.fs.exists(metadata_path(resolved)):
+    if storage.fs.exists(metadata_path(resolved)):
+        return resolved
+    if resolved.endswith("/latest"):
         raise ConfigurationError(
             f"{argument} {restore_from}: <job dir>/latest names a job's newest state on the "
-            f"command line, not a directory a job restores from: {_FOLD_HINT}"
+            f"command line, not a directory a job restores from: "
+            f"{_fold_hint(posixpath.dirname(resolved))}"
+        )
+    job = job_directory_of(storage.fs, resolved)
+    if job is not None:
+        raise ConfigurationError(
+            f"{argument} {restore_from} is {job.given_as}, not a checkpoint or savepoint: "
+            f"{_fold_hint(job.path)}"
         )
     return resolved
 
@@ -94,7 +109,7 @@ def restore_point(
     except CheckpointNotFoundError as exc:
         raise ConfigurationError(
             f"restore_from {directory} is not a completed checkpoint or savepoint (no "
-            f"_metadata): {_FOLD_HINT}"
+            f"_metadata): {_fold_hint()}"
         ) from exc
     check_max_parallelism_setting(
         max_parallelism, metadata.max_parallelism, f"restore_from {directory}"

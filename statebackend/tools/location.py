@@ -93,32 +93,42 @@ def open_checkpoint(
     try:
         metadata = load_metadata(fs, directory, signing_key)
     except CheckpointNotFoundError as exc:
-        hint = _what_else(fs, directory)
-        if hint is None:
+        job = job_directory_of(fs, directory)
+        if job is None:
             raise
-        raise CheckpointNotFoundError(f"{directory} is not a checkpoint: {hint}") from exc
+        raise CheckpointNotFoundError(
+            f"{directory} is not a checkpoint: it is {job.given_as}: give {job.path}/{LATEST} "
+            f"(its newest state) or one of its chk-<N>"
+        ) from exc
     if signing_key is not None:
         fs = VerifiedReads(fs, directory, metadata.files())
     return CheckpointRef(fs, directory, metadata, signing_key)
 
 
-def _what_else(fs: CheckpointFileSystem, directory: str) -> str | None:
-    """What to give instead of ``directory`` if it is a job's directory or a Spark
-    checkpointLocation bound to a job; None if it is neither. A listing that fails (a
-    bucket that does not exist) raises: that is what is wrong."""
+@dataclass(frozen=True)
+class JobDirectory:
+    """The job a directory given for a checkpoint leads to: its directory, and what the
+    given directory is (for an error message: "it is ...")."""
+
+    path: str
+    given_as: str
+
+
+def job_directory_of(fs: CheckpointFileSystem, directory: str) -> JobDirectory | None:
+    """The job whose directory ``directory`` is, or to which it is bound as a Spark
+    checkpointLocation; None if neither. A listing that fails (a bucket that does not
+    exist) raises: that is what is wrong."""
     names = fs.list_dir(directory)
     try:
         if LOCATION_BINDING_FILE in names:
             binding = json.loads(fs.read_file(join(directory, LOCATION_BINDING_FILE)))
             job_dir = join(str(binding["checkpoint_dir"]), str(binding["job_id"]))
-            return (
-                f"it is the Spark checkpointLocation of state job {binding['job_id']!r}: "
-                f"give {job_dir}/{LATEST} (its newest state) or one of its chk-<N>"
-            )
+            job_id = str(binding["job_id"])
+            return JobDirectory(job_dir, f"the Spark checkpointLocation of state job {job_id!r}")
     except (StateBackendError, ValueError, KeyError, TypeError):
         return None
     if MANIFESTS_DIR in names or checkpoint_ids(names):
-        return f"it is a job's directory: give {directory}/{LATEST} (its newest state) or a chk-<N>"
+        return JobDirectory(directory, "a job's directory")
     return None
 
 

@@ -144,6 +144,23 @@ def test_restore_path_not_completed(
         _run(spark_local, tmp_path, restore=pending.as_uri())
 
 
+def test_restore_of_a_jobs_directory(
+    spark_local: SparkSession, tmp_path: Path, checkpointed: RunSummary
+) -> None:
+    """A job's directory given for a checkpoint used to say only that it had no
+    ``_metadata``; it names what it is, and what to give instead (as the command does)."""
+    job_dir = (tmp_path / "checkpoints" / "bad").as_uri()
+    before = _files(tmp_path)
+    with pytest.raises(ConfigurationError) as raised:
+        _run(spark_local, tmp_path, restore=job_dir)
+    assert str(raised.value) == (
+        f"restore {job_dir} is a job's directory, not a checkpoint or savepoint: give a "
+        f"chk-<N> or savepoint directory (fold a job's batch manifests into one first: "
+        f"statebackend savepoint create --from {job_dir}/latest --to DIR)"
+    )
+    assert _files(tmp_path) == before
+
+
 def test_parallelism_above_max_parallelism(spark_local: SparkSession, tmp_path: Path) -> None:
     generate_events(tmp_path / "input", 10, 5, 1, 1)
     with pytest.raises(ConfigurationError, match="exceeds max parallelism 4"):

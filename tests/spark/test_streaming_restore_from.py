@@ -167,12 +167,12 @@ class ListTotals(StatefulProcessor):
 def test_each_bad_restore_from_is_one_error_before_any_batch(
     spark: SparkSession, tmp_path: Path
 ) -> None:
-    """A manifest or a job's ``latest`` instead of a savepoint, another storage, a
-    savepoint keyed by other columns, a state of another kind, another max parallelism,
-    one without a transform_with_state operator, and a restore_from given to a job that
-    has committed batches from elsewhere: each raises from ``transform_with_state``,
-    naming it; and the old job's sink path, from ``start``. Nothing is written to the new
-    job's directory."""
+    """A manifest, a job's ``latest``, its directory or its checkpointLocation instead of
+    a savepoint, another storage, a savepoint keyed by other columns, a state of another
+    kind, another max parallelism, one without a transform_with_state operator, and a
+    restore_from given to a job that has committed batches from elsewhere: each raises
+    from ``transform_with_state``, naming it; and the old job's sink path, from ``start``.
+    Nothing is written to the new job's directory."""
     savepoint = _old_job(spark, tmp_path, make_batches(2, seed=72))
     source = _source(spark, tmp_path / "in-v1")
 
@@ -192,6 +192,10 @@ def test_each_bad_restore_from_is_one_error_before_any_batch(
         start(manifest)
     with pytest.raises(ConfigurationError, match="names a job's newest state on the command"):
         start(f"{tmp_path / 'ours' / 'v1'}/latest")
+    with pytest.raises(ConfigurationError, match="is a job's directory, not a checkpoint"):
+        start(str(tmp_path / "ours" / "v1"))
+    with pytest.raises(ConfigurationError, match="is the Spark checkpointLocation of state job"):
+        start(str(tmp_path / "ckpt-v1"))
     with pytest.raises(ConfigurationError, match="is not on the file system of the job's storage"):
         start("s3://bucket/savepoints/v1")
     with pytest.raises(ConfigurationError, match="is keyed by .*, this query by"):
