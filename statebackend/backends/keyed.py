@@ -78,6 +78,8 @@ class StateMetaInfo:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StateMetaInfo:
         """The inverse of ``to_json``."""
+        if not isinstance(data["name"], str):
+            raise TypeError(f"state name {data['name']!r} is not a string")
         return cls(data["name"], StateKind(data["kind"]), dict(data["serializers"]))
 
 
@@ -714,6 +716,7 @@ class KeyedStateBackend(ABC):
         states: Iterable[StateMetaInfo],
         changes: Iterable[tuple[str, int, Change]],
         timers: TimerSnapshotInfo | None = None,
+        same_batch: bool = False,
     ) -> None:
         """Apply the changes (state name, key group, change) of one changelog record to
         the key groups of this backend's range, after ``restore``, before ``get_state``
@@ -722,15 +725,21 @@ class KeyedStateBackend(ABC):
         ``states`` is the meta info the record was written with: a state whose value
         serializer differs from the one restored so far is migrated to it first, as the
         live backend did when the state was registered with the new serializer. The
-        record's timer clocks (``timers``) replace the ones restored so far: records are
-        replayed in batch order and clocks only move forward.
+        record's timer clocks (``timers``) replace the ones restored so far (records are
+        replayed in batch order and clocks only move forward), unless ``same_batch``: a
+        record of the batch whose clocks were replayed last (another old subtask's, on
+        a rescale) leaves the earliest of both, as a restore from several handles does.
         """
         states = list(states)
         self._check_restorable(key_serializer, states)
         if self._timer_service is not None:
             raise StateAccessError("timers are already in use: replay before timer_service")
         if timers is not None:
-            self._timer_clocks = timers.clocks
+            clocks = self._timer_clocks
+            if same_batch and clocks is not None:
+                self._timer_clocks = clocks.merged(timers.clocks)
+            else:
+                self._timer_clocks = timers.clocks
         if any(is_timer_state(meta.name) for meta in states):
             self._timer_counts = None  # replayed timers are counted when the service starts
         for meta in states:

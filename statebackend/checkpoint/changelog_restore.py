@@ -78,6 +78,7 @@ def rebuild_keyed_state(
     manifests_dir = changelog.layout.manifests_dir
     with verified_reads(changelog.fs, manifests_dir, manifest.files(), key) as reads:
         for batch in manifest.operators.get(operator_id, ()):
+            clocks_replayed = False  # of this batch's records
             for handle in batch.subtasks:
                 key_groups = handle.key_group_range.intersection(owned)
                 if not key_groups:
@@ -88,7 +89,10 @@ def rebuild_keyed_state(
                     if path is None
                     else list(read_changes(reads.read_range, path, handle, key_groups))
                 )
-                backend.replay(handle.key_serializer, handle.states, read, handle.timers)
+                backend.replay(
+                    handle.key_serializer, handle.states, read, handle.timers, clocks_replayed
+                )
+                clocks_replayed = clocks_replayed or handle.timers is not None
                 changes += len(read)
                 records += path is not None
     return RebuildResult(base_entries, changes, records)

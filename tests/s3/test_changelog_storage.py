@@ -409,6 +409,32 @@ def test_rebuild_needs_the_manifests_max_parallelism(checkpoint_url: Storage) ->
         rebuild_keyed_state(backend, changelog, manifest, OPERATOR)
 
 
+def test_a_rescaled_rebuild_keeps_the_earliest_clocks_of_a_batch(
+    checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """Two subtasks end a batch at watermarks 10 and 100 (processing times 70 and 7);
+    rebuilt at parallelism 1 from their records, the clocks are the earliest of each, as
+    a restore from their checkpoint gives. Before, the last record replayed won (100, 7):
+    the clocks depended on the old subtasks' numbering."""
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handles = []
+    for index, (watermark, processing_time) in enumerate([(10, 70), (100, 7)]):
+        backend = enabled(make_backend("heap", tmp_path, 2, index))
+        timers = backend.timer_service
+        timers.advance_watermark(watermark, lambda key, timestamp: None)
+        timers.advance_processing_time(processing_time, lambda key, timestamp: None)
+        handles.append(changelog.write_record(1, OPERATOR, index, "a", backend.drain_changelog()))
+        backend.dispose()
+    manifest = changelog.commit(1, {OPERATOR: handles}, max_parallelism=MAX_PARALLELISM)
+    for kind in ("heap", "rocksdb"):
+        (rebuilt,) = rebuild(kind, changelog, manifest, 1, tmp_path / "rebuilt")
+        try:
+            timers = rebuilt.timer_service
+            assert (timers.current_watermark, timers.current_processing_time) == (10, 7)
+        finally:
+            rebuilt.dispose()
+
+
 def test_a_batch_without_changes_writes_no_file_but_keeps_its_meta(
     checkpoint_url: Storage,
 ) -> None:
