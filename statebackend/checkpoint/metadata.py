@@ -245,18 +245,20 @@ class CheckpointMetadata:
             version = document["format_version"]
         except Exception as exc:
             raise CheckpointCorruptedError(f"{where}: not a checkpoint metadata file") from exc
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-            raise IncompatibleStateError(
-                f"{where} has metadata format version {version!r}; this statebackend reads "
-                f"up to version {FORMAT_VERSION}: upgrade statebackend to restore it"
-            )
         signature = document.pop(SIGNATURE, None)
         if signing_key is not None:
             check_signature(_canonical(document), signature, signing_key, where)
+        # The checksum before the version: a damaged version number is damage, to fall
+        # back from, not a newer format.
         damage = document_checksum_problem(document, _canonical)
         if damage is not None:
             raise CheckpointCorruptedError(
                 f"{where} is damaged: {damage}; restore from an earlier checkpoint"
+            )
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise IncompatibleStateError(
+                f"{where} has metadata format version {version!r}; this statebackend reads "
+                f"up to version {FORMAT_VERSION}: upgrade statebackend to restore it"
             )
         try:
             operators = {}
@@ -275,11 +277,11 @@ class CheckpointMetadata:
                 is_savepoint=document.get("kind") == "savepoint",
                 properties=dict(document.get("properties", {})),
             )
+            problem = metadata.problem()
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptedError(
                 f"{where}: malformed checkpoint metadata: {exc!r}"
             ) from exc
-        problem = metadata.problem()
         if problem is not None:
             raise CheckpointCorruptedError(f"{where} is invalid: {problem}")
         if signing_key is not None:

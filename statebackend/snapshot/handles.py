@@ -77,6 +77,8 @@ def keyed_state_json(
 
 def keyed_state_from_json(data: dict[str, Any]) -> dict[str, Any]:
     """The inverse of ``keyed_state_json``, as keyword arguments of a handle."""
+    if not isinstance(data["key_serializer"], dict):
+        raise TypeError(f"key serializer {data['key_serializer']!r} is no serializer config")
     return {
         "key_group_range": KeyGroupRange.from_json(data["key_group_range"]),
         "states": tuple(StateMetaInfo.from_json(m) for m in data["states"]),

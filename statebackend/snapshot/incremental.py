@@ -118,6 +118,8 @@ class NativeFile(NamedTuple):
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NativeFile:
         """The inverse of ``to_json``."""
+        if not isinstance(data["name"], str):
+            raise TypeError(f"native file name {data['name']!r} is not a string")
         inline = data.get("inline")
         return cls(
             data["name"],

@@ -7,7 +7,6 @@ operator state) and compares what a restore returns with a plain-Python model.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import uuid
@@ -22,6 +21,7 @@ from fsspec.utils import get_protocol
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.checkpoint import metadata as metadata_module
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.layout import join
@@ -533,13 +533,17 @@ def test_every_flipped_byte_is_detected_or_harmless(compression: str, tmp_path: 
     storage.close()
 
 
-def test_metadata_of_a_future_format_version(two_checkpoints: tuple[Job, int, int]) -> None:
-    """``_metadata`` written by a newer release: IncompatibleStateError naming the file."""
+def test_metadata_of_a_future_format_version(
+    two_checkpoints: tuple[Job, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_metadata`` written by a newer release (its checksum intact): IncompatibleStateError
+    naming the file."""
     job, first, second = two_checkpoints
     path = job.storage.layout.metadata_path(second)
-    document = json.loads(job.storage.fs.read_file(path))
-    document["format_version"] = 99
-    job.storage.fs.write_atomic(path, json.dumps(document).encode())
+    metadata = job.storage.load(second)
+    with monkeypatch.context() as newer_release:
+        newer_release.setattr(metadata_module, "_UNSIGNED_VERSION", 99)
+        job.storage.fs.write_atomic(path, metadata.to_bytes())
     before = files_under(job.location, job.storage.resolve(second))
     with pytest.raises(IncompatibleStateError, match=f"chk-{second}/_metadata.*version 99"):
         job.storage.load(second)

@@ -153,6 +153,19 @@ def _index_length_digit(document: Document) -> None:
     _subtasks(document)[0]["keyed"]["key_groups"][0][2] -= 1
 
 
+def _version_digit(document: Document) -> None:
+    """The format version changed, the checksum kept: damage, not a newer format."""
+    document["format_version"] = 3
+
+
+def _key_serializer_type(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["key_serializer"] = 1.5
+
+
+def _state_name_type(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["states"][0]["name"] = {}
+
+
 MUTATIONS: dict[str, tuple[Callable[[Document], None], str]] = {
     "dropped subtask": (_drop_subtask, "has subtasks [0], but parallelism 2 needs each of 0..1"),
     "repeated subtask": (_repeat_subtask, "has subtasks [0, 0]"),
@@ -166,8 +179,11 @@ MUTATIONS: dict[str, tuple[Callable[[Document], None], str]] = {
     "index beyond the file": (_index_beyond_file, "index entry of key group"),
     "span beyond the blob": (_span_beyond_blob, "lies outside its"),
     "index length digit": (_index_length_digit, "does not match its checksum"),
+    "version digit": (_version_digit, "does not match its checksum"),
+    "key serializer type": (_key_serializer_type, "1.5 is no serializer config"),
+    "state name type": (_state_name_type, "state name {} is not a string"),
 }
-CHECKSUMMED = {"index length digit"}
+CHECKSUMMED = {"index length digit", "version digit"}
 """Faults left with the document's checksum; the others are structural faults checked in a
 document without one (as a release before the checksum wrote it, or a hand edit)."""
 
