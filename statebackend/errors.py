@@ -96,7 +96,8 @@ class StatefulProcessorError(StateAccessError):
 
 class ProcessorFailedError(StateBackendError):
     """A user's StatefulProcessor (or KeyedFunction) raised while a keyed subtask ran a
-    micro-batch; names the processor and the batch. The batch is not committed."""
+    micro-batch; names the method that raised (``Class.handleInputRows``) and the batch.
+    The batch is not committed."""
 
 
 class BatchInterruptedError(StateBackendError):

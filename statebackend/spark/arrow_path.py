@@ -92,6 +92,7 @@ from statebackend.spark.processor_runner import (
     checkpointed_part,
     output_arrow_schema,
     run_keyed_subtask,
+    user_method,
 )
 from statebackend.spark.sql_key_groups import key_group_projections, quoted, sql_encodable
 from statebackend.spark.streaming_commit import METADATA_SCHEMA
@@ -339,10 +340,13 @@ def _metadata_batch(
     )
 
 
-def _processor_failed(plan: KeyedBatchPlan, subtask: int, exc: Exception) -> ProcessorFailedError:
-    name = type(plan.spec.processor).__name__
+def _processor_failed(
+    plan: KeyedBatchPlan, subtask: int, method: str, exc: Exception
+) -> ProcessorFailedError:
+    """The error of ``method`` of the processor raising ``exc`` in a keyed subtask."""
     return ProcessorFailedError(
-        f"processor {name} raised {type(exc).__name__}: {exc} in batch {plan.batch_id} "
+        f"processor {user_method(plan.spec.processor, method)} raised "
+        f"{type(exc).__name__}: {exc} in batch {plan.batch_id} "
         f"(keyed subtask {subtask}); the batch is not committed: fix the processor and "
         f"restart the query with the same checkpointLocation to run it again"
     )
@@ -380,7 +384,7 @@ def _keyed_task(
         records_in = sum(batch.num_rows for batch in received) - 1  # not the control row
         ordered = sorted_by_key(received, plan.spec.key_columns, plan.key_schema_json)
 
-        counts = SubtaskCounts()
+        counts = SubtaskCounts(method="initialize_state")  # start_function restores it
         opening = time.perf_counter()
         with _current_state(plan, subtask, storage) as local:
             # Rebuilding from storage (not reusing the local copy) is a restore.
@@ -413,11 +417,12 @@ def _keyed_task(
                         counts,
                     )
                 )
+                counts.method = "snapshot_state"
                 operator_state = function_run.snapshot(plan.batch_id)
             except StateBackendError:
                 raise
             except Exception as exc:
-                raise _processor_failed(plan, subtask, exc) from exc
+                raise _processor_failed(plan, subtask, counts.method, exc) from exc
             keyed_seconds = time.perf_counter() - started
             handle = ChangelogStorage(storage).write_record(
                 plan.batch_id,

@@ -121,6 +121,18 @@ class KeyedFunctionProcessor(StatefulProcessor):
         yield from self.function.process(key, list(rows), self._ctx)
 
 
+KEYED_FUNCTION_METHODS = {"init": "open", "handleInputRows": "process"}
+"""The KeyedFunction method each method of a ``KeyedFunctionProcessor`` runs."""
+
+
+def user_method(processor: StatefulProcessor, method: str) -> str:
+    """``Class.method`` of the user's code that ``processor.<method>`` runs: the
+    KeyedFunction's own method for a ``KeyedFunctionProcessor`` (what a failure names)."""
+    if isinstance(processor, KeyedFunctionProcessor):
+        return f"{type(processor.function).__name__}.{KEYED_FUNCTION_METHODS.get(method, method)}"
+    return f"{type(processor).__name__}.{method}"
+
+
 def checkpointed_part(processor: StatefulProcessor) -> CheckpointedFunction | None:
     """The part of ``processor`` that keeps operator state (``function_state``): the
     processor itself, or the KeyedFunction a ``KeyedFunctionProcessor`` runs, if it is a
@@ -520,10 +532,12 @@ def _drop_late_events(
 
 @dataclass
 class SubtaskCounts:
-    """What one keyed subtask's batch touched, counted as it runs."""
+    """What one keyed subtask's batch touched, counted as it runs, and where it is."""
 
     keys: int = 0
     """Distinct keys with input or initial-state rows (the processor ran for them)."""
+    method: str = "init"
+    """The processor method running, or the last one run: the one a failure names."""
 
 
 @contextmanager
@@ -551,7 +565,7 @@ def run_keyed_subtask(
     counts: SubtaskCounts | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Run one keyed subtask of one batch (see the module docstring); yield its output,
-    counting into ``counts`` (if given) as it goes."""
+    counting into ``counts`` (if given) as it goes, with the processor method it is in."""
     processor = spec.processor
     handle = ProcessorHandle(
         time_mode=spec.time_mode, catalog=spec.catalog, backend=backend, timers=timer_service
@@ -560,8 +574,11 @@ def run_keyed_subtask(
     output = OutputBuilder(spec.output_schema, spec.time_zone)
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)
+    if counts is None:
+        counts = SubtaskCounts()
 
     with _batch_collections():
+        counts.method = "init"
         processor.init(handle)
         handle.phase = Phase.INITIALIZED
         if spec.time_mode == "EventTime" and spec.event_time_column is not None:
@@ -578,22 +595,25 @@ def run_keyed_subtask(
             shown_key = _shown_key(spec)
             runs = _keys(batches, spec.key_columns, read_ahead)
             for key, record, initial, input_runs in runs:
-                if counts is not None:
-                    counts.keys += 1
+                counts.keys += 1
                 set_current_key(key, record)
                 shown = shown_key(key)
                 if initial:
+                    counts.method = "handleInitialState"
                     for initial_state in inputs.initial_states(initial):
                         processor.handleInitialState(shown, initial_state, timer_values)
                 if input_runs:
+                    counts.method = "handleInputRows"
                     emit(handle_input_rows(shown, input_rows(input_runs), timer_values) or ())
                     if ready:
                         yield from output.take_ready()
 
             handle.phase = Phase.DATA_PROCESSED
+            counts.method = "handleExpiredTimer"
             _fire_timers(spec, handle, times, timer_service, emit)
             yield from output.take_ready()
         handle.phase = Phase.TIMER_PROCESSED
+        counts.method = "close"
         processor.close()
         handle.phase = Phase.CLOSED
         if not spec.use_pandas:

@@ -89,7 +89,11 @@ from statebackend.spark.processor_handle import (
     SchemaCatalog,
     parse_time_mode,
 )
-from statebackend.spark.processor_runner import KeyedFunctionProcessor, ProcessorSpec
+from statebackend.spark.processor_runner import (
+    KeyedFunctionProcessor,
+    ProcessorSpec,
+    user_method,
+)
 from statebackend.spark.streaming_commit import (
     METRICS_PROPERTY,
     QUERY_PROPERTY,
@@ -663,17 +667,17 @@ def transform_with_state(
     )
     # On a shallow copy, so the instance shipped to executors carries no driver-side states.
     probe = copy.copy(processor)
-    try:
-        probe.init(driver_handle)
-        probe.close()
-    except (StateBackendError, PySparkException):  # ours and Spark's: they name the fault
-        raise
-    except Exception as exc:
-        raise ProcessorFailedError(
-            f"processor {type(processor).__name__} raised {type(exc).__name__}: {exc} in "
-            f"init or close on the driver, where transform_with_state declares its states; "
-            f"no batch ran: fix the processor"
-        ) from exc
+    for method, call in (("init", lambda: probe.init(driver_handle)), ("close", probe.close)):
+        try:
+            call()
+        except (StateBackendError, PySparkException):  # ours and Spark's: they name the fault
+            raise
+        except Exception as exc:
+            raise ProcessorFailedError(
+                f"processor {user_method(processor, method)} raised {type(exc).__name__}: "
+                f"{exc} on the driver, where transform_with_state declares its states; no "
+                f"batch ran: fix the processor"
+            ) from exc
     spec = ProcessorSpec(
         processor=processor,
         use_pandas=bool(use_pandas),

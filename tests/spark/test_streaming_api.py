@@ -3,6 +3,7 @@ DataFrame as one batch with initial state, and writeStream to a file sink."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 import traceback
@@ -13,9 +14,10 @@ from typing import Any
 
 import pytest
 from py4j.protocol import Py4JJavaError
-from pyspark import cloudpickle
+from pyspark import TaskContext, cloudpickle
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.streaming.stateful_processor import (
+    ExpiredTimerInfo,
     StatefulProcessor,
     StatefulProcessorHandle,
     TimerValues,
@@ -259,7 +261,8 @@ def test_failing_processor_is_one_clear_error_and_a_fixed_one_continues_exactly(
         query.awaitTermination()
 
     with pytest.raises(
-        Exception, match="processor Fragile raised ValueError: negative amount in batch 1"
+        Exception,
+        match="processor Fragile.handleInputRows raised ValueError: negative amount in batch 1",
     ):
         run("raise")
     with pytest.raises(Exception, match="output row .* has no column 'total'"):
@@ -303,23 +306,82 @@ def test_a_job_is_either_a_queries_state_or_run_by_to_df_not_both(
         transform_with_state(backfill, "user", Totals(), OUTPUT, "streamed").toDF()
 
 
-class BrokenInit(Totals):
-    """``Totals`` whose ``init`` raises."""
+class RaisesIn(Totals):
+    """``Totals`` that registers a timer due at once per key and raises ValueError in
+    ``method``; ``init`` and ``close`` raise on the driver if ``on_driver``, else on
+    executors only (where ``TaskContext.get()`` is set)."""
+
+    def __init__(self, method: str, on_driver: bool = False) -> None:
+        self.method, self.on_driver = method, on_driver
+
+    def _fail(self, method: str) -> None:
+        if method == self.method and (self.on_driver or TaskContext.get() is not None):
+            raise ValueError(f"fails in {method}")
 
     def init(self, handle: StatefulProcessorHandle) -> None:
-        raise ValueError("no config")
+        self.handle = handle
+        super().init(handle)
+        self._fail("init")
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs())
+        self._fail("handleInputRows")
+        yield from super().handleInputRows(key, rows, timerValues)
+
+    def handleInitialState(self, key: Any, initialState: Row, timerValues: TimerValues) -> None:
+        self._fail("handleInitialState")
+        super().handleInitialState(key, initialState, timerValues)
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Row]:
+        self._fail("handleExpiredTimer")
+        return iter(())
+
+    def close(self) -> None:
+        self._fail("close")
 
 
-def test_a_processor_whose_init_raises_is_one_error_naming_it_before_any_batch(
-    spark: SparkSession, tmp_path: Path
+@pytest.mark.parametrize("method", ["init", "close"])
+def test_a_processor_raising_on_the_driver_is_one_error_naming_its_method_before_any_batch(
+    events: DataFrame, method: str
 ) -> None:
-    write_batches(tmp_path / "input", [[{"user": "a", "amount": 1}]])
     with pytest.raises(
-        ProcessorFailedError, match="processor BrokenInit raised ValueError: no config in init"
+        ProcessorFailedError,
+        match=rf"^processor RaisesIn\.{method} raised ValueError: fails in {method} on the "
+        r"driver, [^\n]*: fix the processor$",
     ):
         transform_with_state(
-            batch_files(spark, tmp_path / "input"), "user", BrokenInit(), OUTPUT, "broken"
+            events, "user", RaisesIn(method, on_driver=True), OUTPUT, "broken", time_mode="None"
         )
+
+
+@pytest.mark.parametrize(
+    "method", ["init", "handleInitialState", "handleInputRows", "handleExpiredTimer", "close"]
+)
+def test_a_processor_raising_in_a_batch_is_one_error_naming_its_method(
+    spark: SparkSession, events: DataFrame, method: str
+) -> None:
+    initial = spark.createDataFrame([("a", 100)], "user string, start long")
+    stateful = transform_with_state(
+        events,
+        "user",
+        RaisesIn(method),
+        OUTPUT,
+        f"raises-{method}",
+        time_mode="ProcessingTime",
+        initial_state=initial,
+    )
+    with pytest.raises(Exception) as raised:
+        stateful.toDF()
+    line = next(line for line in str(raised.value).splitlines() if "ProcessorFailedError" in line)
+    assert re.search(
+        rf"ProcessorFailedError: processor RaisesIn\.{method} raised ValueError: fails in "
+        rf"{method} in batch 0 \(keyed subtask \d\); the batch is not committed: ",
+        line,
+    ), line
 
 
 class TotalsAs(Totals):
