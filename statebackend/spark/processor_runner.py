@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import json
+import reprlib
 
 # What namedtuple's fields are: a C descriptor (a property where there is no C version).
 from collections import _tuplegetter  # type: ignore[attr-defined]
@@ -67,6 +68,9 @@ SEQUENCE_COLUMN = "__sb_seq"
 INITIAL_PREFIX = "__sb_init_"
 CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
+
+_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError)
+"""What Arrow raises for output values that do not fit their column's type."""
 
 OUTPUT_BATCH_ROWS = 10_000
 YOUNG_COLLECTION_OBJECTS = 500_000
@@ -344,7 +348,7 @@ class OutputBuilder:
                         f"{self.names} (it has {list(frame.columns)}): return those columns"
                     )
                 series = frame[field.name] if by_name else frame.iloc[:, position]
-                arrays.append(self._column(field, self._from_pandas, series))
+                arrays.append(self._column(position, self._from_pandas, series))
             self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
 
     def _from_pandas(self, series: Any, type: pa.DataType) -> pa.Array:
@@ -358,14 +362,37 @@ class OutputBuilder:
         except pa.ArrowInvalid:
             return pa.Array.from_pandas(series).cast(type, safe=True)
 
-    @staticmethod
-    def _column(field: pa.Field, convert: Callable[..., pa.Array], values: Any) -> pa.Array:
+    def _column(self, position: int, convert: Callable[..., pa.Array], values: Any) -> pa.Array:
+        """Output column ``position`` as Arrow: ``convert`` (``pa.array``, ``_from_pandas``)
+        of its ``values`` (a list, a pandas Series)."""
         try:
-            return convert(values, type=field.type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
-            raise OutputSchemaError(
-                f"output column {field.name!r} does not fit its type {field.type}: {exc}"
-            ) from exc
+            return convert(values, type=self.arrow_schema.field(position).type)
+        except _CONVERSION_ERRORS as exc:
+            raise self._misfit(position, convert, values, exc) from exc
+
+    def _misfit(
+        self, position: int, convert: Callable[..., pa.Array], values: Any, exc: Exception
+    ) -> OutputSchemaError:
+        """The error of output column ``position`` that ``convert`` failed on: it names the
+        column, its Spark type and its first value that does not fit."""
+        name = self.names[position]
+        spark_type = self.schema.fields[position].dataType.simpleString()
+        arrow_type = self.arrow_schema.field(position).type
+        by_position = values.iloc if hasattr(values, "iloc") else values
+        shown = values.tolist() if hasattr(values, "tolist") else values  # Python scalars
+        for index in range(len(values)):
+            try:
+                convert(by_position[index : index + 1], type=arrow_type)
+            except _CONVERSION_ERRORS:
+                value = shown[index]
+                return OutputSchemaError(
+                    f"output column {name!r} does not fit its type {spark_type}: it got "
+                    f"{reprlib.repr(value)} (a {type(value).__name__}); return {spark_type} "
+                    f"values there"
+                )
+        return OutputSchemaError(
+            f"output column {name!r} does not fit its type {spark_type}: {exc}"
+        )
 
     def flush(self) -> pa.RecordBatch:
         """The collected Row-mode output as one record batch (and forget it)."""
@@ -376,8 +403,8 @@ class OutputBuilder:
             assert columns is not None
             columns[position] = list(map(fill, columns[position]))
         arrays = [
-            self._column(field, pa.array, columns[position] if columns else [])
-            for position, field in enumerate(self.arrow_schema)
+            self._column(position, pa.array, columns[position] if columns else [])
+            for position in range(len(self.names))
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
