@@ -9,6 +9,7 @@ Every key is listed in ``KEYS`` (and documented in ``conf/statebackend.conf``, w
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -179,6 +180,25 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 }
 """``spark.statebackend.<key>`` -> (StateBackendConf field, parser)."""
 
+KEYS_FILE = "conf/statebackend.conf"
+"""Where every key is documented (with its default and meaning)."""
+
+
+def _unknown_key(key: str) -> ConfigurationError:
+    """The error of an unknown ``spark.statebackend.*`` key: it suggests the closest known
+    key, and lists them all only when none is close."""
+    close = difflib.get_close_matches(key[len(PREFIX) :], KEYS, n=1)
+    if close:
+        return ConfigurationError(
+            f"unknown key {key}: did you mean {PREFIX}{close[0]}? (all keys: {KEYS_FILE})"
+        )
+    known = ", ".join(PREFIX + name for name in KEYS)
+    return ConfigurationError(
+        f"unknown key {key}: the known keys are {known} and {STORAGE_PREFIX}<option> "
+        f"(see {KEYS_FILE})"
+    )
+
+
 TICK_INTERVAL_KEY = PREFIX + "streaming.tick-interval"
 MAX_PARALLELISM_KEY = PREFIX + "max-parallelism"
 
@@ -252,11 +272,7 @@ class StateBackendConf:
                 continue
             spec = KEYS.get(key[len(PREFIX) :])
             if spec is None:
-                known = ", ".join(PREFIX + name for name in KEYS)
-                raise ConfigurationError(
-                    f"unknown setting {key}: the known ones are {known} and "
-                    f"{STORAGE_PREFIX}<option>"
-                )
+                raise _unknown_key(key)
             name, parse = spec
             values[name] = parse(key, text.strip())
         values["storage_options"] = storage

@@ -22,7 +22,7 @@ from statebackend.errors import (
     SourceError,
 )
 from statebackend.spark import LogSource, StatefulJob
-from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.conf import KEYS, StateBackendConf
 from statebackend.spark.example import (
     KEY_FIELD,
     OPERATOR_ID,
@@ -253,8 +253,21 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
     )
     assert (conf.checkpoint_interval, conf.compression) == (5, "zstd")
     assert conf.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
-    with pytest.raises(ConfigurationError, match="unknown setting spark.statebackend.nope"):
+    with pytest.raises(ConfigurationError) as typo:
+        StateBackendConf.from_pairs([("spark.statebackend.checkpoint.intreval", "5")])
+    assert str(typo.value) == (
+        "unknown key spark.statebackend.checkpoint.intreval: did you mean "
+        "spark.statebackend.checkpoint.interval? (all keys: conf/statebackend.conf)"
+    )
+    with pytest.raises(ConfigurationError) as unknown:
         StateBackendConf.from_pairs([("spark.statebackend.nope", "1")])
+    listed = re.fullmatch(
+        r"unknown key spark\.statebackend\.nope: the known keys are (.*) and "
+        r"spark\.statebackend\.storage\.<option> \(see conf/statebackend\.conf\)",
+        str(unknown.value),
+    )
+    assert listed is not None, unknown.value
+    assert listed[1].split(", ") == [f"spark.statebackend.{name}" for name in KEYS]
     with pytest.raises(ConfigurationError, match="spark.statebackend.checkpoint.interval='x'"):
         StateBackendConf.from_pairs([("spark.statebackend.checkpoint.interval", "x")])
     pairs = [("spark.statebackend.backend", "heap")]
