@@ -48,7 +48,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, GroupedData, Row
@@ -353,6 +353,19 @@ class StatefulStream:
                 "writeStream needs a streaming DataFrame: for a batch DataFrame use toDF()"
             )
         return StatefulStreamWriter(self)
+
+    @property
+    def write(self) -> NoReturn:
+        """Not a writer: ConfigurationError saying how to write the output (``toDF()``
+        runs a batch DataFrame's batch, which ``.write`` must not do unasked)."""
+        if self.df.isStreaming:
+            raise ConfigurationError(
+                "transform_with_state of a streaming DataFrame has no .write: use writeStream"
+            )
+        raise ConfigurationError(
+            "transform_with_state of a batch DataFrame has no .write: run the batch with "
+            "toDF() and write its result (stateful.toDF().write...)"
+        )
 
     def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming
         """Run the (batch) input as the job's next batch and return its output, read

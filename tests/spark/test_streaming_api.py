@@ -154,6 +154,13 @@ def test_batch_dataframe_is_one_batch_with_initial_state(
     stateful = transform_with_state(
         events, ["user"], Totals(), OUTPUT, "batch", initial_state=initial.groupBy("user")
     )
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^transform_with_state of a batch DataFrame has no \.write: run the batch with "
+        r"toDF\(\) and write its result \(stateful\.toDF\(\)\.write\.\.\.\)$",
+    ):
+        stateful.write  # noqa: B018
+    # .write ran no batch: toDF's is batch 0, with the initial state.
     first = sorted(tuple(row) for row in stateful.toDF().collect())
     starts = {"a": 100, "c": 5, "z": 1}
     totals: dict[str, int] = defaultdict(int)
@@ -189,7 +196,10 @@ def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:
     write_batches(tmp_path / "input", batches)
     source = batch_files(spark, tmp_path / "input")
     out = tmp_path / "out"
-    writer = transform_with_state(source, "user", Totals(), OUTPUT, "sink").writeStream
+    stateful = transform_with_state(source, "user", Totals(), OUTPUT, "sink")
+    with pytest.raises(ConfigurationError, match=r"has no \.write: use writeStream$"):
+        stateful.write  # noqa: B018
+    writer = stateful.writeStream
     with pytest.raises(ConfigurationError, match="no checkpointLocation"):
         writer.format("parquet").option("path", str(out)).start()
     query = (
