@@ -94,37 +94,44 @@ class BatchClock:
         return self.timestamp_ms / 1000.0
 
 
+DdlParser = Callable[[str, str], StructType]
+"""Parses a DDL schema (the driver's, with a JVM); the second argument names the schema
+in its errors ("state 'totals': schema")."""
+
+
 @dataclass
 class SchemaCatalog:
     """Schemas the driver parsed for the processor: DDL string -> ``StructType.json()``."""
 
     parsed: dict[str, str] = field(default_factory=dict)
 
-    def record(self, schema: StructType | str, parse: Any) -> str:
-        """The JSON of ``schema``; a DDL string is parsed with ``parse`` and remembered."""
+    def record(self, schema: StructType | str, parse: DdlParser, what: str) -> str:
+        """The JSON of ``schema`` (named ``what`` in errors); a DDL string is parsed with
+        ``parse`` and remembered."""
         if isinstance(schema, StructType):
             return str(schema.json())
         if not isinstance(schema, str):
             raise ConfigurationError(
-                f"state schema {schema!r} is invalid: give a StructType or a DDL string"
+                f"{what} {schema!r} is invalid: give a StructType or a DDL string"
             )
         if schema not in self.parsed:
-            parsed = parse(schema)
+            parsed = parse(schema, what)
             if not isinstance(parsed, StructType):
                 raise ConfigurationError(
-                    f"state schema {schema!r} is not a struct: write it as 'name type, ...'"
+                    f"{what} {schema!r} is not a struct: write it as 'name type, ...'"
                 )
             self.parsed[schema] = str(parsed.json())
         return self.parsed[schema]
 
-    def lookup(self, schema: StructType | str) -> str:
-        """The JSON of ``schema`` on an executor (DDL strings only if seen in PRE_INIT)."""
+    def lookup(self, schema: StructType | str, what: str) -> str:
+        """The JSON of ``schema`` (named ``what`` in errors) on an executor (DDL strings
+        only if seen in PRE_INIT)."""
         if isinstance(schema, StructType):
             return str(schema.json())
         found = self.parsed.get(schema) if isinstance(schema, str) else None
         if found is None:
             raise ConfigurationError(
-                f"state schema {schema!r} was not declared when init() ran on the driver: "
+                f"{what} {schema!r} was not declared when init() ran on the driver: "
                 f"declare every state in init() with the same schema on every call"
             )
         return found
@@ -321,7 +328,7 @@ class ProcessorHandle(StatefulProcessorHandle):
         catalog: SchemaCatalog,
         backend: KeyedStateBackend | None = None,
         timers: TimerService | None = None,
-        parse_ddl: Any = None,
+        parse_ddl: DdlParser | None = None,
     ) -> None:
         self.time_mode = parse_time_mode(time_mode)
         self.catalog = catalog
@@ -348,12 +355,17 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     # -- states ---------------------------------------------------------------------------
 
-    def _schema(self, schema: StructType | str) -> RowTupleSerializer:
+    def _schema(
+        self, name: str, schema: StructType | str, which: str = "schema"
+    ) -> RowTupleSerializer:
+        """The serializer of state ``name``'s ``which`` schema (its errors name both)."""
+        what = f"state {name!r}: {which}"
         if self.phase is Phase.PRE_INIT:
+            assert self._parse_ddl is not None, "the driver's handle parses DDL schemas"
             return RowTupleSerializer(
-                self.catalog.record(schema, self._parse_ddl), _row_tuple, _nested_row
+                self.catalog.record(schema, self._parse_ddl, what), _row_tuple, _nested_row
             )
-        return RowTupleSerializer(self.catalog.lookup(schema), _row_tuple, _nested_row)
+        return RowTupleSerializer(self.catalog.lookup(schema, what), _row_tuple, _nested_row)
 
     def _check_declaration(self, operation: str, name: str) -> None:
         if self.phase not in (Phase.PRE_INIT, Phase.CREATED):
@@ -406,7 +418,7 @@ class ProcessorHandle(StatefulProcessorHandle):
         """Declare (in ``init``) a value state holding tuples of ``schema``."""
         self._check_declaration("get_value_state", stateName)
         descriptor = ValueStateDescriptor(
-            stateName, self._schema(schema), ttl=self._ttl(stateName, ttlDurationMs)
+            stateName, self._schema(stateName, schema), ttl=self._ttl(stateName, ttlDurationMs)
         )
         return ProcessorValueState(self, stateName, self._register(descriptor))
 
@@ -416,7 +428,7 @@ class ProcessorHandle(StatefulProcessorHandle):
         """Declare (in ``init``) a list state of tuples of ``schema``."""
         self._check_declaration("get_list_state", stateName)
         descriptor = ListStateDescriptor(
-            stateName, self._schema(schema), ttl=self._ttl(stateName, ttlDurationMs)
+            stateName, self._schema(stateName, schema), ttl=self._ttl(stateName, ttlDurationMs)
         )
         return ProcessorListState(self, stateName, self._register(descriptor))
 
@@ -429,10 +441,10 @@ class ProcessorHandle(StatefulProcessorHandle):
     ) -> ProcessorMapState:
         """Declare (in ``init``) a map state from ``userKeySchema`` to ``valueSchema`` tuples."""
         self._check_declaration("get_map_state", stateName)
-        value_serializer = self._schema(valueSchema)
+        value_serializer = self._schema(stateName, valueSchema, "value schema")
         descriptor = MapStateDescriptor(
             stateName,
-            self._schema(userKeySchema),
+            self._schema(stateName, userKeySchema, "user key schema"),
             value_serializer,
             ttl=self._ttl(stateName, ttlDurationMs),
         )

@@ -118,14 +118,18 @@ STREAMING_RELATIONS = frozenset({"StreamingRelation", "StreamingRelationV2"})
 
 
 def _parse_struct(schema: object, what: str) -> StructType:
+    """``schema`` (a StructType or a DDL string) as a StructType; ConfigurationError
+    naming ``what`` (``output_schema``, ``state 'totals': schema``) and the first line of
+    Spark's parse error otherwise."""
     if isinstance(schema, StructType):
         return schema
     if isinstance(schema, str):
         try:
             parsed = _parse_datatype_string(schema)
         except Exception as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigurationError(
-                f"{what} {schema!r} is not a valid DDL schema ({exc}): write 'name type, ...'"
+                f"{what} {schema!r} is not a valid DDL schema: {reason}; write 'name type, ...'"
             ) from exc
         if isinstance(parsed, StructType):
             return parsed
@@ -675,9 +679,7 @@ def transform_with_state(
     check_parallelism(parallelism, max_parallelism)
 
     catalog = SchemaCatalog()
-    driver_handle = ProcessorHandle(
-        time_mode=mode, catalog=catalog, parse_ddl=lambda ddl: _parse_struct(ddl, "state schema")
-    )
+    driver_handle = ProcessorHandle(time_mode=mode, catalog=catalog, parse_ddl=_parse_struct)
     # On a shallow copy, so the instance shipped to executors carries no driver-side states.
     probe = copy.copy(processor)
     for method, call in (("init", lambda: probe.init(driver_handle)), ("close", probe.close)):

@@ -115,6 +115,37 @@ def test_bad_arguments_are_one_clear_error(
         transform_with_state(**arguments)
 
 
+class TypoInSchema(Totals):
+    """``Totals`` declaring its state with a typo (``lng``) in the ``which`` schema: of
+    a value state, or the user key or value schema of a map state."""
+
+    def __init__(self, which: str) -> None:
+        self.which = which
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        if self.which == "schema":
+            self.total = handle.getValueState("totals", "count lng, total long")
+        elif self.which == "user key schema":
+            handle.getMapState("totals", "count lng, total long", "total long")
+        else:
+            handle.getMapState("totals", "user string", "count lng, total long")
+
+
+@pytest.mark.parametrize("which", ["schema", "user key schema", "value schema"])
+def test_a_typo_in_a_state_schema_is_one_line_naming_the_state(
+    events: DataFrame, which: str
+) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        transform_with_state(events, "user", TypoInSchema(which), OUTPUT, "typo")
+    message = str(raised.value)
+    assert re.fullmatch(
+        rf"state 'totals': {which} 'count lng, total long' is not a valid DDL schema: "
+        r"\[UNSUPPORTED_DATATYPE\] Unsupported data type \"LNG\"\. [^\n]*; "
+        r"write 'name type, \.\.\.'",
+        message,
+    ), message
+
+
 def test_no_checkpoint_dir_is_a_clear_error(spark_local: SparkSession) -> None:
     df = spark_local.createDataFrame([("a", 1)], "user string, amount long")
     with pytest.raises(ConfigurationError, match="spark.statebackend.checkpoint.dir"):

@@ -389,7 +389,7 @@ def test_ddl_schemas_are_parsed_on_the_driver_and_looked_up_on_executors(
     catalog = SchemaCatalog()
     parsed: list[str] = []
 
-    def parse(ddl: str) -> StructType:
+    def parse(ddl: str, what: str) -> StructType:
         parsed.append(ddl)
         return COUNT
 
@@ -404,13 +404,13 @@ def test_ddl_schemas_are_parsed_on_the_driver_and_looked_up_on_executors(
     value.update((3,))
     assert value.get() == (3,)
     assert parsed == ["count long"]
-    with pytest.raises(ConfigurationError, match="was not declared when init"):
+    with pytest.raises(ConfigurationError, match="state 'other': schema 'other long' was not"):
         executor.getValueState("other", "other long")
 
 
 def test_a_state_name_declared_twice_is_spark_s_error() -> None:
     """As Spark's handle: a second declaration of a name in ``init``, of any kind, fails."""
-    driver = ProcessorHandle(time_mode="None", catalog=SchemaCatalog(), parse_ddl=lambda _: COUNT)
+    driver = ProcessorHandle(time_mode="None", catalog=SchemaCatalog(), parse_ddl=lambda *_: COUNT)
     driver.getValueState("count", "count long")
     with pytest.raises(StatefulProcessorError, match="DUPLICATE_STATE_VARIABLE_DEFINED.*count"):
         driver.getListState("count", "count long")
