@@ -316,18 +316,24 @@ class MapStateImpl(KeyedStateImpl, MapState):
             raise StateAccessError(f"map state {self.descriptor.name!r} cannot take None as a key")
         return self._user_keys.serialize(user_key)
 
-    def get(self, user_key: Any) -> Any:
+    def _live_entry(self, user_key: Any) -> tuple[bool, Any]:
+        """``(found, value)`` of the entry under ``user_key``: found is False when there is
+        none or it expired (then it is removed); a found value may be None. A read with
+        ``ON_READ_AND_WRITE`` TTL refreshes the entry."""
         current, encoded_key = self._current_key(), self._user_key(user_key)
         data = self._store.map_get(current, encoded_key)
         if data is None:
-            return None
+            return False, None
         alive, value = self._decode(data)
         if not alive:
             self._store.map_remove(current, encoded_key)
-            return None
+            return False, None
         if self._refresh_on_read:
             self._store.map_put(current, encoded_key, self._encode(value))
-        return value
+        return True, value
+
+    def get(self, user_key: Any) -> Any:
+        return self._live_entry(user_key)[1]
 
     def put(self, user_key: Any, value: Any) -> None:
         encoded_key, encoded = self._user_key(user_key), self._encode(value)
@@ -343,7 +349,7 @@ class MapStateImpl(KeyedStateImpl, MapState):
         self._store.map_remove(self._current_key(), self._user_key(user_key))
 
     def contains(self, user_key: Any) -> bool:
-        return self.get(user_key) is not None
+        return self._live_entry(user_key)[0]
 
     def items(self) -> Iterator[tuple[Any, Any]]:
         current = self._current_key()

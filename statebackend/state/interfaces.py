@@ -76,7 +76,8 @@ class MapState(State):
 
     @abstractmethod
     def get(self, user_key: Any) -> Any:
-        """The value under ``user_key``, or None."""
+        """The value under ``user_key``, or None (also the value of an entry that holds
+        None: ``contains`` tells them apart)."""
 
     @abstractmethod
     def put(self, user_key: Any, value: Any) -> None:
@@ -92,7 +93,7 @@ class MapState(State):
 
     @abstractmethod
     def contains(self, user_key: Any) -> bool:
-        """Whether ``user_key`` has a (live) value."""
+        """Whether ``user_key`` has a live entry, whatever its value (None included)."""
 
     @abstractmethod
     def items(self) -> Iterator[tuple[Any, Any]]:

@@ -480,6 +480,26 @@ def test_map_state(backend: KeyedStateBackend) -> None:
     assert dict(state.items()) == {"x": -1}
 
 
+@pytest.mark.parametrize("ttl", [None, StateTtlConfig(10)])
+def test_map_contains_an_entry_whose_value_is_none(
+    backend: KeyedStateBackend, clock: FakeClock, ttl: StateTtlConfig | None
+) -> None:
+    state = backend.get_state(MapStateDescriptor("m", StrSerializer(), PickleSerializer(), ttl=ttl))
+    assert isinstance(state, MapState)
+    backend.set_current_key("a")
+    clock.at(0)
+    model: dict[str, Any] = {"none": None, "zero": 0}
+    state.put_all(model)
+    assert dict(state.items()) == model
+    for user_key in ["none", "zero", "absent"]:
+        assert state.contains(user_key) == (user_key in model), user_key
+        assert state.get(user_key) == model.get(user_key), user_key
+    if ttl is not None:
+        clock.at(10)  # both entries expired
+        assert not state.contains("none") and not state.contains("zero")
+        assert dict(state.items()) == {}
+
+
 def test_map_entries_with_prefix_like_user_keys_stay_apart(backend: KeyedStateBackend) -> None:
     # Keys and user keys whose bytes are prefixes of each other must not mix.
     state = backend.get_state(MapStateDescriptor("m", StrSerializer(), IntSerializer()))
