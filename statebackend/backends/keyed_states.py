@@ -9,6 +9,7 @@ removed when met.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from struct import Struct
 from typing import Any
@@ -34,6 +35,10 @@ from statebackend.state.interfaces import (
 from statebackend.state.ttl import Clock, TtlSerializer, TtlUpdateType, TtlValue, to_ms
 
 _ELEMENT_LENGTH = Struct(">I")
+
+_SHAREABLE_DEFAULT_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})
+"""Types of a default value that cannot be mutated, so every read may hand out the
+object itself; any other default is deep-copied per read."""
 
 
 def encode_list(elements: Iterable[bytes]) -> bytes:
@@ -146,12 +151,16 @@ class KeyedStateImpl(State):
 class ValueStateImpl(KeyedStateImpl, ValueState):
     """ValueState over a StateStore.
 
-    Without TTL, and with a serializer whose decoded values are immutable
-    (``Serializer.decodes_immutable``), it remembers the last value it read and the
-    current-key record it read it for: reading the same record again, with no write in
-    between, gives that value without reading and decoding again (``exists()`` then
-    ``get()`` of a StatefulProcessor). Only this state writes its store while it is
-    registered, so the value cannot have changed."""
+    Without TTL, with a serializer whose decoded values are immutable
+    (``Serializer.decodes_immutable``) and an immutable default, it remembers the last
+    value it read and the current-key record it read it for: reading the same record
+    again, with no write in between, gives that value without reading and decoding again
+    (``exists()`` then ``get()`` of a StatefulProcessor). Only this state writes its
+    store while it is registered, so the value cannot have changed.
+
+    A key without a value reads the descriptor's default; a mutable default (a list, a
+    dict...) is deep-copied on each such read, so what a caller does to it is seen by no
+    other key and no later read."""
 
     # value() and update() are the hot path of keyed state: one frame each beside the
     # store's and the codec's, without TTL bookkeeping when there is no TTL.
@@ -165,7 +174,10 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         clock: Clock,
     ) -> None:
         super().__init__(descriptor, store, keys, require_current, clock)
-        self._remembers = self._ttl is None and self._serializer.decodes_immutable
+        self._copies_default = type(descriptor.default) not in _SHAREABLE_DEFAULT_TYPES
+        self._remembers = (
+            self._ttl is None and self._serializer.decodes_immutable and not self._copies_default
+        )
         self._last_record: CurrentKey | None = None
         """The record of the last read (None: nothing remembered)."""
         self._last_value: Any = None
@@ -173,7 +185,7 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
     def value(self) -> Any:
         if self._ttl is not None:
             value = self._read_value()[1]
-            return self.descriptor.default if value is None else value
+            return self._fresh_default() if value is None else value
         current = self._keys.record
         if current is None:
             current = self._require_current()
@@ -181,7 +193,7 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
             return self._last_value
         data = self._get(current)
         if data is None:
-            value = self.descriptor.default
+            value = self._fresh_default()
         else:
             try:
                 value = self._decode_stored(data)
@@ -190,6 +202,11 @@ class ValueStateImpl(KeyedStateImpl, ValueState):
         if self._remembers:
             self._last_record, self._last_value = current, value
         return value
+
+    def _fresh_default(self) -> Any:
+        """The descriptor's default: the object itself when immutable, else a deep copy."""
+        default = self.descriptor.default
+        return copy.deepcopy(default) if self._copies_default else default
 
     def update(self, value: Any) -> None:
         self._last_record = None

@@ -69,7 +69,8 @@ class StateDescriptor(ABC):
 
 
 class ValueStateDescriptor(StateDescriptor):
-    """A single value per key; ``default`` is returned while none is set."""
+    """A single value per key; ``default`` is returned while none is set (a mutable
+    default as a fresh deep copy per read, so keys never share it)."""
 
     kind = StateKind.VALUE
 

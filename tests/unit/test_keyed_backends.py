@@ -423,6 +423,22 @@ def test_value_state_default(backend: KeyedStateBackend) -> None:
     assert state.value() == {"n": 1}
 
 
+@pytest.mark.parametrize("ttl", [None, StateTtlConfig(10)])
+def test_a_mutable_default_is_not_shared(
+    backend: KeyedStateBackend, ttl: StateTtlConfig | None
+) -> None:
+    # Callers mutate what they read for keys never written; each read starts afresh.
+    state = backend.get_state(ValueStateDescriptor("v", PickleSerializer(), default=[], ttl=ttl))
+    assert isinstance(state, ValueState)
+    model: dict[str, list[int]] = {}
+    for key in ["a", "b", "a"]:
+        backend.set_current_key(key)
+        read = state.value()
+        assert read == model.get(key, [])
+        read.append(1)
+        assert state.value() == model.get(key, [])
+
+
 def test_list_state(backend: KeyedStateBackend) -> None:
     state = backend.get_state(ListStateDescriptor("l", StrSerializer()))
     assert isinstance(state, ListState)
