@@ -9,6 +9,7 @@ import decimal
 import functools
 import json
 import numbers
+import re
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -110,6 +111,49 @@ def _from_micros(micros: int) -> datetime.datetime:
     )
 
 
+_DECIMAL_TYPE = re.compile(r"decimal(?:\((\d+),\s*(\d+)\))?")
+"""Spark's decimal type in JSON form: ``decimal(precision,scale)``, or ``decimal`` alone
+for Spark's default ``decimal(10,0)``."""
+
+
+class _DoesNotFit(ValueError):
+    """A value its field's type cannot hold (named by the struct)."""
+
+
+def _decimal_codec(data_type: str) -> tuple[_Encoder, _Decoder]:
+    """A decimal as the text of its value at the type's scale, rounded half up as Spark
+    rounds; a value with more than ``precision`` digits there is refused (``_DoesNotFit``).
+    A value already at the scale keeps the bytes it had before values were rounded."""
+    match = _DECIMAL_TYPE.fullmatch(data_type)
+    if match is None:
+        raise ConfigurationError(
+            f"Spark type {data_type!r} is not a decimal(precision,scale): give its JSON form"
+        )
+    precision, scale = (int(match[1]), int(match[2])) if match[1] else (10, 0)
+    if not 0 <= scale <= precision:
+        raise ConfigurationError(
+            f"Spark type {data_type!r} has a scale outside 0..precision: fix the schema"
+        )
+    exponent = decimal.Decimal(1).scaleb(-scale)
+    # quantize signals InvalidOperation when the result needs more than `prec` digits.
+    context = decimal.Context(prec=precision, rounding=decimal.ROUND_HALF_UP)
+
+    def to_text(value: Any) -> bytes:
+        number = decimal.Decimal(value)
+        try:
+            scaled = number.quantize(exponent, context=context)
+        except decimal.InvalidOperation:
+            scaled = None
+        if scaled is None or not scaled.is_finite():
+            raise _DoesNotFit(
+                f"{describe_value(value)} does not fit {data_type}: give a finite value with "
+                f"at most {precision - scale} digits before the point, or widen the type"
+            )
+        return str(scaled.copy_abs() if scaled.is_zero() else scaled).encode("ascii")
+
+    return _sized(to_text, lambda data: decimal.Decimal(data.decode("ascii")))
+
+
 def _ntz_micros(value: Any) -> int:
     if not isinstance(value, datetime.datetime) or value.tzinfo is not None:
         raise TypeError(f"{describe_value(value)} is not a naive datetime.datetime")
@@ -158,10 +202,7 @@ def _field_codec(data_type: Any, struct_of: StructOf | None = None) -> tuple[_En
             lambda us: datetime.datetime(1970, 1, 1) + datetime.timedelta(microseconds=us),
         )
     if isinstance(data_type, str) and data_type.startswith("decimal"):
-        return _sized(
-            lambda value: str(decimal.Decimal(value)).encode("ascii"),
-            lambda data: decimal.Decimal(data.decode("ascii")),
-        )
+        return _decimal_codec(data_type)
     raise ConfigurationError(
         f"Spark type {data_type!r} has no row-tuple encoding: use a supported type "
         f"(numbers, boolean, string, binary, date, timestamp, decimal, struct, array, map)"
@@ -328,6 +369,8 @@ def _struct_codec(
                 field_encode(item, out)
             except _NotNullable:
                 raise TypeError(f"field {name!r} is not nullable: it cannot be None") from None
+            except _DoesNotFit as exc:
+                raise TypeError(f"field {name!r}: {exc}") from None
 
     def decode_fields(view: memoryview, position: int) -> tuple[Any, int]:
         if flat is not None and len(view) - position >= flat[0].size:
@@ -516,11 +559,13 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
 
     Every field is a tag byte (null or not) then its value: integers in their Spark width
     big-endian, floats as IEEE-754, strings and binaries length-prefixed, dates as days and
-    timestamps as microseconds since the epoch, structs as nested tuples, arrays as lists,
-    maps as dicts. A tuple, list, ``Row`` or dict (by field name) is accepted; decoding
-    gives a tuple (nested structs through ``struct_of``, if given). The schema (names,
-    types, nullability) is part of ``config()``: state written with another schema is
-    incompatible, never silently reinterpreted.
+    timestamps as microseconds since the epoch, decimals as their text at the type's scale
+    (rounded half up as Spark rounds; a value with more digits than the precision is
+    refused), structs as nested tuples, arrays as lists, maps as dicts. A tuple, list,
+    ``Row`` or dict (by field name) is accepted; decoding gives a tuple (nested structs
+    through ``struct_of``, if given). The schema (names, types, nullability) is part of
+    ``config()``: state written with another schema is incompatible, never silently
+    reinterpreted.
     """
 
     identity = "row-tuple"

@@ -65,7 +65,10 @@ ROWS = st.tuples(
     st.none() | st.binary(),
     st.none() | st.dates(),
     st.none() | st.datetimes(min_value=datetime.datetime(1900, 1, 1)),
-    st.none() | st.decimals(places=2, allow_nan=False, allow_infinity=False, max_value=10**6),
+    st.none()
+    | st.decimals(
+        places=2, allow_nan=False, allow_infinity=False, min_value=-(10**6), max_value=10**6
+    ),
     st.none() | st.lists(st.none() | st.text(max_size=5), max_size=4),
     st.none() | st.dictionaries(st.text(max_size=5), st.none() | st.integers(0, 99), max_size=4),
     st.none() | st.tuples(st.none() | st.integers(0, 10)),
@@ -192,6 +195,67 @@ def test_decimals_keep_their_digits() -> None:
     serializer = RowTupleSerializer(StructType([StructField("d", DecimalType(10, 2))]).json())
     value = (decimal.Decimal("12.30"),)
     assert serializer.deserialize(serializer.serialize(value)) == value
+
+
+@pytest.mark.parametrize(
+    ("data_type", "value", "data"),
+    [
+        # What existing checkpoints hold for values at the type's scale (as Spark gives them).
+        (DecimalType(10, 2), "12.30", b"\x01\x00\x00\x00\x0512.30"),
+        (DecimalType(10, 2), "-0.05", b"\x01\x00\x00\x00\x05-0.05"),
+        (DecimalType(10, 8), "1E-8", b"\x01\x00\x00\x00\x041E-8"),
+        (DecimalType(10, 8), "0E-8", b"\x01\x00\x00\x00\x040E-8"),
+        (DecimalType(10, 0), "42", b"\x01\x00\x00\x00\x0242"),
+        (
+            DecimalType(38, 18),
+            "-12345678901234567890.123456789012345678",
+            b"\x01\x00\x00\x00(-12345678901234567890.123456789012345678",
+        ),
+    ],
+)
+def test_decimals_at_the_scale_keep_their_bytes(
+    data_type: DecimalType, value: str, data: bytes
+) -> None:
+    serializer = RowTupleSerializer(StructType([StructField("d", data_type)]).json())
+    assert serializer.serialize((decimal.Decimal(value),)) == data
+    assert serializer.deserialize(data) == (decimal.Decimal(value),)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["1.5", "1.50", "1.234", "1.235", "-1.235", "0.005", "-0.00", 7, 0.1, "99999999.994"],
+)
+def test_decimals_take_the_scale_of_their_type(value: Any) -> None:
+    """As Spark stores a decimal(10,2): rounded half up to 2 places, so equal values (and
+    values equal once rounded) have equal bytes."""
+    serializer = RowTupleSerializer(StructType([StructField("d", DecimalType(10, 2))]).json())
+    expected = decimal.Decimal(value).quantize(decimal.Decimal("0.01"), decimal.ROUND_HALF_UP)
+    data = serializer.serialize((decimal.Decimal(value) if isinstance(value, str) else value,))
+    assert data == serializer.serialize((expected,))
+    (decoded,) = serializer.deserialize(data)
+    assert decoded == expected and decoded.as_tuple().exponent == -2
+
+
+def test_equal_decimals_have_equal_bytes() -> None:
+    serializer = RowTupleSerializer(StructType([StructField("d", DecimalType(10, 2))]).json())
+    for equal in (["1.5", "1.50", "1.500", "1.504"], ["0", "0.00", "-0.00", "-0.001"]):
+        assert len({serializer.serialize((decimal.Decimal(v),)) for v in equal}) == 1, equal
+
+
+@pytest.mark.parametrize("value", ["99999999.995", "-123456789", "NaN", "Infinity"])
+def test_decimals_beyond_the_precision_are_refused(value: str) -> None:
+    serializer = RowTupleSerializer(
+        StructType(
+            [StructField("d", DecimalType(10, 2)), StructField("ds", ArrayType(DecimalType(10, 2)))]
+        ).json()
+    )
+    fits = decimal.Decimal("1.00")
+    for row, field in (
+        ((decimal.Decimal(value), []), "d"),
+        ((fits, [fits, decimal.Decimal(value)]), "ds"),
+    ):
+        with pytest.raises(SerializationError, match=rf"field '{field}': .* decimal\(10,2\)"):
+            serializer.serialize(row)
 
 
 def test_ships_to_executors_with_cloudpickle() -> None:
