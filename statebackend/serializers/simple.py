@@ -15,6 +15,7 @@ from statebackend.serializers.base import (
     Compatibility,
     Serializer,
     SerializerConfig,
+    describe_value,
     serializer_from_config,
 )
 
@@ -118,13 +119,37 @@ class BytesSerializer(Serializer[bytes]):
         return bytes(data)
 
 
+def _check_round_trips(value: Any) -> None:
+    """TypeError for what JSON would turn into something else: a tuple (read back as a
+    list) or a dict key that is not a str (read back as text), at any depth."""
+    if isinstance(value, tuple):
+        raise TypeError(
+            f"{describe_value(value)} is a tuple, which JSON reads back as a list: give a "
+            "list, or use TupleSerializer or PickleSerializer to keep tuples"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"dict key {describe_value(key)} of type {type(key).__name__} is not a str, "
+                    "which JSON reads back as text: use str keys, or PickleSerializer"
+                )
+            _check_round_trips(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_round_trips(item)
+
+
 class JsonSerializer(Serializer[Any]):
-    """JSON-able values (dict keys sorted, so equal values have equal bytes)."""
+    """JSON-able values (dict keys sorted, so equal values have equal bytes) that read back
+    equal: tuples and dict keys other than str are refused, not turned into lists and
+    text."""
 
     identity = "json"
     migrates_from = frozenset({"str", "int", "float", "bool"})
 
     def _encode(self, value: Any) -> bytes:
+        _check_round_trips(value)
         return json.dumps(
             value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
         ).encode("utf-8")

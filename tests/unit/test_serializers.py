@@ -115,6 +115,21 @@ def test_json_bytes_do_not_depend_on_dict_order() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "instead"),
+    [
+        ({1: "a"}, "use str keys"),
+        ({"a": [{True: 1}]}, "use str keys"),
+        ((1, 2), "give a list"),
+        ({"a": [1, (2,)]}, "give a list"),
+    ],
+)
+def test_json_refuses_what_would_read_back_changed(value: Any, instead: str) -> None:
+    assert json.loads(json.dumps(value)) != value  # plain JSON changes it on the way
+    with pytest.raises(SerializationError, match=f"json serializer.*{instead}"):
+        JsonSerializer().serialize(value)
+
+
 @given(PICKLABLE)
 def test_pickle_round_trip(value: Any) -> None:
     assert _round_trip(PickleSerializer(), value) == value
