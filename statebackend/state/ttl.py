@@ -8,6 +8,7 @@ without TTL is a serializer incompatibility like any other.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -37,17 +38,26 @@ class TtlUpdateType(Enum):
     ON_READ_AND_WRITE = "on-read-and-write"
 
 
+MIN_TTL_SECONDS = 0.001
+"""The shortest TTL: one millisecond, the unit expiries are stored in."""
+
+
 @dataclass(frozen=True)
 class StateTtlConfig:
-    """A time to live in seconds and when it is refreshed; expired values are never returned."""
+    """A time to live in seconds (at least ``MIN_TTL_SECONDS``) and when it is refreshed;
+    expired values are never returned."""
 
     ttl_seconds: float
     update_type: TtlUpdateType = TtlUpdateType.ON_CREATE_AND_WRITE
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ttl_seconds, (int, float)) or self.ttl_seconds <= 0:
+        # Expiries are whole milliseconds: a shorter TTL would round to 0, every value dead
+        # when written. The comparison is also False for NaN.
+        ttl = self.ttl_seconds
+        if not isinstance(ttl, (int, float)) or not MIN_TTL_SECONDS <= ttl < math.inf:
             raise ConfigurationError(
-                f"TTL {self.ttl_seconds!r} is invalid: give a positive number of seconds"
+                f"TTL {ttl!r} is invalid: give a finite number of seconds, at least "
+                f"{MIN_TTL_SECONDS} (1 ms, the unit of expiries)"
             )
 
     def expiry_ms(self, now: float) -> int:

@@ -784,6 +784,26 @@ def test_use_after_dispose_is_rejected(backends: Backends, kind: str) -> None:
 UPDATE_TYPES = [TtlUpdateType.ON_CREATE_AND_WRITE, TtlUpdateType.ON_READ_AND_WRITE]
 
 
+@pytest.mark.parametrize("ttl_seconds", [0.0004, 0.0009, 0, -1, float("nan"), float("inf")])
+def test_a_ttl_below_one_millisecond_is_rejected(ttl_seconds: float) -> None:
+    # Expiries are whole milliseconds: 0.4 ms would round to 0, every value dead at once.
+    with pytest.raises(ConfigurationError, match="at least 0.001"):
+        StateTtlConfig(ttl_seconds)
+
+
+def test_a_one_millisecond_ttl_keeps_a_value_for_one_millisecond(
+    backend: KeyedStateBackend, clock: FakeClock
+) -> None:
+    state = backend.get_state(ValueStateDescriptor("v", IntSerializer(), ttl=StateTtlConfig(0.001)))
+    assert isinstance(state, ValueState)
+    backend.set_current_key("a")
+    clock.at(0)
+    state.update(1)
+    assert state.value() == 1  # read at the instant it was written
+    clock.at(0.001)
+    assert state.value() is None
+
+
 @pytest.mark.parametrize("update_type", UPDATE_TYPES)
 def test_ttl_value_state(backend: KeyedStateBackend, clock: FakeClock, update_type: Any) -> None:
     ttl = StateTtlConfig(10, update_type)
