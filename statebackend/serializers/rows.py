@@ -165,15 +165,18 @@ StructOf = Callable[[list[str]], Callable[[list[Any]], Any]]
 (e.g. a pyspark ``Row``); without one a nested struct decodes to a tuple."""
 
 
-def _field_codec(data_type: Any, struct_of: StructOf | None = None) -> tuple[_Encoder, _Decoder]:
+def _field_codec(
+    data_type: Any, struct_of: StructOf | None = None, in_key: bool = False
+) -> tuple[_Encoder, _Decoder]:
     """Encoder and decoder of one value of a Spark data type (JSON form), without nulls;
-    nested structs decode through ``struct_of`` if given."""
+    nested structs decode through ``struct_of`` if given. ``in_key``: the value is (part
+    of) a map key, so arrays decode to tuples, which a dict key must be to be hashable."""
     if isinstance(data_type, dict):
         kind = data_type.get("type")
         if kind == "struct":
-            return _struct_codec(data_type, struct_of, nested=True)
+            return _struct_codec(data_type, struct_of, nested=True, in_key=in_key)
         if kind == "array":
-            return _array_codec(data_type["elementType"], struct_of)
+            return _array_codec(data_type["elementType"], struct_of, in_key)
         if kind == "map":
             return _map_codec(data_type["keyType"], data_type["valueType"], struct_of)
         raise ConfigurationError(f"Spark type {data_type} has no row-tuple encoding")
@@ -345,12 +348,17 @@ def _one_string_codec(
 
 
 def _struct_codec(
-    struct_type: dict[str, Any], struct_of: StructOf | None = None, nested: bool = False
+    struct_type: dict[str, Any],
+    struct_of: StructOf | None = None,
+    nested: bool = False,
+    in_key: bool = False,
 ) -> tuple[_Encoder, _Decoder]:
     fields = struct_type.get("fields", [])
     names = [field["name"] for field in fields]
     codecs = [
-        _nullable(_field_codec(field["type"], struct_of), field.get("nullable", True) is not False)
+        _nullable(
+            _field_codec(field["type"], struct_of, in_key), field.get("nullable", True) is not False
+        )
         for field in fields
     ]
     flat = _flat_struct(fields)
@@ -433,8 +441,12 @@ def _struct_bytes_codec(
     return to_bytes, from_bytes
 
 
-def _array_codec(element_type: Any, struct_of: StructOf | None) -> tuple[_Encoder, _Decoder]:
-    element_encode, element_decode = _nullable(_field_codec(element_type, struct_of))
+def _array_codec(
+    element_type: Any, struct_of: StructOf | None, in_key: bool
+) -> tuple[_Encoder, _Decoder]:
+    """An array as its length then its elements; decoded as a list, or as a tuple
+    ``in_key`` (``_field_codec``)."""
+    element_encode, element_decode = _nullable(_field_codec(element_type, struct_of, in_key))
 
     def encode(value: Any, out: list[bytes]) -> None:
         if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
@@ -451,7 +463,7 @@ def _array_codec(element_type: Any, struct_of: StructOf | None) -> tuple[_Encode
         for _ in range(count):
             item, position = element_decode(view, position)
             items.append(item)
-        return items, position
+        return (tuple(items) if in_key else items), position
 
     return encode, decode
 
@@ -459,7 +471,7 @@ def _array_codec(element_type: Any, struct_of: StructOf | None) -> tuple[_Encode
 def _map_codec(
     key_type: Any, value_type: Any, struct_of: StructOf | None
 ) -> tuple[_Encoder, _Decoder]:
-    key_encode, key_decode = _field_codec(key_type, struct_of)
+    key_encode, key_decode = _field_codec(key_type, struct_of, in_key=True)
     value_encode, value_decode = _nullable(_field_codec(value_type, struct_of))
 
     def encode(value: Any, out: list[bytes]) -> None:
@@ -561,11 +573,11 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
     big-endian, floats as IEEE-754, strings and binaries length-prefixed, dates as days and
     timestamps as microseconds since the epoch, decimals as their text at the type's scale
     (rounded half up as Spark rounds; a value with more digits than the precision is
-    refused), structs as nested tuples, arrays as lists, maps as dicts. A tuple, list,
-    ``Row`` or dict (by field name) is accepted; decoding gives a tuple (nested structs
-    through ``struct_of``, if given). The schema (names, types, nullability) is part of
-    ``config()``: state written with another schema is incompatible, never silently
-    reinterpreted.
+    refused), structs as nested tuples, arrays as lists (as tuples inside map keys, so
+    that they can be dict keys), maps as dicts. A tuple, list, ``Row`` or dict (by field
+    name) is accepted; decoding gives a tuple (nested structs through ``struct_of``, if
+    given). The schema (names, types, nullability) is part of ``config()``: state written
+    with another schema is incompatible, never silently reinterpreted.
     """
 
     identity = "row-tuple"

@@ -83,6 +83,41 @@ def test_round_trip_matches_the_value(row: tuple[Any, ...]) -> None:
     assert serializer.deserialize(data) == row
 
 
+ARRAY_KEYED = StructType(
+    [
+        StructField("m", MapType(ArrayType(IntegerType()), LongType())),
+        StructField(
+            "nested",
+            MapType(
+                StructType([StructField("path", ArrayType(ArrayType(StringType())))]), StringType()
+            ),
+        ),
+    ]
+)
+
+
+@given(
+    st.dictionaries(
+        st.lists(st.none() | st.integers(-(2**31), 2**31 - 1), max_size=3).map(tuple),
+        st.none() | st.integers(0, 99),
+        max_size=4,
+    ),
+    st.dictionaries(
+        st.tuples(
+            st.none()
+            | st.lists(st.lists(st.text(max_size=2), max_size=2).map(tuple), max_size=2).map(tuple)
+        ),
+        st.text(max_size=3),
+        max_size=3,
+    ),
+)
+def test_maps_with_array_keys_round_trip(m: dict[Any, Any], nested: dict[Any, Any]) -> None:
+    """Arrays inside map keys (nested in arrays and structs too) read back as tuples, which
+    a dict key must be."""
+    serializer = RowTupleSerializer(ARRAY_KEYED.json())
+    assert serializer.deserialize(serializer.serialize((m, nested))) == (m, nested)
+
+
 def test_rows_lists_and_dicts_encode_like_tuples() -> None:
     from pyspark.sql import Row
 
