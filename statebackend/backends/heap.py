@@ -154,13 +154,16 @@ class HeapKeyedStateBackend(KeyedStateBackend):
     def _close(self) -> None:
         pass
 
-    # A batch has nothing to read ahead or buffer: the state is in memory.
+    # A batch has nothing to read ahead or buffer: the state is in memory. Its keys are
+    # checked (and their records kept for set_current_key) as RocksDB's are.
 
     def _begin_batch(self) -> None:
         pass
 
-    def _prefetch(self, keys: Iterable[Any], serialized: SerializedKeys | None = None) -> None:
-        return None
+    def _prefetch(
+        self, keys: Iterable[Any], serialized: SerializedKeys | None = None
+    ) -> list[CurrentKey]:
+        return self._read_ahead_keys(keys, serialized)
 
     def _write_batch(self) -> None:
         if self._timer_service is not None:

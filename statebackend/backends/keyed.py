@@ -359,9 +359,9 @@ class KeyedStateBackend(ABC):
         when the block ends (whether it ends normally or by an exception), before a
         ``sync_cut`` and before ``drain_changelog``. Reads see the block's own writes;
         every state call gives exactly what it gives outside a batch. A backend whose
-        state is in memory (heap) has nothing to batch: the block runs as it is.
-        Raises StateAccessError for a key ``set_current_key`` would refuse, and when a
-        batch is already open."""
+        state is in memory (heap) has nothing to read ahead or buffer, but checks the keys
+        alike. Raises StateAccessError for a key ``set_current_key`` would refuse, and
+        when a batch is already open."""
         self._check_open()
         if self._batching:
             raise StateAccessError("a batch is already open on this backend: end it first")
@@ -386,8 +386,7 @@ class KeyedStateBackend(ABC):
         self, keys: list[Any], serialized: SerializedKeys | None = None
     ) -> list[CurrentKey] | None:
         """``prefetch`` of ``keys`` that also returns their current-key records, in
-        order, for ``set_current_key(key, record)``; None where there are none (outside
-        a batch, or a backend that reads nothing ahead).
+        order, for ``set_current_key(key, record)``; None outside a batch.
 
         ``serialized``, if given, is each key's bytes (as the key serializer encodes it)
         and key group (``assign_to_key_group`` of those bytes), computed by the caller
@@ -796,9 +795,10 @@ class KeyedStateBackend(ABC):
     @abstractmethod
     def _prefetch(
         self, keys: Iterable[Any], serialized: SerializedKeys | None = None
-    ) -> list[CurrentKey] | None:
-        """Read ahead the state of ``keys`` in the open batch (checked as
-        ``_current_key_of`` checks them); their records, or None if it computes none."""
+    ) -> list[CurrentKey]:
+        """Read ahead the state of ``keys`` in the open batch, if there is anything to
+        read ahead; their records, checked as ``_current_key_of`` checks them (through
+        ``_read_ahead_keys``)."""
 
     @abstractmethod
     def _write_batch(self) -> None:
