@@ -91,7 +91,13 @@ class ListStateDescriptor(StateDescriptor):
 
 
 class MapStateDescriptor(StateDescriptor):
-    """A map per key, one stored entry per map entry (a map is never loaded whole)."""
+    """A map per key, one stored entry per map entry (a map is never loaded whole).
+
+    User keys are told apart by their encoded bytes, not by ``==``. The default
+    ``PickleSerializer`` makes ``1``, ``1.0`` and ``True`` three keys, and equal tuples or
+    dicts may pickle differently (shared objects, dict order) and be two keys: give a
+    typed ``key_serializer`` (``StrSerializer``, ``IntSerializer``, ``TupleSerializer``,
+    ``RowTupleSerializer``...), whose equal keys have equal bytes."""
 
     kind = StateKind.MAP
 
