@@ -248,7 +248,9 @@ class ChangelogStorage:
         directory = own if directory is None else directory.rstrip("/")
         if not self.fs.exists(metadata_path(directory)):
             raise CheckpointError(f"{directory} is not a completed checkpoint: no _metadata")
-        path = self._relative(own) if directory == own else directory
+        # The job's own checkpoint however it was spelled (a restore from file:///ck/job/
+        # chk-3 of a job in /ck): relative, so that retention keeps it while it is a base.
+        path = self._relative(own) if self.fs.same_path(directory, own) else directory
         return ManifestBase(checkpoint_id, batch_id, path)
 
     def cleanup(self) -> list[str]:
@@ -353,11 +355,14 @@ class ChangelogStorage:
         """Ids of the job's own checkpoints the retained manifests build on: retention
         of checkpoints must keep them (a savepoint base elsewhere is not the job's)."""
         ids = self.manifest_ids()[-self.retained :]
-        bases = (self.load_manifest(batch_id).base for batch_id in ids)
-        return {base.checkpoint_id for base in bases if base is not None and _is_own(base)}
+        manifests = (self.load_manifest(batch_id) for batch_id in ids)
+        return {m.base.checkpoint_id for m in manifests if m.base is not None and self._is_own(m)}
 
-
-def _is_own(base: ManifestBase) -> bool:
-    """Whether ``base`` is one of the job's checkpoints (a path relative to its
-    manifests directory), not a savepoint elsewhere."""
-    return base.path.startswith("../")
+    def _is_own(self, manifest: BatchManifest) -> bool:
+        """Whether ``manifest``'s base is one of the job's checkpoints, not a savepoint
+        elsewhere (also when the manifest recorded it by an absolute spelling)."""
+        directory = self.base_directory(manifest)
+        assert manifest.base is not None and directory is not None
+        return self.fs.same_path(
+            directory, self.layout.checkpoint_path(manifest.base.checkpoint_id)
+        )

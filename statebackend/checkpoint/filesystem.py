@@ -517,6 +517,13 @@ class CheckpointFileSystem:
         self._fs.mv(source, target)
         _fsync(os.path.dirname(self._fs._strip_protocol(target)))
 
+    def same_path(self, first: str, second: str) -> bool:
+        """Whether ``first`` and ``second`` name the same file or directory of this file
+        system, however spelled (with or without its scheme, ``//``, ``.``, a trailing
+        ``/``: ``file:///ck/job`` and ``/ck/job``)."""
+        strip = self._fs._strip_protocol
+        return normalize_path(strip(first)) == normalize_path(strip(second))
+
     def read_file(self, path: str) -> bytes:
         """The whole content of the file at ``path``."""
         data = self._retrying("read", path, lambda: bytes(self._fs.cat_file(path)))

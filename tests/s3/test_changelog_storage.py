@@ -26,15 +26,25 @@ from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot.changelog_format import ChangelogHandle
+from statebackend.spark.streaming_restore import restore_location
 from statebackend.tools.gc import find_garbage
 from tests.conftest import Storage
-from tests.s3.changelog_jobs import JOB, enabled, live_states, open_storage, rebuild, run_batch
+from tests.s3.changelog_jobs import (
+    JOB,
+    checkpoint,
+    enabled,
+    live_states,
+    open_storage,
+    rebuild,
+    run_batch,
+)
 from tests.s3.test_checkpoint_matrix import (
     KEYS,
     MAX_PARALLELISM,
@@ -407,6 +417,57 @@ def test_rebuild_needs_the_manifests_max_parallelism(checkpoint_url: Storage) ->
     backend = HeapKeyedStateBackend(max_parallelism=256, key_group_range=KeyGroupRange(0, 255))
     with pytest.raises(IncompatibleStateError, match="max parallelism 128"):
         rebuild_keyed_state(backend, changelog, manifest, OPERATOR)
+
+
+def test_a_restore_from_the_jobs_own_checkpoint_however_spelled_keeps_it_as_a_base(
+    tmp_path: Path,
+) -> None:
+    """A job in a plain directory restarts from its own chk-N given as a file:// URL:
+    the new history's manifests build on chk-N as on the job's own checkpoint, so
+    retention keeps it while they do. Before, the base was recorded by the URL, not
+    pinned, and the first materialization (retained=1) deleted it: committed batch 0
+    could no longer be rebuilt."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    rng, models = random.Random(5), {}
+    storage = CheckpointStorage(str(directory), JOB)
+    changelog = ChangelogStorage(storage)
+    coordinator = CheckpointCoordinator(
+        storage,
+        max_parallelism=MAX_PARALLELISM,
+        retained=1,
+        pinned=changelog.referenced_checkpoints,
+    )
+    backends = [enabled(make_backend("heap", tmp_path, 2, i)) for i in range(2)]
+    run_batch(changelog, backends, 1, rng, models)
+    restored_id = checkpoint(changelog, coordinator, backends, 1)
+    changelog.materialized(restored_id, 1)
+    for backend in backends:
+        backend.dispose()
+
+    requested = restore_location(storage, (directory / JOB / f"chk-{restored_id}").as_uri())
+    changelog = ChangelogStorage(storage)
+    changelog.restart(-1, restored_id, requested)
+    coordinator = CheckpointCoordinator(
+        storage,
+        max_parallelism=MAX_PARALLELISM,
+        retained=1,
+        pinned=changelog.referenced_checkpoints,
+    )
+    backends = []
+    for i in range(2):
+        backend = make_backend("heap", tmp_path / "second", 2, i)
+        restore_keyed_state(backend, storage.fs, requested, storage.load(requested), OPERATOR)
+        backends.append(enabled(backend))
+    first = run_batch(changelog, backends, 0, rng, models)
+    assert first.base is not None and first.base.path.startswith("../")
+    checkpoint(changelog, coordinator, backends, 0)  # completes; retention runs
+    for backend in backends:
+        backend.dispose()
+    assert restored_id in storage.completed_checkpoint_ids()
+    rebuilt = rebuild("heap", changelog, first, 2, tmp_path / "rebuilt")
+    found = {key: states for backend in rebuilt for key, states in read_keyed(backend).items()}
+    assert found == live_states(models)
 
 
 def test_a_rescaled_rebuild_keeps_the_earliest_clocks_of_a_batch(
