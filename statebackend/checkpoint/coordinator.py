@@ -43,12 +43,13 @@ Lifecycle rules (what makes a checkpoint's files belong to exactly one checkpoin
 - **Fencing.** Each coordinator claims a new leader epoch, ``_leader/epoch-<E>.json``
   (one more than the newest there, naming its run), when it triggers its first
   checkpoint; a driver that fails before that (e.g. on bad input) fences nobody. Before
-  it triggers and before it
-  writes ``_metadata`` it checks that the newest claim is still its own; otherwise it
-  raises CheckpointFencedError: another driver took over the job, this one must stop.
-  Two drivers that claim at the same moment both write ``epoch-<E>``; the claim read
-  back afterwards decides, so at most one of them goes on. Check and write are not one
-  atomic step (object stores offer no conditional write here): a takeover in between
+  it triggers, after it marked a checkpoint pending (a new driver that read the same id
+  mark claimed its epoch first) and before it writes ``_metadata`` it checks that the
+  newest claim is still its own; otherwise it raises CheckpointFencedError: another
+  driver took over the job, this one must stop. A fenced coordinator's abort deletes
+  nothing. Two drivers that claim at the same moment both write ``epoch-<E>``; the claim
+  read back afterwards decides, so at most one of them goes on. Check and write are not
+  one atomic step (object stores offer no conditional write here): a takeover in between
   lets the old driver complete the one checkpoint it had pending, under an id the new
   driver never uses, never a checkpoint of the new driver.
 """
@@ -222,6 +223,9 @@ class CheckpointCoordinator:
         self.storage.set_checkpoint_id_mark(checkpoint_id)
         self._next_id = checkpoint_id + 1
         self.storage.mark_pending(checkpoint_id, self.run_id, epoch)
+        # A driver that took over meanwhile may have read the same id mark; it claimed its
+        # epoch before it read it, so this check fences this coordinator before N runs.
+        self.check_leader()
         self.pending[checkpoint_id] = PendingCheckpoint(
             checkpoint_id,
             self.clock(),
@@ -293,8 +297,18 @@ class CheckpointCoordinator:
 
     def abort(self, checkpoint_id: int) -> None:
         """Abandon a pending checkpoint and delete its files (its shared files too, unless
-        another checkpoint references them)."""
+        another checkpoint references them). A fenced coordinator deletes nothing: N's
+        directory may be the new driver's (``statebackend gc`` removes what is left)."""
         pending = self.pending.pop(checkpoint_id, None)
+        try:
+            self.check_leader()
+        except CheckpointFencedError:
+            _log.warning(
+                "checkpoint %s was abandoned without deleting anything: another driver "
+                "took over the job",
+                checkpoint_id,
+            )
+            return
         self.storage.end_pending(checkpoint_id)
         acks = [
             *(pending.acks.values() if pending else ()),

@@ -404,6 +404,46 @@ def test_a_new_coordinator_fences_the_old_one(checkpoint_url: Storage) -> None:
         job.close()
 
 
+def test_a_takeover_between_reading_and_writing_the_id_mark_fences_the_old_driver(
+    checkpoint_url: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new driver claims the job and triggers checkpoint N while the old one has read
+    the id mark but not yet written it: both chose N. The old one is fenced right after
+    marking N pending, before anything of N runs, and an abort of N by it deletes
+    nothing: the new driver's N completes and restores. Before, the old driver went on
+    with N, timed out waiting for acks the new one had cleaned up, and its abort deleted
+    the new driver's completed checkpoint."""
+    job = heap_jobs.new_job(checkpoint_url)
+    try:
+        job.checkpoint()
+        old = job.coordinator
+        new = CheckpointCoordinator(job.storage, max_parallelism=heap_jobs.M, clock=job.clock)
+        read_mark = job.storage.checkpoint_id_mark
+        taken = []
+
+        def mark_read_then_takeover() -> int:
+            mark = read_mark()
+            monkeypatch.setattr(job.storage, "checkpoint_id_mark", read_mark)
+            taken.append(new.trigger({heap_jobs.OPERATOR: heap_jobs.P}))
+            return mark
+
+        monkeypatch.setattr(job.storage, "checkpoint_id_mark", mark_read_then_takeover)
+        with pytest.raises(CheckpointFencedError):
+            old.trigger({heap_jobs.OPERATOR: heap_jobs.P})
+        (checkpoint_id,) = taken
+        assert checkpoint_id not in old.pending
+        job.coordinator = new
+        job.process()
+        job.snapshot_and_ack(checkpoint_id)
+        job.remember(checkpoint_id)
+        assert new.poll(checkpoint_id) is not None
+        old.abort(checkpoint_id)  # as its tracker does when it gives up on N
+        assert job.storage.is_completed(checkpoint_id)
+        heap_jobs.assert_restores(job, checkpoint_id)
+    finally:
+        job.close()
+
+
 _DRIVER = textwrap.dedent(
     """
     import json, os, sys, time
