@@ -188,19 +188,19 @@ def _map_arrow_udf(
     )
 
 
-def _zero_signed_float_keys(df: DataFrame, key_columns: tuple[str, ...]) -> DataFrame:
-    """``df`` with -0.0 made 0.0 in its float and double key columns: Spark's grouping
-    normalizes floating-point keys so, and -0.0 would otherwise be a key of its own (its
-    bytes differ). NaN keys need nothing: each NaN row is its own group, in Spark too."""
+def _normalized_float_keys(df: DataFrame, key_columns: tuple[str, ...]) -> DataFrame:
+    """``df`` with -0.0 made 0.0 and every NaN one NaN in its float and double key
+    columns: Spark's grouping normalizes floating-point keys so, and their bytes would
+    otherwise make -0.0, and each NaN bit pattern, a key of its own."""
     types = {field.name: field.dataType for field in df.schema.fields}
     floats = [name for name in key_columns if isinstance(types[name], (FloatType, DoubleType))]
     if not floats:
         return df
     return df.withColumns(
         {
-            name: F.when(F.col(quoted(name)) == 0, F.lit(0.0).cast(types[name])).otherwise(
-                F.col(quoted(name))
-            )
+            name: F.when(F.col(quoted(name)) == 0, F.lit(0.0).cast(types[name]))
+            .when(F.isnan(F.col(quoted(name))), F.lit(float("nan")).cast(types[name]))
+            .otherwise(F.col(quoted(name)))
             for name in floats
         }
     )
@@ -572,7 +572,7 @@ class KeyedBatches:
         once to a stream's DataFrame, Spark analyses the expressions once per query, not
         once per batch. Float and double key columns have -0.0 made 0.0 first, as Spark
         groups them (one key, one key group)."""
-        combined = _zero_signed_float_keys(combined, key_columns)
+        combined = _normalized_float_keys(combined, key_columns)
         if sql_encodable(key_schema_json):
             cache_key = (key_schema_json, parallelism, max_parallelism)
             levels = self._key_group_columns.get(cache_key)

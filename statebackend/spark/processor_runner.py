@@ -160,6 +160,8 @@ def _changes(column: pa.Array) -> pa.Array | None:
         differs = pc.not_equal(after, before)
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
         return None
+    if pa.types.is_floating(column.type):  # NaN keys are one key, as Spark groups them
+        differs = pc.and_not(differs, pc.and_(pc.is_nan(after), pc.is_nan(before)))
     if column.null_count:
         differs = pc.fill_null(differs, pc.xor(pc.is_null(after), pc.is_null(before)))
     return differs
@@ -227,7 +229,7 @@ def _keys(
             continue
         starts = _run_starts(batch, (*key_columns, KIND_COLUMN))
         firsts = batch.take(pa.array(starts, pa.int64()))
-        keys = list(zip(*(firsts.column(name).to_pylist() for name in key_columns), strict=True))
+        keys = list(zip(*(_key_values(firsts.column(name)) for name in key_columns), strict=True))
         kinds = firsts.column(KIND_COLUMN).to_pylist()
         records = _run_records(firsts, keys, kinds, read_ahead)
         stops = starts[1:]
@@ -244,6 +246,20 @@ def _keys(
                 initial.append((batch, start, stop))
     if initial or inputs:
         yield key, record, initial, inputs
+
+
+_NAN = float("nan")
+"""The one NaN of keys: tuples holding it are equal (Python compares identity first),
+so that a NaN key is one key, as Spark groups NaN keys (``with_key_groups`` gives them
+one bit pattern)."""
+
+
+def _key_values(column: pa.Array) -> list[Any]:
+    """A key column's values as Python, every NaN ``_NAN``."""
+    values = column.to_pylist()
+    if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():
+        return [_NAN if value != value else value for value in values]
+    return values
 
 
 def _run_records(
@@ -670,9 +686,7 @@ def _fire_timers(
         return
     timer_values = times.timer_values(spec.time_mode)
 
-    def on_timer(key: Any, timestamp_ms: int) -> None:
-        assert handle.backend is not None
-        handle.backend.set_current_key(key)
+    def on_timer(key: Any, timestamp_ms: int) -> None:  # the timer's key is current
         result = spec.processor.handleExpiredTimer(
             key, timer_values, ExpiredTimerInfo(timestamp_ms)
         )

@@ -4,10 +4,11 @@ DataFrame as one batch with initial state, and writeStream to a file sink."""
 from __future__ import annotations
 
 import re
+import struct
 import sys
 import time
 import traceback
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,54 @@ def test_a_setting_changed_after_transform_with_state_is_refused_at_start(
     assert sorted(tuple(row) for row in stateful.toDF().collect()) == [
         ("a", 4), ("b", 2), ("c", 4)
     ]  # fmt: skip
+
+
+class CountsByX(StatefulProcessor):
+    """Rows per double key `x` so far, once per call: (x, rows of this call, count)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.getValueState("count", "count long")
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        seen = len(list(rows))
+        count = (self.count.get() or (0,))[0] + seen
+        self.count.update((count,))
+        yield Row(x=key[0], rows=seen, count=count)
+
+    def close(self) -> None:
+        pass
+
+
+def test_nan_keys_are_one_key_as_spark_groups_them(spark: SparkSession) -> None:
+    """NaN keys of any bit pattern are one key, in one call per batch, over batches, as
+    Spark's groupBy groups them (-0.0 and 0.0 too). Before, every NaN row was a key of
+    its own within a batch, and each bit pattern kept a state of its own."""
+    other_nan = struct.unpack(">d", (0x7FF8000000000001).to_bytes(8, "big"))[0]
+    negative_nan = struct.unpack(">d", (0xFFF8000000000000).to_bytes(8, "big"))[0]
+    batches = [
+        [float("nan"), 1.0, other_nan, -0.0, negative_nan],
+        [other_nan, 0.0, float("nan")],
+    ]
+    expected, counts = [], Counter[str]()
+    for batch in batches:  # plain Python: every NaN one key, -0.0 the key 0.0
+        names = [("nan" if x != x else repr(abs(x))) for x in batch]
+        calls = []
+        for name in sorted(set(names)):
+            counts[name] += names.count(name)
+            calls.append((name, names.count(name), counts[name]))
+        expected.append(sorted(calls))
+    for batch in batches:
+        events = spark.createDataFrame([(x,) for x in batch], "x double")
+        stateful = transform_with_state(
+            events, "x", CountsByX(), "x double, rows long, count long", "nan-keys"
+        )
+        found = sorted(
+            ("nan" if row.x != row.x else repr(row.x), row.rows, row["count"])
+            for row in stateful.toDF().collect()
+        )
+        assert found == expected.pop(0)
 
 
 def test_batch_dataframe_is_one_batch_with_initial_state(
