@@ -15,6 +15,7 @@ serializer named, in ``to_jsonable``).
 
 from __future__ import annotations
 
+import ast
 import datetime
 import decimal
 import json
@@ -155,21 +156,45 @@ def parse_key(text: str, config: SerializerConfig) -> Any:
 def _row_tuple_key(text: str, schema: dict[str, Any]) -> tuple[Any, ...]:
     """A ``transform_with_state`` key (a tuple of the key columns) written as a JSON array
     of its fields, or, for one key column, as that column's value: text for a string
-    column, JSON for others. ValueError naming the fields if it is neither."""
+    column, JSON for others. Each field as ``read`` prints it (``_key_field``).
+    ValueError naming the fields if it is neither."""
     fields = schema.get("fields", [])
     try:
         items = json.loads(text)
     except ValueError:
         items = None
     if isinstance(items, list) and len(items) == len(fields):
-        return tuple(items)
+        pairs = zip(items, fields, strict=True)
+        return tuple(_key_field(item, field["type"]) for item, field in pairs)
     if len(fields) == 1:
         if fields[0]["type"] == "string":
             return (text,)
         if items is not None:
-            return (items,)
+            return (_key_field(items, fields[0]["type"]),)
     names = [field["name"] for field in fields]
     raise ValueError(f"give a JSON array of the {len(fields)} key columns {names}")
+
+
+def _key_field(item: Any, spark_type: Any) -> Any:
+    """A key column's value given as JSON, in the form its column's type takes: dates and
+    timestamps from ISO 8601 text, decimals from their text or number (``0.1`` as
+    written, not as the float nearest to it), binary from a Python bytes literal (as
+    ``read`` prints it: ``b'\\x00a'``) or as UTF-8 text."""
+    if item is None or not isinstance(spark_type, str):
+        return item
+    if spark_type == "date" and isinstance(item, str):
+        return datetime.date.fromisoformat(item)
+    if spark_type in ("timestamp", "timestamp_ntz") and isinstance(item, str):
+        return datetime.datetime.fromisoformat(item)
+    if spark_type.startswith("decimal") and isinstance(item, (int, float, str)):
+        return decimal.Decimal(str(item))
+    if spark_type == "binary" and isinstance(item, str):
+        if item[:2] in ("b'", 'b"'):
+            literal = ast.literal_eval(item)
+            if isinstance(literal, bytes):
+                return literal
+        return item.encode("utf-8")
+    return item
 
 
 class _Decoder:
@@ -391,14 +416,16 @@ def _json_key(key: Any) -> Any:
 
 def _expose_opaque(value: Any) -> Any:
     """``value`` with every ``OpaqueValue`` in it (in lists, tuples, dict values) as its
-    JSON, dates and times as ISO 8601 text, decimals as their text, and dict keys as
-    ``_json_key`` gives them."""
+    JSON, dates and times as ISO 8601 text, decimals as their text, bytes as their Python
+    literal, and dict keys as ``_json_key`` gives them."""
     if isinstance(value, OpaqueValue):
         return value.to_json()
     if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
         return str(value)
+    if isinstance(value, bytes):  # a Python literal: ``read --key`` takes it back
+        return repr(value)
     if isinstance(value, (list, tuple)):
         return [_expose_opaque(item) for item in value]
     if isinstance(value, dict):

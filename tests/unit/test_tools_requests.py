@@ -126,6 +126,35 @@ def test_keys_are_parsed_for_their_serializer(
     assert parse_key(text, serializer.config()) == expected
 
 
+def test_a_key_as_read_prints_it_is_parsed_back_for_every_key_type() -> None:
+    """What ``statebackend read`` prints for a key of date, timestamp, decimal and binary
+    columns, given back to ``read --key``, is that key: such keys were refused ("is not
+    a datetime.date"), and a decimal given as a JSON number was the float nearest to it."""
+    schema = _schema(
+        ("day", "date"),
+        ("at", "timestamp"),
+        ("wall", "timestamp_ntz"),
+        ("amount", "decimal(38,18)"),
+        ("raw", "binary"),
+    )
+    key = (
+        datetime.date(1969, 7, 20),
+        datetime.datetime(1969, 7, 20, 20, 17, 40, 123456),
+        datetime.datetime(2024, 2, 29, 23, 59, 59),
+        decimal.Decimal("0.100000000000000000"),
+        b"\x00\xffa'",
+    )
+    printed = json.dumps(to_jsonable(key))
+    config = RowTupleSerializer(schema).config()
+    assert parse_key(printed, config) == key
+    assert RowTupleSerializer(schema).serialize(parse_key(printed, config)) == (
+        RowTupleSerializer(schema).serialize(key)
+    )
+    one_decimal = RowTupleSerializer(_schema(("amount", "decimal(38,18)"))).config()
+    assert parse_key("0.1", one_decimal) == (decimal.Decimal("0.1"),)
+    assert parse_key('["ab"]', RowTupleSerializer(_schema(("raw", "binary"))).config()) == (b"ab",)
+
+
 def test_a_key_that_does_not_fit_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="does not fit"):
         parse_key("abc", IntSerializer().config())
