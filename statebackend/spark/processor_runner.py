@@ -47,7 +47,7 @@ from pyspark.sql.types import StructType
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.stores import CurrentKey
-from statebackend.errors import OutputSchemaError
+from statebackend.errors import OutputSchemaError, SerializationError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
@@ -229,7 +229,8 @@ def _keys(
             continue
         starts = _run_starts(batch, (*key_columns, KIND_COLUMN))
         firsts = batch.take(pa.array(starts, pa.int64()))
-        keys = list(zip(*(_key_values(firsts.column(name)) for name in key_columns), strict=True))
+        columns = (_key_values(firsts.column(name), name) for name in key_columns)
+        keys = list(zip(*columns, strict=True))
         kinds = firsts.column(KIND_COLUMN).to_pylist()
         records = _run_records(firsts, keys, kinds, read_ahead)
         stops = starts[1:]
@@ -254,9 +255,16 @@ so that a NaN key is one key, as Spark groups NaN keys (``with_key_groups`` give
 one bit pattern)."""
 
 
-def _key_values(column: pa.Array) -> list[Any]:
-    """A key column's values as Python, every NaN ``_NAN``."""
-    values = column.to_pylist()
+def _key_values(column: pa.Array, name: str) -> list[Any]:
+    """Key column ``name``'s values as Python, every NaN ``_NAN``; SerializationError
+    naming it for a string that is not UTF-8 (Spark holds such strings as bytes)."""
+    try:
+        values = column.to_pylist()
+    except UnicodeDecodeError as exc:
+        raise SerializationError(
+            f"key column {name!r} holds a string that is not valid UTF-8 ({exc}): key by "
+            f"it as binary (CAST({name} AS BINARY)) or repair the strings"
+        ) from exc
     if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():
         return [_NAN if value != value else value for value in values]
     return values

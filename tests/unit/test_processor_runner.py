@@ -39,7 +39,7 @@ from pyspark.sql.types import (
 
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
-from statebackend.errors import OutputSchemaError
+from statebackend.errors import OutputSchemaError, SerializationError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
@@ -613,7 +613,7 @@ def test_key_runs_found_by_arrow_match_python_equality() -> None:
     }
     batch = pa.RecordBatch.from_pydict(columns)
     for names in [("id",), ("name", KIND_COLUMN), ("score",), ("tags", "id"), tuple(columns)]:
-        rows = list(zip(*(_key_values(batch.column(name)) for name in names), strict=True))
+        rows = list(zip(*(_key_values(batch.column(n), n) for n in names), strict=True))
         expected = [0] + [i for i in range(1, len(rows)) if rows[i] != rows[i - 1]]
         assert _run_starts(batch, names) == expected, names
     assert _run_starts(batch.slice(0, 1), ("id",)) == [0]
@@ -761,3 +761,12 @@ def test_keys_read_ahead_from_arrow_get_the_records_of_the_general_path(
         assert from_arrow == general and len(general) == len(keys)
     finally:
         backend.dispose()
+
+
+def test_a_string_key_that_is_not_utf8_is_one_error_naming_its_column() -> None:
+    """Spark holds a string made of any bytes (CAST(binary AS STRING)); such a key was a
+    UnicodeDecodeError blamed on the processor's init."""
+    column = pa.array([b"ok", b"caf\xe9"], pa.binary()).view(pa.string())
+    with pytest.raises(SerializationError, match=r"key column 'k' holds a string that is not"):
+        _key_values(column, "k")
+    assert _key_values(column.slice(0, 1), "k") == ["ok"]
