@@ -7,13 +7,16 @@ zone). A pandas processor sees it as the wall time of the session time zone
 key's timestamp is a naive ``pandas.Timestamp``. An output column of naive timestamps is
 read as wall time of that zone (an ambiguous wall time as standard time, as Spark does); one
 with a zone is converted. Row mode is not concerned: there Spark hands zone-aware datetimes,
-as Arrow gives them.
+as Arrow gives them. The key of ``handleExpiredTimer``, in both modes, Spark unpickles from
+the JVM: its timestamps are naive ``datetime.datetime`` wall times of the session time zone
+(``session_wall_time``).
 """
 
 from __future__ import annotations
 
 import datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pandas as pd
 
@@ -29,6 +32,12 @@ def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
         local = frame[name].dt.tz_convert(time_zone).dt.tz_localize(None)
         frame[name] = local.astype("datetime64[ns]")
     return frame
+
+
+def session_wall_time(value: datetime.datetime, time_zone: str) -> datetime.datetime:
+    """The instant ``value`` (zone-aware, or naive local time as the row-tuple serializer
+    decodes it) as a naive wall time of ``time_zone``."""
+    return value.astimezone(ZoneInfo(time_zone)).replace(tzinfo=None)
 
 
 def session_local_key(key: tuple[Any, ...], time_zone: str) -> tuple[Any, ...]:

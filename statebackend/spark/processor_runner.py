@@ -51,7 +51,12 @@ from statebackend.errors import OutputSchemaError, SerializationError
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
-from statebackend.spark.pandas_times import session_local_frame, session_local_key, utc_series
+from statebackend.spark.pandas_times import (
+    session_local_frame,
+    session_local_key,
+    session_wall_time,
+    utc_series,
+)
 from statebackend.spark.processor_handle import (
     BatchTimes,
     Phase,
@@ -679,6 +684,29 @@ def _shown_key(spec: ProcessorSpec) -> Callable[[tuple[Any, ...]], tuple[Any, ..
     return partial(session_local_key, time_zone=spec.time_zone)
 
 
+def _timer_key(spec: ProcessorSpec, serializer: Any) -> Callable[[tuple[Any, ...]], Row]:
+    """A timer's key as Spark hands it to ``handleExpiredTimer`` in both modes (it
+    unpickles it from the JVM): a ``Row`` of the key columns, its timestamps (not
+    timestamp_ntz) naive wall times of the session time zone."""
+    make = Row(*spec.key_columns)
+    types = []
+    if isinstance(serializer, RowTupleSerializer):
+        types = [field["type"] for field in json.loads(serializer.schema_json)["fields"]]
+    instants = [position for position, kind in enumerate(types) if kind == "timestamp"]
+    if not instants:
+        return lambda key: make(*key)
+    time_zone = spec.time_zone
+
+    def shown(key: tuple[Any, ...]) -> Row:
+        values = list(key)
+        for position in instants:
+            if values[position] is not None:
+                values[position] = session_wall_time(values[position], time_zone)
+        return make(*values)
+
+    return shown
+
+
 def _fire_timers(
     spec: ProcessorSpec,
     handle: ProcessorHandle,
@@ -693,10 +721,12 @@ def _fire_timers(
     if spec.time_mode == "None" or timer_service is None:
         return
     timer_values = times.timer_values(spec.time_mode)
+    assert handle.backend is not None
+    shown_key = _timer_key(spec, handle.backend.key_serializer)
 
     def on_timer(key: Any, timestamp_ms: int) -> None:  # the timer's key is current
         result = spec.processor.handleExpiredTimer(
-            key, timer_values, ExpiredTimerInfo(timestamp_ms)
+            shown_key(key), timer_values, ExpiredTimerInfo(timestamp_ms)
         )
         emit(result or ())
 

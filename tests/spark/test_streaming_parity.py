@@ -850,9 +850,11 @@ class WallClock(StatefulProcessor):
     and the newest ``ev`` (a naive output timestamp: a wall time of that zone)."""
 
     def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
         self.count = handle.getValueState("count", "n long")
 
     def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs())
         frame = pd.concat(list(rows))
         current = self.count.get()
         n = (current[0] if current else 0) + len(frame)
@@ -870,6 +872,15 @@ class WallClock(StatefulProcessor):
             }
         )
 
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: Any
+    ) -> Iterator[Any]:
+        """Echo the key as Spark hands it here (unpickled from the JVM)."""
+        kind = f"{type(key).__name__}/{type(key[1]).__name__}"
+        yield pd.DataFrame(
+            {"user": [key[0]], "t": [key[1]], "key_type": [kind], "n": [-1], "since": [0]}
+        ).assign(latest=[key[1]])
+
     def close(self) -> None:
         pass
 
@@ -885,7 +896,9 @@ def test_pandas_mode_timestamps_are_wall_times_of_the_session_time_zone_like_spa
 ) -> None:
     """In a session time zone other than UTC, a pandas processor gets timestamps (key and
     columns) as naive wall times of that zone, and its naive output timestamps are read
-    as such: as Spark's transformWithStateInPandas does. Summer and winter times."""
+    as such: as Spark's transformWithStateInPandas does. Summer and winter times. A
+    timer's key is a Row whose timestamp is a naive datetime of that wall time, as Spark
+    unpickles it; it was a tuple holding the UTC wall time."""
     walls = ["2024-07-01T12:00:00", "2024-12-01T08:30:00", "2024-07-01T23:59:59"]
     batches = [
         [
@@ -895,7 +908,14 @@ def test_pandas_mode_timestamps_are_wall_times_of_the_session_time_zone_like_spa
         ],
         [{"user": "a", "t": walls[0], "ev": walls[1]}],
     ]
-    case = ParityCase(WALL_INPUT, ["user", "t"], WallClock, WALL_OUTPUT, use_pandas=True)
+    case = ParityCase(
+        WALL_INPUT,
+        ["user", "t"],
+        WallClock,
+        WALL_OUTPUT,
+        use_pandas=True,
+        time_mode="ProcessingTime",
+    )
     spark_local.conf.set("spark.sql.session.timeZone", WALL_ZONE)
     try:
         theirs, ours = run_parity(spark_local, case, batches, tmp_path)
@@ -913,5 +933,9 @@ def test_pandas_mode_timestamps_are_wall_times_of_the_session_time_zone_like_spa
             expected[
                 (batch_id, (*row, int(since.total_seconds()), collected_wall_time(latest)))
             ] += 1
+            # The timer each batch registers at its own time fires at its end, with the
+            # key as a Row whose timestamp is a naive datetime of the session's wall time.
+            wall = collected_wall_time(key[1])
+            expected[(batch_id, (key[0], wall, "Row/datetime", -1, 0, wall))] += 1
     assert ours == expected
     assert theirs == expected
