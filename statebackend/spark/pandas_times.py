@@ -19,6 +19,22 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pandas as pd
+import pyarrow as pa
+
+
+def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
+    """Rows of a group as Spark hands them to a pandas processor: maps as dicts, integers
+    inside arrays, maps and structs as Python ints with None for null (not floats with
+    NaN), and timestamp columns as wall times of ``time_zone`` (``session_local_frame``).
+    Top-level integer columns with nulls stay ``float64``, as in Spark."""
+    frame = table.to_pandas(maps_as_pydicts="strict")
+    for position, field in enumerate(table.schema):
+        if pa.types.is_nested(field.type):
+            column = table.column(position)
+            frame[field.name] = column.to_pandas(
+                integer_object_nulls=True, maps_as_pydicts="strict"
+            )
+    return session_local_frame(frame, time_zone)
 
 
 def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:

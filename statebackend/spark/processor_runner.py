@@ -52,7 +52,7 @@ from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
 from statebackend.spark.pandas_times import (
-    session_local_frame,
+    pandas_frame,
     session_local_key,
     session_wall_time,
     utc_series,
@@ -545,10 +545,7 @@ class _Inputs:
         """The key's input rows: Rows, or one DataFrame per run (pandas mode)."""
         if self._spec.use_pandas:
             names, zone = self._input_names, self._spec.time_zone
-            return (
-                session_local_frame(self._select(run, names, names).to_pandas(), zone)
-                for run in runs
-            )
+            return (pandas_frame(self._select(run, names, names), zone) for run in runs)
         if len(runs) == 1:  # the common case, once per key: no _batch_rows frame
             batch, start, stop = runs[0]
             if batch is self._rows_of:
@@ -563,7 +560,7 @@ class _Inputs:
         names = list(self._spec.initial_columns)
         table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         if self._spec.use_pandas:
-            return iter([session_local_frame(table.to_pandas(), self._spec.time_zone)])
+            return iter([pandas_frame(table, self._spec.time_zone)])
         assert self._make_initial_rows is not None
         return iter(self._make_initial_rows([column.to_pylist() for column in table.columns]))
 

@@ -44,6 +44,7 @@ from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_path import sorted_by_key
+from statebackend.spark.pandas_times import pandas_frame
 from statebackend.spark.processor_handle import BatchClock, BatchTimes, SchemaCatalog
 from statebackend.spark.processor_runner import (
     CONTROL,
@@ -770,3 +771,24 @@ def test_a_string_key_that_is_not_utf8_is_one_error_naming_its_column() -> None:
     with pytest.raises(SerializationError, match=r"key column 'k' holds a string that is not"):
         _key_values(column, "k")
     assert _key_values(column.slice(0, 1), "k") == ["ok"]
+
+
+def test_pandas_mode_input_holds_nested_values_as_spark_hands_them() -> None:
+    """A pandas processor gets maps as dicts and integers inside arrays, maps and
+    structs as ints with None for null, as Spark converts them; they were lists of
+    pairs and floats with NaN (``m['x']`` failed). Top-level int columns with nulls stay
+    float64, as in Spark."""
+    table = pa.table(
+        {
+            "m": pa.array([[("x", 0), ("y", None)], None], pa.map_(pa.string(), pa.int64())),
+            "a": pa.array([[1, None, 0], [2]], pa.list_(pa.int64())),
+            "s": pa.array([{"i": 2}, None], pa.struct([("i", pa.int64())])),
+            "n": pa.array([1, None], pa.int64()),
+        }
+    )
+    frame = pandas_frame(table, "UTC")
+    assert frame["m"].tolist() == [{"x": 0, "y": None}, None]
+    assert [list(a) for a in frame["a"]] == [[1, None, 0], [2]]
+    assert all(type(v) is int for a in frame["a"] for v in a if v is not None)
+    assert frame["s"].tolist()[0] == {"i": 2} and type(frame["s"].tolist()[0]["i"]) is int
+    assert str(frame["n"].dtype) == "float64"
