@@ -416,10 +416,10 @@ def batch_output(
 FILE_FORMATS = frozenset({"parquet", "json", "csv", "orc", "text", "avro"})
 """Sink formats that write files under a path: published exactly once by file names."""
 STAGING_DIR = "_statebackend-staging"
-_PUBLISHED_NAME = re.compile(r"part-[0-9]+-[0-9]+(\.|$)")
-"""The names of published files (``publish_parquet``, ``publish_files``)."""
 """Where ``publish_files`` lets Spark write a batch inside the sink's path: a name that
 starts with '_' is skipped by every reader of the path, as Spark's ``_spark_metadata``."""
+_PUBLISHED_NAME = re.compile(r"part-[0-9]+-[0-9]+(\.|$)")
+"""The names of published files (``publish_parquet``, ``publish_files``)."""
 
 
 def _sink_filesystem(
