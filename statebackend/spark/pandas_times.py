@@ -27,14 +27,17 @@ def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
     inside arrays, maps and structs as Python ints with None for null (not floats with
     NaN), and timestamp columns as wall times of ``time_zone`` (``session_local_frame``).
     Top-level integer columns with nulls stay ``float64``, as in Spark."""
-    frame = table.to_pandas(maps_as_pydicts="strict")
-    for position, field in enumerate(table.schema):
-        if pa.types.is_nested(field.type):
-            column = table.column(position)
-            frame[field.name] = column.to_pandas(
-                integer_object_nulls=True, maps_as_pydicts="strict"
-            )
-    return session_local_frame(frame, time_zone)
+    nested = [pa.types.is_nested(field.type) for field in table.schema]
+    if not any(nested):
+        return session_local_frame(table.to_pandas(), time_zone)
+    # Each column converted once, nested ones with the options only they need.
+    columns = {
+        name: column.to_pandas(integer_object_nulls=True, maps_as_pydicts="strict")
+        if is_nested
+        else column.to_pandas()
+        for name, column, is_nested in zip(table.column_names, table.columns, nested, strict=True)
+    }
+    return session_local_frame(pd.DataFrame(columns), time_zone)
 
 
 def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
