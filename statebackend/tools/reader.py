@@ -179,9 +179,12 @@ def _key_field(item: Any, spark_type: Any) -> Any:
     """A key column's value given as JSON, in the form its column's type takes: dates and
     timestamps from ISO 8601 text, decimals from their text or number (``0.1`` as
     written, not as the float nearest to it), binary from a Python bytes literal (as
-    ``read`` prints it: ``b'\\x00a'``) or as UTF-8 text."""
+    ``read`` prints it: ``b'\\x00a'``) or as UTF-8 text. A float or double -0.0 is 0.0,
+    as ``transform_with_state`` stores it (Spark's groupBy keys them as one)."""
     if item is None or not isinstance(spark_type, str):
         return item
+    if spark_type in ("float", "double") and isinstance(item, float) and item == 0.0:
+        return 0.0
     if spark_type == "date" and isinstance(item, str):
         return datetime.date.fromisoformat(item)
     if spark_type in ("timestamp", "timestamp_ntz") and isinstance(item, str):

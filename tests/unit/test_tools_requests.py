@@ -155,6 +155,21 @@ def test_a_key_as_read_prints_it_is_parsed_back_for_every_key_type() -> None:
     assert parse_key('["ab"]', RowTupleSerializer(_schema(("raw", "binary"))).config()) == (b"ab",)
 
 
+@pytest.mark.parametrize("kind", ["double", "float"])
+def test_a_negative_zero_or_nan_key_finds_the_key_transform_with_state_stored(kind: str) -> None:
+    """``transform_with_state`` stores a float key's -0.0 as 0.0 and every NaN as one NaN
+    (as Spark's groupBy keys them); ``read --key -0.0`` looked up the bits of -0.0 and
+    found nothing."""
+    serializer = RowTupleSerializer(_schema(("reading", kind), ("n", "long")))
+    stored_zero = serializer.serialize((0.0, 1))
+    stored_nan = serializer.serialize((float("nan"), 1))
+    for text in ("[-0.0, 1]", "[0.0, 1]", "[0, 1]"):
+        assert serializer.serialize(parse_key(text, serializer.config())) == stored_zero
+    assert serializer.serialize(parse_key("[NaN, 1]", serializer.config())) == stored_nan
+    one = RowTupleSerializer(_schema(("reading", kind)))
+    assert one.serialize(parse_key("-0.0", one.config())) == one.serialize((0.0,))
+
+
 def test_a_key_that_does_not_fit_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="does not fit"):
         parse_key("abc", IntSerializer().config())
