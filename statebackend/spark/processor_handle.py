@@ -75,11 +75,11 @@ class BatchTimes:
     eviction_watermark_ms: int = 0
 
     def timer_values(self, time_mode: str) -> TimerValues:
-        """What the processor sees as ``TimerValues`` in ``time_mode`` (-1 when unset)."""
+        """What the processor sees as ``TimerValues`` in ``time_mode``: both -1 in time
+        mode None, else the batch timestamp and the eviction watermark (ProcessingTime
+        too, as Spark gives it: 0 when the query has no watermark)."""
         if time_mode == "None":
             return TimerValues(-1, -1)
-        if time_mode == "ProcessingTime":
-            return TimerValues(self.batch_timestamp_ms, -1)
         return TimerValues(self.batch_timestamp_ms, self.eviction_watermark_ms)
 
 

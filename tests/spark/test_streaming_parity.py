@@ -639,6 +639,73 @@ def test_a_timer_registered_while_timers_fire_waits_for_the_next_batch_like_spar
     assert ours == expected
 
 
+def _watermarks(batches: list[list[dict[str, Any]]]) -> list[int]:
+    """Plain Python, as Spark defines it: batch N's watermark is the largest event time of
+    batches < N minus ``EVENT_DELAY_MS``, 0 before any (one more than ``batches``)."""
+    watermarks, seen = [0], 0
+    for batch in batches:
+        seen = max([seen, *(_ms(r["second"]) for r in batch)])
+        watermarks.append(max(watermarks[-1], seen - EVENT_DELAY_MS))
+    return watermarks
+
+
+WATERMARK_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        StructField("rows", LongType()),
+        StructField("watermark_ms", LongType()),
+    ]
+)
+
+
+class ProcessingTimeWatermark(StatefulProcessor):
+    """ProcessingTime over an input with a watermark: each handler echoes the watermark
+    it sees (and handleInputRows how many rows it got), a timer at the batch's time."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs())
+        watermark = timerValues.getCurrentWatermarkInMs()
+        yield Row(user=key[0], kind="in", rows=len(list(rows)), watermark_ms=watermark)
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        watermark = timerValues.getCurrentWatermarkInMs()
+        yield Row(user=key[0], kind="timer", rows=0, watermark_ms=watermark)
+
+    def close(self) -> None:
+        pass
+
+
+def test_processing_time_handlers_see_the_watermark_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """In ProcessingTime mode Spark's TimerValues carry the query's watermark (0 before
+    it moves, and without one); ours gave -1."""
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        ProcessingTimeWatermark,
+        WATERMARK_OUTPUT,
+        time_mode="ProcessingTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    theirs, ours = run_parity(spark_local, case, _event_rows(EVENT_BATCHES), tmp_path)
+    watermarks = _watermarks(EVENT_BATCHES)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(EVENT_BATCHES):
+        for user in {r["user"] for r in batch}:  # late rows too: only EventTime drops them
+            rows = sum(r["user"] == user for r in batch)
+            expected[(batch_id, (user, "in", rows, watermarks[batch_id]))] += 1
+            expected[(batch_id, (user, "timer", 0, watermarks[batch_id]))] += 1
+    assert theirs == expected
+    assert ours == expected
+
+
 # -- no-data batches: streaming.tick-interval -------------------------------------------
 
 TICK_SECONDS = "0.5"

@@ -424,4 +424,5 @@ def test_time_modes_and_timer_values() -> None:
     times = BatchTimes(1_000, late_events_watermark_ms=200, eviction_watermark_ms=500)
     assert times.timer_values("None").getCurrentProcessingTimeInMs() == -1
     assert times.timer_values("ProcessingTime").getCurrentProcessingTimeInMs() == 1_000
+    assert times.timer_values("ProcessingTime").getCurrentWatermarkInMs() == 500  # as Spark
     assert times.timer_values("EventTime").getCurrentWatermarkInMs() == 500
