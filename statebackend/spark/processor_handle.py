@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from struct import Struct
 from typing import Any
 
 from pyspark.sql import Row
@@ -506,11 +507,20 @@ class ProcessorHandle(StatefulProcessorHandle):
             timers.delete_event_time_timer(int(expiryTimestampMs))
 
     def listTimers(self) -> Iterator[int]:
-        """The current key's timer timestamps, ascending."""
+        """The current key's timer timestamps, in Spark's order (``spark_timer_order``)."""
         timers = self._timer_service("list_timers")
         if self.time_mode == "ProcessingTime":
-            return timers.processing_time_timers()
-        return timers.event_time_timers()
+            listed = timers.processing_time_timers()
+        else:
+            listed = timers.event_time_timers()
+        return iter(sorted(listed, key=spark_timer_order))
+
+
+spark_timer_order = Struct("<q").pack
+"""The order in which Spark's ``listTimers`` gives a key's timers: by the bytes of each
+timestamp as its RocksDB store holds it (an UnsafeRow long: little-endian), not by time
+(1_767_225_617_000 before 1_767_225_601_000). Odd, but a processor that takes the first
+listed timer must get the one it gets in Spark."""
 
 
 def _descriptor_of_stored(name: str, kind: StateKind, serializers: dict[str, Any]) -> Any:

@@ -706,6 +706,81 @@ def test_processing_time_handlers_see_the_watermark_like_spark(
     assert ours == expected
 
 
+LISTED_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        StructField("at_ms", LongType()),
+        StructField("timers", ArrayType(LongType())),
+    ]
+)
+LISTED_OFFSETS_MS = (1_000, 5_000, 6_000, 7_000)
+
+
+class ListedTimers(StatefulProcessor):
+    """EventTime: timers at each row's event time + ``LISTED_OFFSETS_MS``; each handler
+    echoes ``listTimers()`` as it gives them (their order included)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        for row in rows:
+            for offset in LISTED_OFFSETS_MS:
+                self.handle.registerTimer(int(row.ts.timestamp() * 1000) + offset)
+        yield Row(user=key[0], kind="in", at_ms=-1, timers=list(self.handle.listTimers()))
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Any]:
+        at_ms = expiredTimerInfo.getExpiryTimeInMs()
+        yield Row(user=key[0], kind="timer", at_ms=at_ms, timers=list(self.handle.listTimers()))
+
+    def close(self) -> None:
+        pass
+
+
+def test_list_timers_gives_spark_s_order(spark_local: SparkSession, tmp_path: Path) -> None:
+    """Spark lists a key's timers in the byte order of its RocksDB store, where a
+    timestamp is an UnsafeRow long, little-endian: not by time. Ours listed them
+    ascending."""
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        ListedTimers,
+        LISTED_OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    listed_batches = [
+        [{"user": "a", "second": 10}, {"user": "b", "second": 20}],
+        [{"user": "c", "second": 30}],
+        [{"user": "d", "second": 40}],
+        [{"user": "e", "second": 50}],
+    ]
+    theirs, ours = run_parity(spark_local, case, _event_rows(listed_batches), tmp_path)
+
+    def in_spark_s_order(timers: set[int]) -> tuple[int, ...]:
+        return tuple(sorted(timers, key=lambda t: t.to_bytes(8, "little", signed=True)))
+
+    watermarks = _watermarks(listed_batches)
+    timers: dict[str, set[int]] = {}
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(listed_batches):
+        for r in batch:
+            user = r["user"]
+            timers.setdefault(user, set()).update(_ms(r["second"]) + o for o in LISTED_OFFSETS_MS)
+            expected[(batch_id, (user, "in", -1, in_spark_s_order(timers[user])))] += 1
+        for user, user_timers in timers.items():
+            for expiry in sorted(t for t in user_timers if t <= watermarks[batch_id]):
+                listed = in_spark_s_order(user_timers)  # the firing one included
+                expected[(batch_id, (user, "timer", expiry, listed))] += 1
+                user_timers.discard(expiry)
+    assert any(list(timers) != sorted(timers) for (_, (*_, timers)) in expected)
+    assert theirs == expected
+    assert ours == expected
+
+
 # -- no-data batches: streaming.tick-interval -------------------------------------------
 
 TICK_SECONDS = "0.5"
