@@ -380,10 +380,10 @@ class ProcessorHandle(StatefulProcessorHandle):
     def _ttl(self, name: str, ttl_duration_ms: int | None) -> StateTtlConfig | None:
         if ttl_duration_ms is None:
             return None
-        if self.time_mode == "None":
+        if self.time_mode != "ProcessingTime":  # as Spark: not in EventTime either
             raise StatefulProcessorError(
                 "STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL",
-                f"Cannot use TTL for state={name} in timeMode=None, use "
+                f"Cannot use TTL for state={name} in timeMode={self.time_mode}, use "
                 f"TimeMode.ProcessingTime() instead",
             )
         if not isinstance(ttl_duration_ms, int) or ttl_duration_ms <= 0:

@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo
 import pandas as pd
 import pytest
 from pyspark import cloudpickle
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import Row, SparkSession
 from pyspark.sql.streaming.stateful_processor import (
     ExpiredTimerInfo,
@@ -35,6 +36,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from statebackend.errors import StatefulProcessorError
 from tests.spark import streaming_parity
 from tests.spark.streaming_parity import (
     ParityCase,
@@ -779,6 +781,36 @@ def test_list_timers_gives_spark_s_order(spark_local: SparkSession, tmp_path: Pa
     assert any(list(timers) != sorted(timers) for (_, (*_, timers)) in expected)
     assert theirs == expected
     assert ours == expected
+
+
+class EventTimeTtl(ListedTimers):
+    """``ListedTimers`` with a TTL'd value state: Spark refuses TTL in EventTime mode."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        super().init(handle)
+        self.latest = handle.getValueState("latest", "at_ms long", HOUR_MS)
+
+
+def test_ttl_in_event_time_mode_is_refused_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Spark allows TTL in ProcessingTime mode only; ours took it in EventTime too."""
+    case = ParityCase(
+        TIMED_INPUT,
+        ["user"],
+        EventTimeTtl,
+        LISTED_OUTPUT,
+        time_mode="EventTime",
+        watermark=("ts", f"{EVENT_DELAY_MS // 1000} seconds"),
+    )
+    input_dir = tmp_path / "input"
+    write_batches(input_dir, _event_rows([[{"user": "a", "second": 10}]]))
+    refused = "INCORRECT_TIME_MODE_TO_ASSIGN_TTL.*state=latest in timeMode=EventTime"
+    with parity_settings(spark_local, tmp_path):
+        with pytest.raises(StreamingQueryException, match=refused):
+            run_spark(spark_local, case, input_dir, tmp_path / "spark-checkpoint")
+        with pytest.raises(StatefulProcessorError, match=refused):
+            run_ours(spark_local, case, input_dir, tmp_path / "our-checkpoint", job_id="ttl")
 
 
 # -- no-data batches: streaming.tick-interval -------------------------------------------

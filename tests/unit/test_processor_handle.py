@@ -283,6 +283,8 @@ def test_ttl_expires_on_batch_time_not_wall_clock(
 def test_ttl_needs_a_time_mode_and_a_positive_duration(backend: KeyedStateBackend) -> None:
     with pytest.raises(StatefulProcessorError, match="INCORRECT_TIME_MODE_TO_ASSIGN_TTL"):
         _handle(backend).getValueState("count", COUNT, ttlDurationMs=1000)
+    with pytest.raises(StatefulProcessorError, match="TTL for state=seen in timeMode=EventTime"):
+        _handle(backend, "EventTime").getMapState("seen", EVENT, COUNT, ttlDurationMs=1000)
     with pytest.raises(StatefulProcessorError, match="TTL_DURATION_MUST_BE_POSITIVE"):
         _handle(backend, "ProcessingTime").getListState("events", EVENT, ttlDurationMs=0)
 
