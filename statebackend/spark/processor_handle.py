@@ -378,7 +378,9 @@ class ProcessorHandle(StatefulProcessorHandle):
             )
 
     def _ttl(self, name: str, ttl_duration_ms: int | None) -> StateTtlConfig | None:
-        if ttl_duration_ms is None:
+        # 0 is no TTL, in any time mode, as in Spark: its Python handle sends the duration
+        # in a protobuf field, where 0 is the default and reads as no TTL at all.
+        if ttl_duration_ms is None or ttl_duration_ms == 0:
             return None
         if self.time_mode != "ProcessingTime":  # as Spark: not in EventTime either
             raise StatefulProcessorError(

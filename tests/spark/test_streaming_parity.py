@@ -813,6 +813,52 @@ def test_ttl_in_event_time_mode_is_refused_like_spark(
             run_ours(spark_local, case, input_dir, tmp_path / "our-checkpoint", job_id="ttl")
 
 
+ZERO_TTL_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("before", LongType()),
+        StructField("after", LongType()),
+    ]
+)
+
+
+class ZeroTtlCount(StatefulProcessor):
+    """A count in a value state declared with ``ttlDurationMs=0``: Spark keeps it as a
+    state without TTL, in any time mode."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.getValueState("count", "n long", 0)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        current = self.count.get()
+        before = current[0] if current else 0
+        self.count.update((before + len(list(rows)),))
+        yield Row(user=key[0], before=before, after=self.count.get()[0])
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("time_mode", ["None", "ProcessingTime"])
+def test_a_ttl_of_zero_is_no_ttl_like_spark(
+    spark_local: SparkSession, tmp_path: Path, time_mode: str
+) -> None:
+    """Spark's Python handle sends ``ttlDurationMs`` as a protobuf field whose default,
+    0, reads as no TTL: the state keeps its values. Ours refused 0 (positive TTLs only,
+    and none in time mode None)."""
+    case = ParityCase(INPUT, ["user"], ZeroTtlCount, ZERO_TTL_OUTPUT, time_mode=time_mode)
+    theirs, ours = run_parity(spark_local, case, BATCHES, tmp_path)
+    counts: Counter[str] = Counter()
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES):
+        for user in {r["user"] for r in batch}:
+            before = counts[user]
+            counts[user] += sum(r["user"] == user for r in batch)
+            expected[(batch_id, (user, before, counts[user]))] += 1
+    assert theirs == expected
+    assert ours == expected
+
+
 # -- no-data batches: streaming.tick-interval -------------------------------------------
 
 TICK_SECONDS = "0.5"

@@ -286,7 +286,7 @@ def test_ttl_needs_a_time_mode_and_a_positive_duration(backend: KeyedStateBacken
     with pytest.raises(StatefulProcessorError, match="TTL for state=seen in timeMode=EventTime"):
         _handle(backend, "EventTime").getMapState("seen", EVENT, COUNT, ttlDurationMs=1000)
     with pytest.raises(StatefulProcessorError, match="TTL_DURATION_MUST_BE_POSITIVE"):
-        _handle(backend, "ProcessingTime").getListState("events", EVENT, ttlDurationMs=0)
+        _handle(backend, "ProcessingTime").getListState("events", EVENT, ttlDurationMs=-1)
 
 
 def test_states_are_declared_in_init_only(backend: KeyedStateBackend) -> None:
