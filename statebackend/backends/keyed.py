@@ -18,7 +18,13 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from statebackend.backends.changelog import Change, ChangeSet, LoggingStateStore, apply_change
+from statebackend.backends.changelog import (
+    Change,
+    ChangeOp,
+    ChangeSet,
+    LoggingStateStore,
+    apply_change,
+)
 from statebackend.backends.keyed_states import (
     STATE_IMPLEMENTATIONS,
     KeyContext,
@@ -541,14 +547,18 @@ class KeyedStateBackend(ABC):
         of key groups outside the range are skipped. The key serializer must match the
         stored one exactly (keys decide key groups), else IncompatibleStateError.
         """
-        self._begin_restore(key_serializer, states, timers)
+        conversions = self._begin_restore(key_serializer, states, timers)
         in_range = (
             (name, (key_group, entry))
             for name, key_group, entry in entries
             if key_group in self.key_group_range
         )
         for name, run in groupby(in_range, key=itemgetter(0)):
-            self._restored_store(name).write_entries(item for _, item in run)
+            items: Iterator[tuple[int, Entry]] = (item for _, item in run)
+            convert = conversions.get(name)
+            if convert is not None:
+                items = ((group, (k, uk, convert(value))) for group, (k, uk, value) in items)
+            self._restored_store(name).write_entries(items)
         self._end_restore(timers)
 
     def restore_sorted(
@@ -609,10 +619,12 @@ class KeyedStateBackend(ABC):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         timers: TimerSnapshotInfo | None,
-    ) -> None:
+    ) -> dict[str, Callable[[bytes], bytes]]:
         """The checks and registrations of ``restore`` before any entry is loaded: a
         backend's own restore paths (bulk loading) start with it and end with
-        ``_end_restore``."""
+        ``_end_restore``. Returns, by state name, how to re-encode the values about to be
+        loaded where an earlier restore into this backend stored that state with another
+        value serializer (``_reconcile``): they must be loaded through it."""
         states = list(states)
         self._check_restorable(key_serializer, states)
         if self._timer_service is not None and (
@@ -621,9 +633,26 @@ class KeyedStateBackend(ABC):
             raise StateAccessError("timers are already in use: restore before timer_service")
         if any(is_timer_state(meta.name) for meta in states):
             self._timer_counts = None  # restored timers are counted when the service starts
+        return self._register_restored(states)
+
+    def _register_restored(
+        self, states: list[StateMetaInfo]
+    ) -> dict[str, Callable[[bytes], bytes]]:
+        """Take the meta info of a handle or record about to be loaded: a state seen for
+        the first time keeps it; one restored before is reconciled with it
+        (``_reconcile``). Returns the conversions the loaded values need, by state name."""
+        conversions: dict[str, Callable[[bytes], bytes]] = {}
         for meta in states:
-            self._restored[meta.name] = meta
             self._store_for(meta.name, meta.kind is StateKind.MAP)
+            previous = self._restored.get(meta.name)
+            if previous is None:
+                self._restored[meta.name] = meta
+                continue
+            kept, convert = _reconcile(previous, meta, self._stores[meta.name])
+            self._restored[meta.name] = kept
+            if convert is not None:
+                conversions[meta.name] = convert
+        return conversions
 
     def _restored_store(self, name: str) -> StateStore:
         """The store of restored state ``name``; IncompatibleStateError if the snapshot
@@ -723,7 +752,10 @@ class KeyedStateBackend(ABC):
 
         ``states`` is the meta info the record was written with: a state whose value
         serializer differs from the one restored so far is migrated to it first, as the
-        live backend did when the state was registered with the new serializer. The
+        live backend did when the state was registered with the new serializer, unless
+        the one restored so far reads the record's (the record of an old subtask that had
+        not registered the state since a serializer change, replayed after one that had,
+        on a rescale): then the record's values are converted (``_reconcile``). The
         record's timer clocks (``timers``) replace the ones restored so far (records are
         replayed in batch order and clocks only move forward), unless ``same_batch``: a
         record of the batch whose clocks were replayed last (another old subtask's, on
@@ -741,12 +773,7 @@ class KeyedStateBackend(ABC):
                 self._timer_clocks = timers.clocks
         if any(is_timer_state(meta.name) for meta in states):
             self._timer_counts = None  # replayed timers are counted when the service starts
-        for meta in states:
-            self._store_for(meta.name, meta.kind is StateKind.MAP)
-            previous = self._restored.get(meta.name)
-            if previous is not None:
-                _migrate_restored(previous, meta, self._stores[meta.name])
-            self._restored[meta.name] = meta
+        conversions = self._register_restored(states)
         stores = self._stores  # not through the changelog: a replay is no change
         owned = self.key_group_range
         for name, key_group, change in changes:
@@ -756,6 +783,9 @@ class KeyedStateBackend(ABC):
                     raise IncompatibleStateError(
                         f"changelog record has changes of state {name!r} but no meta info for it"
                     )
+                convert = conversions.get(name)
+                if convert is not None and change.op in (ChangeOp.PUT, ChangeOp.MAP_PUT):
+                    change = change._replace(value=convert(change.value))
                 apply_change(target, key_group, change)
 
     def dispose(self) -> None:
@@ -834,30 +864,52 @@ def stored_reader(restored: StateMetaInfo, descriptor: StateDescriptor) -> Seria
     return resolve_serializer(descriptor.name, new_value, restored.serializers["value"])
 
 
+def _value_converter(
+    kind: StateKind, old: Serializer[Any], new: Serializer[Any]
+) -> Callable[[bytes], bytes]:
+    """Re-encodes one stored value (each element of a list state) from ``old`` to ``new``."""
+    if kind is StateKind.LIST:
+        return lambda data: encode_list(
+            new.serialize(old.deserialize(e)) for e in decode_list(data)
+        )
+    return lambda data: new.serialize(old.deserialize(data))
+
+
 def migrate_values(
     store: StateStore, kind: StateKind, old: Serializer[Any], new: Serializer[Any]
 ) -> None:
     """Re-encode every value of ``store`` (each element of a list state) from ``old`` to
     ``new``: a serializer migration."""
-    if kind is StateKind.LIST:
-        store.transform_values(
-            lambda data: encode_list(new.serialize(old.deserialize(e)) for e in decode_list(data))
-        )
-    else:
-        store.transform_values(lambda data: new.serialize(old.deserialize(data)))
+    store.transform_values(_value_converter(kind, old, new))
 
 
-def _migrate_restored(previous: StateMetaInfo, meta: StateMetaInfo, store: StateStore) -> None:
-    """Bring ``store``'s values, stored as ``previous`` says, to the serializer of ``meta``."""
+def _reconcile(
+    previous: StateMetaInfo, meta: StateMetaInfo, store: StateStore
+) -> tuple[StateMetaInfo, Callable[[bytes], bytes] | None]:
+    """The meta info a restored state keeps when another handle or changelog record of it
+    comes with ``meta``, and how that one's values convert to it (None: as they are).
+
+    The subtasks of one checkpoint or batch may store a state with different value
+    serializers: a subtask takes a serializer change when it registers the state, and
+    one that had no key for it since has not. When the serializer restored so far
+    (``previous``) reads ``meta``'s values, it stays and they are converted as they are
+    loaded; otherwise what ``store`` holds so far is migrated to ``meta``'s, which must
+    read it. IncompatibleStateError when neither reads the other, or the kinds differ.
+    """
     if previous.kind is not meta.kind:
         raise IncompatibleStateError(
             f"state {meta.name!r} was stored as {previous.kind.value} state and later as "
             f"{meta.kind.value} state: the changelog cannot be replayed"
         )
-    if previous.serializers == meta.serializers:
-        return
-    stored = previous.serializers["value"]
-    new = serializer_from_config(meta.serializers["value"])
-    old = resolve_serializer(meta.name, new, stored)
-    if old is not None:
-        migrate_values(store, meta.kind, old, new)
+    if previous.serializers.get("value") == meta.serializers.get("value"):
+        return meta, None  # timers have no value serializer
+    kept = serializer_from_config(previous.serializers["value"])
+    try:
+        old = resolve_serializer(meta.name, kept, meta.serializers["value"])
+    except IncompatibleStateError:
+        new = serializer_from_config(meta.serializers["value"])
+        stored = resolve_serializer(meta.name, new, previous.serializers["value"])
+        if stored is not None:
+            migrate_values(store, meta.kind, stored, new)
+        return meta, None
+    return previous, None if old is None else _value_converter(meta.kind, old, kept)

@@ -592,7 +592,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         into one SST file beside the database and ingested, without a single put; runs of
         key groups outside the backend's range are skipped. Returns the number of entries
         loaded; CheckpointCorruptedError if a state's keys are out of order."""
-        self._begin_restore(key_serializer, states, timers)
+        conversions = self._begin_restore(key_serializer, states, timers)
         staging = Path(tempfile.mkdtemp(prefix="ingest-", dir=self.local_dir))
         writers: dict[str, tuple[SstFileWriter, Path]] = {}
         loaded = 0
@@ -606,6 +606,9 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
                     writer = SstFileWriter(_options())
                     writer.open(str(path))
                     writers[name] = (writer, path)
+                convert = conversions.get(name)
+                if convert is not None:
+                    pairs = [(key, convert(value)) for key, value in pairs]
                 try:
                     # starmap over a list: no Python frame per entry.
                     deque(starmap(writers[name][0].__setitem__, pairs), maxlen=0)
