@@ -23,13 +23,14 @@ The checkpoints that retained manifests build on must outlive them:
 
 The driver is the job's only committer (one driver per job directory, fenced by leader
 epochs), so its ``ChangelogStorage`` lists the manifests once and then keeps the list as
-it commits and deletes them, and ``cleanup`` looks only at the records directories of
-the batches committed since its previous run but one (to delete the attempts not
-accepted, and a late straggler's) and of the batches no longer referenced (deleted
-whole, with any record a zombie attempt wrote later). A batch then costs the driver a
-bounded number of storage calls (check, write, two listings, deletes), whatever the
-checkpoint interval. The first ``cleanup`` of an instance, and the first after
-``restart``, lists the whole changelog.
+it commits and deletes them (listing them again when a batch does not follow the newest
+it knows: another object of the driver committed meanwhile), and ``cleanup`` looks only
+at the records directories of the batches committed since its previous run but one (to
+delete the attempts not accepted, and a late straggler's) and of the batches no longer
+referenced (deleted whole, with any record a zombie attempt wrote later). A batch then
+costs the driver a bounded number of storage calls (check, write, two listings,
+deletes), whatever the checkpoint interval. The first ``cleanup`` of an instance, and
+the first after ``restart`` or a listing again, lists the whole changelog.
 """
 
 from __future__ import annotations
@@ -168,7 +169,13 @@ class ChangelogStorage:
                 f"{path} already commits batch {batch_id} with other records or "
                 f"properties: a batch is committed once (is another driver running?)"
             )
+        known = self._ids is not None
         ids = self._committed_ids()
+        if known and (ids[-1] if ids else -1) != batch_id - 1:
+            # Batches follow each other: another committer of the job (a query restarted
+            # on another object), or a write this one saw fail, may have committed since.
+            self._ids = self._swept = None
+            ids = self._committed_ids()
         previous = self.load_manifest(ids[-1]) if ids else None
         base = None if previous is None else previous.base
         if self._base is not None and (base is None or base.batch_id < self._base.batch_id):

@@ -254,6 +254,28 @@ def test_a_manifest_changed_after_it_was_written_is_refused(checkpoint_url: Stor
     assert ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1).properties == offsets
 
 
+def test_a_committer_that_another_one_followed_builds_on_its_batches(
+    checkpoint_url: Storage,
+) -> None:
+    """A query restarted on its older ``transform_with_state`` object, after another
+    object ran batches of the same job, commits through a ``ChangelogStorage`` that knows
+    only its own manifests (and so does one whose manifest write landed though it
+    reported failure): its next manifest must still build on every committed batch, or
+    a rebuild from it silently loses the batches it did not know of."""
+    first = ChangelogStorage(open_storage(checkpoint_url))
+    second = ChangelogStorage(open_storage(checkpoint_url))
+    expected: dict[str, int] = {}
+    for committer, batch_id in [(first, 0), (first, 1), (second, 2), (second, 3), (first, 4)]:
+        key, count = f"user-{batch_id}", 10 + batch_id
+        handle = record_of(committer, batch_id, "a", key, count)
+        committer.commit(batch_id, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+        expected[key] = count
+    latest = ChangelogStorage(open_storage(checkpoint_url)).latest_manifest()
+    assert latest is not None and latest.batch_id == 4
+    assert [b.batch_id for b in latest.operators[OPERATOR]] == [0, 1, 2, 3, 4]
+    assert counts_after_rebuild(first, latest) == expected
+
+
 def test_a_manifest_is_validated_on_load(checkpoint_url: Storage) -> None:
     changelog = ChangelogStorage(open_storage(checkpoint_url))
     handle = record_of(changelog, 1, "a", "user-1", 10)
