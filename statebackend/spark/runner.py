@@ -43,8 +43,9 @@ a batch fails rebuilding from it, is replaced by the previous completed checkpoi
 the run's lineage (the job's retained checkpoints with ``restore="latest"``, and those
 this run completed), as Flink does: this is the only job-wide rollback (counted in the
 summary). Restarting from a checkpoint older than the newest manifest deletes the
-manifests of the later batches: they belong to the history that is abandoned. Only when
-no older checkpoint can be read does the run fail, leaving the checkpoints as they are.
+manifests and the output of the later batches: they belong to the history that is
+abandoned. Only when no older checkpoint can be read does the run fail, leaving the
+checkpoints as they are.
 
 One driver per job directory: each run's coordinator claims a new leader epoch, so a
 second driver started on the same directory fences the first, whose next checkpoint
@@ -129,6 +130,7 @@ from statebackend.spark.tasks import (
     StorageSpec,
     keyed_subtask,
     keyed_task,
+    output_batches,
     output_directory,
     single_stage_input,
     source_task,
@@ -459,6 +461,7 @@ class StatefulJob:
             )
         check_parallelism(self.parallelism, max_parallelism)
         self._max_parallelism = max_parallelism
+        self._drop_output_from(self._next_batch)
         # Claims the job's next leader epoch: a driver still running the job is fenced.
         self._coordinator = CheckpointCoordinator(
             storage,
@@ -553,6 +556,15 @@ class StatefulJob:
         covered = metadata is not None and self._restore_point == self._latest
         self._covered_batch: int | None = self._next_batch - 1 if covered else None
 
+    def _drop_output_from(self, batch_id: int) -> None:
+        """Delete the output of batches ``batch_id`` and later: no manifest of the history
+        the run continues commits them (attempts that failed or were killed, or batches of
+        a history a restore abandoned), and the batches the run writes may not reach them."""
+        if self.output_dir is not None:
+            for batch, directory in output_batches(self.output_dir).items():
+                if batch >= batch_id:
+                    shutil.rmtree(directory, ignore_errors=True)
+
     def _committed_offsets(self, properties: Mapping[str, Any]) -> list[OperatorStateBackend]:
         """The source subtasks' states from the offsets a batch manifest committed (or a
         savepoint folded from one carries), split anew if the parallelism changed."""
@@ -612,6 +624,7 @@ class StatefulJob:
         if unreadable is not None and failed is not None:
             # A subtask could not restore from it (after the file system's retries).
             self._restart_from(self._fall_back(failed, unreadable))
+            self._drop_output_from(self._next_batch)
             self._summary.rollbacks += 1
             self._failed(error, f"fell back from unreadable {failed} to {self._restore_point}")
             return retries

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from statebackend.spark.source import KeyOf, LogSource, Offsets
 
 RECORD = 0
 MARKER = 1
+_OUTPUT_BATCH = re.compile(r"batch-([0-9]+)")
 
 _log = logging.getLogger(__name__)
 
@@ -295,6 +297,16 @@ def group_input(items: Iterable[tuple[int, tuple[Any, ...]]]) -> KeyedInput:
 def output_directory(output_dir: str, batch_id: int) -> Path:
     """The directory of batch B's output rows, one ``part-<subtask>.jsonl`` per subtask."""
     return Path(output_dir) / f"batch-{batch_id:06d}"
+
+
+def output_batches(output_dir: str) -> dict[int, Path]:
+    """The batch directories (``output_directory``'s) under ``output_dir``, by batch id."""
+    found = {}
+    for path in Path(output_dir).glob("batch-*"):
+        match = _OUTPUT_BATCH.fullmatch(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return found
 
 
 def _write_output(plan: KeyedPlan, subtask: int, rows: Iterable[Any]) -> int:

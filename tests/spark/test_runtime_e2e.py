@@ -5,6 +5,7 @@ And which batch takes a run's final checkpoint."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,49 @@ def test_the_batch_that_reads_the_last_input_takes_the_final_checkpoint(
     assert int(final.properties["next_batch"]) == batches
     expected = expected_totals(read_events(tmp_path / "input"))
     assert compare_totals(expected, checkpointed_totals(spark_local, summary.last_checkpoint)) == []
+
+
+def test_restoring_an_older_checkpoint_drops_the_output_of_the_abandoned_batches(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """A run restored from an older checkpoint abandons the later batches (their
+    manifests are deleted): their output goes too, so the output directory holds each
+    user's running count once per batch of one history, ending at the plain-Python count,
+    even when the new history has fewer batches than the abandoned one."""
+    conf = StateBackendConf(
+        checkpoint_dir=tmp_path.joinpath("ckpt").as_uri(), local_dir=str(tmp_path / "local")
+    )
+    output = tmp_path / "output"
+
+    def run(batch_size: int, restore: str | None = "latest") -> RunSummary:
+        return user_totals_job(
+            spark_local,
+            job_id="older",
+            input_dir=tmp_path / "input",
+            parallelism=2,
+            conf=conf,
+            batch_size=batch_size,
+            checkpoint_every=100,
+            restore=restore,
+            output_dir=str(output),
+        ).run()
+
+    generate_events(tmp_path / "input", 200, 10, PARTITIONS, seed=1)
+    first = run(batch_size=20)
+    generate_events(tmp_path / "input", 400, 10, PARTITIONS, seed=2)
+    run(batch_size=10)  # many small batches
+    assert first.last_checkpoint is not None
+    again = run(batch_size=1000, restore=first.last_checkpoint)  # one batch re-reads the rest
+
+    counts: dict[str, list[int]] = {}
+    for directory in sorted(output.glob("batch-*")):
+        for part in sorted(directory.glob("part-*.jsonl")):
+            for line in part.read_text().splitlines():
+                row = json.loads(line)
+                counts.setdefault(row["user"], []).append(row["count"])
+    expected = expected_totals(read_events(tmp_path / "input"))
+    assert again.last_checkpoint is not None
+    assert {user: values[-1] for user, values in counts.items()} == {
+        user: totals["count"] for user, totals in expected.items()
+    }
+    assert all(values == sorted(set(values)) for values in counts.values()), counts
