@@ -7,10 +7,10 @@ up to ``batch_size`` records from each owned partition, starting at its offset, 
 complete lines (ending in ``\\n``): a line still being appended is read by a later batch.
 Partitions that appear later are picked up at offset 0.
 
-Malformed lines (not JSON, or without a key): by default a SourceError naming the file
-and line number stops the job before the batch runs (so no state changes, and the
-checkpoints stay as they were); with ``on_malformed="skip"`` such lines are skipped and
-counted in the job's summary.
+Malformed lines (not JSON, or without a key the job's key serializer can encode): by
+default a SourceError naming the file and line number stops the job before the batch runs
+(so no state changes, and the checkpoints stay as they were); with ``on_malformed="skip"``
+such lines are skipped and counted in the job's summary.
 """
 
 from __future__ import annotations
@@ -209,16 +209,23 @@ class LogSource:
         wanted: Callable[[Any], bool],
     ) -> GroupedBatch:
         """``read(partition, offset, max_records, key_of, end)``'s records whose key is
-        ``wanted`` (asked once per distinct key), grouped by key: in one pass over the
-        batch's bytes when its lines are the usual case (``_group_whole``), else from the
-        line-by-line read, so that values, errors and skips are the same."""
+        ``wanted``, grouped by key: in one pass over the batch's bytes when its lines are
+        the usual case (``_group_whole``: ``wanted`` asked once per distinct key), else
+        from the line-by-line read, so that values, errors and skips are the same. A key
+        ``wanted`` raises for (one the job cannot route) makes its line malformed."""
         with partition_path(self.directory, partition).open("rb") as f:
             f.seek(offset)
             data = f.read(end - offset)
         grouped = _group_whole(data, offset, max_records, key_of, wanted)
         if grouped is not None:
             return grouped
-        batch = self.read(partition, offset, max_records, key_of, end)
+
+        def routed_key_of(record: Any) -> Any:
+            key = key_of(record)
+            wanted(key)
+            return key
+
+        batch = self.read(partition, offset, max_records, routed_key_of, end)
         return GroupedBatch(_grouped(batch.records, wanted), batch.offset, batch.skipped)
 
 

@@ -253,6 +253,18 @@ class _Targets:
         self._max_parallelism, self._parallelism = plan.max_parallelism, plan.parallelism
         self._known: dict[Any, int] = {}
 
+    def routable(self, key_of: KeyOf) -> KeyOf:
+        """``key_of`` that raises, as for a record without a key, when the key cannot be
+        routed (unhashable, or the key serializer cannot encode it), so that the source
+        reports or skips the record's line as malformed."""
+
+        def key(record: Any) -> Any:
+            found = key_of(record)
+            self.of(found)
+            return found
+
+        return key
+
     def of(self, key: Any) -> int:
         """The keyed subtask of ``key``'s key group."""
         target = self._known.get(key)
@@ -272,7 +284,14 @@ def source_task(plan: SourcePlan, subtask: int) -> Iterator[tuple[int, tuple[Any
     skipped = 0
     targets = _Targets(plan)
     for partition, offset in plan.offsets[subtask]:
-        batch = plan.source.read(partition, offset, plan.batch_size, plan.key_of)
+        try:
+            batch = plan.source.read(partition, offset, plan.batch_size, plan.key_of)
+            for key in {key for key, _ in batch.records}:
+                targets.of(key)
+        except Exception:  # a malformed line or a key it cannot route: read again with
+            # every key routed, so that a bad key's line is malformed and the first one counts
+            key_of = targets.routable(plan.key_of)
+            batch = plan.source.read(partition, offset, plan.batch_size, key_of)
         for key, record in batch.records:
             yield targets.of(key), (RECORD, key, record)
         new_offsets.append((partition, batch.offset))

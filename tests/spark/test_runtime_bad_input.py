@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,11 +23,14 @@ from statebackend.errors import (
     SourceError,
 )
 from statebackend.spark import LogSource, StatefulJob
-from statebackend.spark.conf import KEYS, StateBackendConf
+from statebackend.spark.conf import DEFAULT_SINGLE_STAGE_BYTES, KEYS, StateBackendConf
 from statebackend.spark.example import (
     KEY_FIELD,
     OPERATOR_ID,
     UserTotals,
+    checkpointed_totals,
+    compare_totals,
+    expected_totals,
     generate_events,
     user_totals_job,
 )
@@ -92,6 +96,62 @@ def test_malformed_line(
     assert _files(tmp_path) == before
     skipped = _run(spark_local, tmp_path, on_malformed="skip")
     assert (skipped.records, skipped.skipped) == (1, 1)
+
+
+@pytest.mark.parametrize("single_stage_bytes", [DEFAULT_SINGLE_STAGE_BYTES, 0])
+@pytest.mark.parametrize("key", ["5", "null", "[1]", '{"a": 1}'], ids=str)
+def test_a_line_whose_key_the_job_cannot_use_is_a_malformed_line(
+    spark_local: SparkSession, tmp_path: Path, key: str, single_stage_bytes: int
+) -> None:
+    """A record whose key is not a str (the key serializer's type), or cannot be hashed,
+    stops the run with its file and line (the first malformed one: a line that is not
+    JSON follows); with on_malformed="skip" both are skipped and counted, and the state
+    holds the other lines (computed in plain Python)."""
+    generate_events(tmp_path / "input", 60, 8, 2, 5)
+    path = partition_path(tmp_path / "input", 1)
+    bad = f'{{"user": {key}, "amount": 3, "category": "food"}}\n'
+    with path.open("a") as f:
+        f.write(bad)
+    generate_events(tmp_path / "input", 10, 8, 2, 6)
+    with path.open("a") as f:
+        f.write("not json\n")
+    generate_events(tmp_path / "input", 10, 8, 2, 7)
+    line = path.read_text().splitlines(keepends=True).index(bad) + 1
+
+    def run(on_malformed: str) -> RunSummary:
+        return user_totals_job(
+            spark_local,
+            job_id="bad-key",
+            input_dir=tmp_path / "input",
+            parallelism=2,
+            on_malformed=on_malformed,
+            batch_size=100,
+            restore=None,
+            conf=StateBackendConf(
+                checkpoint_dir=(tmp_path / "checkpoints").as_uri(),
+                local_dir=str(tmp_path / "local"),
+                single_stage_bytes=single_stage_bytes,
+                max_retries=0,
+            ),
+        ).run()
+
+    with pytest.raises(SourceError, match=rf"partition-1\.jsonl line {line}: malformed record"):
+        run("fail")
+    summary = run("skip")
+    good = [
+        json.loads(line)
+        for partition in sorted((tmp_path / "input").glob("partition-*.jsonl"))
+        for line in partition.read_text().splitlines()
+        if line.startswith('{"user": "')
+    ]
+    assert (summary.records, summary.skipped) == (len(good), 2)
+    assert summary.last_checkpoint is not None
+    assert (
+        compare_totals(
+            expected_totals(good), checkpointed_totals(spark_local, summary.last_checkpoint)
+        )
+        == []
+    )
 
 
 def test_checkpoint_of_another_job(
