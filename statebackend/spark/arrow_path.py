@@ -509,8 +509,12 @@ def combined_input(
     )
     key_types = {field.name: field.dataType for field in input_schema.fields}
     others = [name for name in spec.input_columns if name not in spec.key_columns]
+    sources = spec.initial_key_columns or spec.key_columns
     initial = initial_state.select(
-        *[F.col(quoted(name)).cast(key_types[name]).alias(name) for name in spec.key_columns],
+        *[
+            F.col(quoted(column)).cast(key_types[name]).alias(name)
+            for name, column in zip(spec.key_columns, sources, strict=True)
+        ],
         *_typed_nulls(input_schema, others),
         *[F.col(quoted(name)).alias(INITIAL_PREFIX + name) for name in spec.initial_columns],
         F.lit(INITIAL).cast(ByteType()).alias(KIND_COLUMN),

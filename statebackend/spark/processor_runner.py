@@ -101,6 +101,9 @@ class ProcessorSpec:
     time_zone: str = "UTC"
     """The session time zone: pandas mode shows timestamps as its wall times
     (``pandas_times``)."""
+    initial_key_columns: tuple[str, ...] = ()
+    """The initial-state columns holding the key columns, in key order (empty: the key
+    columns' own names)."""
 
     @property
     def output_schema(self) -> StructType:

@@ -166,7 +166,13 @@ def _key_columns(df: DataFrame, key_by: object) -> tuple[str, ...]:
     return tuple(resolved)
 
 
-def _initial_state_frame(initial_state: object, key_columns: tuple[str, ...]) -> DataFrame | None:
+def _initial_state_frame(
+    initial_state: object, key_columns: tuple[str, ...]
+) -> tuple[DataFrame, tuple[str, ...]] | None:
+    """The initial-state DataFrame and its columns holding the key columns, in key order.
+    A groupBy's grouping columns pair with the keys by position, as in Spark, unless they
+    are the key columns in another order (Spark would then mix up the key's parts); a
+    DataFrame holds the key columns by name."""
     if initial_state is None:
         return None
     frame = initial_state._df if isinstance(initial_state, GroupedData) else initial_state
@@ -175,12 +181,27 @@ def _initial_state_frame(initial_state: object, key_columns: tuple[str, ...]) ->
             f"initial_state {initial_state!r} is invalid: give a DataFrame with the key "
             f"columns {list(key_columns)} (or its groupBy of them)"
         )
+    if isinstance(initial_state, GroupedData):
+        grouping = tuple(initial_state.count().columns[:-1])  # the grouping columns' names
+        if sorted(grouping) != sorted(key_columns):
+            if len(grouping) != len(key_columns):
+                raise ConfigurationError(
+                    f"initial_state is grouped by {list(grouping)} and the input by "
+                    f"{list(key_columns)}: group it by one column per key column"
+                )
+            unknown = [name for name in grouping if name not in frame.columns]
+            if unknown:
+                raise ConfigurationError(
+                    f"initial_state is grouped by {unknown[0]!r}, not a column of its "
+                    f"DataFrame {frame.columns}: group it by columns"
+                )
+            return frame, grouping
     missing = [name for name in key_columns if name not in frame.columns]
     if missing:
         raise ConfigurationError(
             f"initial_state has no key column {missing[0]!r}: it has {frame.columns}"
         )
-    return frame
+    return frame, key_columns
 
 
 def _check_replayable(df: DataFrame) -> None:
@@ -667,7 +688,8 @@ def transform_with_state(
     mode = parse_time_mode(time_mode)
     if not isinstance(job_id, str) or not job_id or "/" in job_id:
         raise ConfigurationError(f"job_id {job_id!r} is invalid: give a name without '/'")
-    initial = _initial_state_frame(initial_state, keys)
+    initial_frame = _initial_state_frame(initial_state, keys)
+    initial, initial_keys = initial_frame if initial_frame is not None else (None, ())
     # The session's conf holds the SparkConf's settings and those set at run time.
     conf = StateBackendConf.from_session(spark)
     conf.require_checkpoint_dir()
@@ -700,6 +722,7 @@ def transform_with_state(
         key_columns=keys,
         input_columns=tuple(df.columns),
         initial_columns=tuple(initial.columns) if initial is not None else (),
+        initial_key_columns=initial_keys,
         output_schema_json=str(schema.json()),
         catalog=catalog,
         event_time_column=_event_time_column(df, mode),

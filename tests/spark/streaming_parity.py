@@ -68,6 +68,8 @@ class ParityCase:
     initial_state: list[dict[str, Any]] | None = None
     """Rows of the initial state (with the key columns), or None."""
     initial_schema: StructType | None = None
+    initial_key_by: list[str] | None = None
+    """The columns the initial state is grouped by (``key_by`` if None)."""
 
 
 def _source(spark: SparkSession, case: ParityCase, input_dir: Path) -> DataFrame:
@@ -79,7 +81,8 @@ def _source(spark: SparkSession, case: ParityCase, input_dir: Path) -> DataFrame
 def _initial_state(spark: SparkSession, case: ParityCase) -> GroupedData | None:
     if case.initial_state is None:
         return None
-    return spark.createDataFrame(case.initial_state, case.initial_schema).groupBy(*case.key_by)
+    initial = spark.createDataFrame(case.initial_state, case.initial_schema)
+    return initial.groupBy(*(case.initial_key_by or case.key_by))
 
 
 def hashable(value: Any) -> Any:

@@ -17,6 +17,7 @@ import pytest
 from py4j.protocol import Py4JJavaError
 from pyspark import TaskContext, cloudpickle
 from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming.stateful_processor import (
     ExpiredTimerInfo,
     StatefulProcessor,
@@ -114,6 +115,22 @@ def test_bad_arguments_are_one_clear_error(
     arguments.update(overrides)
     with pytest.raises(ConfigurationError, match=message):
         transform_with_state(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("grouping", "message"),
+    [
+        (["user", "start"], r"grouped by \['user', 'start'\] and the input by \['user'\]"),
+        (["upper(user)"], r"grouped by 'upper\(user\)', not a column of its DataFrame"),
+    ],
+)
+def test_initial_state_grouped_unlike_the_keys_is_one_clear_error(
+    spark: SparkSession, events: DataFrame, grouping: list[str], message: str
+) -> None:
+    initial = spark.createDataFrame([("a", 100)], "user string, start long")
+    grouped = initial.groupBy(*[F.expr(name) for name in grouping])
+    with pytest.raises(ConfigurationError, match=message):
+        transform_with_state(events, "user", Totals(), OUTPUT, "api", initial_state=grouped)
 
 
 class TypoInSchema(Totals):

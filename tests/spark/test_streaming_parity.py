@@ -416,6 +416,32 @@ def test_processing_time_timers_ttl_initial_state_composite_types_like_spark(
     assert ours == expected
 
 
+def test_initial_state_grouped_by_other_columns_pairs_them_with_the_keys_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """``initialState=init.groupBy("uid")`` for a query keyed by ``user``: Spark pairs
+    the initial state's grouping columns with the keys by position, so its rows seed the
+    users they name; the processor sees the initial state's own columns."""
+    renamed = StructType([StructField("uid", StringType()), *INITIAL_SCHEMA.fields[1:]])
+    case = ParityCase(
+        INPUT,
+        ["user"],
+        Sessions,
+        SESSION_OUTPUT,
+        time_mode="ProcessingTime",
+        initial_state=[
+            {"uid": row["user"], "start": row["start"], "tag": row["tag"]}
+            for row in SESSION_INITIAL
+        ],
+        initial_schema=renamed,
+        initial_key_by=["uid"],
+    )
+    theirs, ours = run_parity(spark_local, case, SESSION_BATCHES, tmp_path)
+    expected = _expected_sessions(SESSION_BATCHES, SESSION_INITIAL)
+    assert theirs == expected
+    assert ours == expected
+
+
 EVENT_OUTPUT = StructType(
     [
         StructField("user", StringType()),
