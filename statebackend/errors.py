@@ -125,3 +125,20 @@ def error_chain(error: BaseException | None) -> Iterator[BaseException]:
         yield error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
+
+
+MALFORMED_DOCUMENT: tuple[type[Exception], ...] = (
+    KeyError,
+    IndexError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    OverflowError,
+    RecursionError,
+    CheckpointCorruptedError,
+)
+"""What parsing a JSON document of a checkpoint directory (``_metadata``, an ack, a batch
+manifest) into its handles raises when a value has the wrong shape: a missing field, a
+range without bounds, a number no int or float holds (``Infinity``, ``1e400``), nesting
+too deep, an unknown handle type. The parser turns each into one CheckpointCorruptedError
+naming the file, or ignores the document (a malformed ack)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 import re
 from collections.abc import Callable
@@ -37,7 +38,11 @@ from statebackend.checkpoint.signing import (
     check_signature,
 )
 from statebackend.checksums import algorithm_of, document_checksum_problem, with_document_checksum
-from statebackend.errors import CheckpointCorruptedError, IncompatibleStateError
+from statebackend.errors import (
+    MALFORMED_DOCUMENT,
+    CheckpointCorruptedError,
+    IncompatibleStateError,
+)
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.handles import StoredFile
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
@@ -278,7 +283,7 @@ class CheckpointMetadata:
                 properties=dict(document.get("properties", {})),
             )
             problem = metadata.problem()
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except MALFORMED_DOCUMENT as exc:
             raise CheckpointCorruptedError(
                 f"{where}: malformed checkpoint metadata: {exc!r}"
             ) from exc
@@ -295,6 +300,14 @@ class CheckpointMetadata:
 
     def problem(self) -> str | None:
         """What is wrong with this metadata (see the module docstring), or None."""
+        if self.checkpoint_id < 0:
+            return f"checkpoint id {self.checkpoint_id} is negative"
+        for name, value in (
+            ("triggered_at", self.triggered_at),
+            ("completed_at", self.completed_at),
+        ):
+            if not math.isfinite(value):
+                return f"{name} {value!r} is not a time"
         m = self.max_parallelism
         if not 1 <= m <= UPPER_BOUND_MAX_PARALLELISM:
             return f"max parallelism {m} is not in 1..{UPPER_BOUND_MAX_PARALLELISM}"

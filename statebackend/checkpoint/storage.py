@@ -27,6 +27,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck, ack
 from statebackend.checkpoint.signing import FILE_CHECKSUM, SigningKey
 from statebackend.checksums import CRC32
 from statebackend.errors import (
+    MALFORMED_DOCUMENT,
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -211,13 +212,7 @@ class CheckpointStorage:
             try:
                 ack = SubtaskAck.from_json(json.loads(data))
                 problem = ack_problem(ack)
-            except (
-                CheckpointCorruptedError,
-                ValueError,
-                KeyError,
-                TypeError,
-                AttributeError,
-            ) as exc:
+            except MALFORMED_DOCUMENT as exc:
                 problem = f"it is no acknowledgement ({type(exc).__name__}: {exc})"
             if problem is None:
                 acks.append(ack)

@@ -247,3 +247,84 @@ def test_malformed_acks_are_ignored_and_their_files_never_deleted(job: Job) -> N
     assert job.coordinator.poll(checkpoint_id) is not None
     assert raw.cat_file(victim) == b"not the job's"
     assert_restores(job, checkpoint_id)
+
+
+def _infinite_id(document: Document) -> None:
+    document["checkpoint_id"] = float("inf")  # JSON's Infinity, which json.loads takes
+
+
+def _huge_timestamp(document: Document) -> None:
+    document["completed_at"] = 10**400
+
+
+def _nan_timestamp(document: Document) -> None:
+    document["triggered_at"] = float("nan")  # JSON's NaN, which json.loads takes
+
+
+def _negative_id(document: Document) -> None:
+    document["checkpoint_id"] = -1
+
+
+def _empty_key_group_range(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["key_group_range"] = []
+
+
+def _unknown_handle_type(document: Document) -> None:
+    _subtasks(document)[0]["keyed"]["type"] = "keyed-other"
+
+
+MISSHAPEN: dict[str, Callable[[Document], None]] = {
+    "infinite id": _infinite_id,
+    "huge timestamp": _huge_timestamp,
+    "NaN timestamp": _nan_timestamp,
+    "negative id": _negative_id,
+    "empty key-group range": _empty_key_group_range,
+    "unknown handle type": _unknown_handle_type,
+}
+
+
+@pytest.mark.parametrize("fault", sorted(MISSHAPEN))
+def test_misshapen_metadata_is_one_corruption_error_naming_it(
+    job: Job, fault: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A number no integer or float holds, a range without bounds, an unknown handle type
+    came out as a raw OverflowError or IndexError, or as an error not naming the file."""
+    checkpoint_id, directory = job.checkpoint()
+    path = metadata_path(directory)
+    fs = raw_fs(job.location)
+    document = json.loads(fs.cat_file(path))
+    del document[DOCUMENT_CHECKSUM]
+    MISSHAPEN[fault](document)
+    fs.pipe_file(path, json.dumps(document).encode())
+
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
+        job.storage.load(checkpoint_id)
+    status, out, err = cli(capsys, job.location, "inspect", directory)
+    assert status == 1 and out == "" and err.count("\n") == 1 and path in err, err
+
+
+def test_misshapen_acks_are_ignored(job: Job) -> None:
+    """An ack whose key-group range has no bounds or whose subtask is infinite raised a
+    raw IndexError or OverflowError where the coordinator and gc read acks."""
+    job.checkpoint()
+    job.process()
+    checkpoint_id = job.coordinator.trigger({OPERATOR: P})
+    job.snapshot_and_ack(checkpoint_id, range(1))
+    good = job.storage.read_acks(checkpoint_id)[0].to_json()
+    raw = raw_fs(job.location)
+    layout = job.storage.layout
+    for n, mutate in enumerate((_empty_range_ack, _infinite_subtask_ack)):
+        evil = json.loads(json.dumps(good))
+        mutate(evil)
+        raw.pipe_file(
+            layout.ack_path(checkpoint_id, OPERATOR, 1, f"evil{n}"), json.dumps(evil).encode()
+        )
+    assert [ack.to_json() for ack in job.storage.read_acks(checkpoint_id)] == [good]
+
+
+def _empty_range_ack(ack: Document) -> None:
+    ack["keyed"]["key_group_range"] = []
+
+
+def _infinite_subtask_ack(ack: Document) -> None:
+    ack["subtask"] = float("inf")
