@@ -16,6 +16,7 @@ of it, the source offsets included, a CheckpointCorruptedError when it is read.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,16 @@ from statebackend.checkpoint.signing import (
     check_signature,
 )
 from statebackend.checksums import algorithm_of, document_checksum_problem, with_document_checksum
-from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
-from statebackend.keygroups import compute_key_group_range_for_operator_index
+from statebackend.errors import (
+    MALFORMED_DOCUMENT,
+    CheckpointCorruptedError,
+    CheckpointError,
+    IncompatibleStateError,
+)
+from statebackend.keygroups import (
+    UPPER_BOUND_MAX_PARALLELISM,
+    compute_key_group_range_for_operator_index,
+)
 from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.snapshot.handles import StoredFile
 
@@ -245,7 +254,7 @@ class BatchManifest:
                 properties=dict(document.get("properties", {})),
                 committed_at=float(document["committed_at"]),
             )
-        except (KeyError, IndexError, TypeError, ValueError, CheckpointCorruptedError) as exc:
+        except MALFORMED_DOCUMENT as exc:
             raise CheckpointCorruptedError(f"{where}: malformed batch manifest: {exc}") from exc
         problem = manifest.inconsistency()
         if problem is not None:
@@ -260,6 +269,13 @@ class BatchManifest:
 
     def inconsistency(self) -> str | None:
         """What is wrong with the manifest's structure, or None."""
+        if not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
+            return (
+                f"max parallelism {self.max_parallelism} is not in "
+                f"1..{UPPER_BOUND_MAX_PARALLELISM}"
+            )
+        if not math.isfinite(self.committed_at):
+            return f"committed_at {self.committed_at!r} is not a time"
         low = -1 if self.base is None else self.base.batch_id
         if self.base is not None and self.base.batch_id > self.batch_id:
             return f"base batch {self.base.batch_id} is after batch {self.batch_id}"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,6 +303,38 @@ def test_a_manifest_is_validated_on_load(checkpoint_url: Storage) -> None:
     del missing["operators"][OPERATOR]["batches"][0]["subtasks"][0]["checksum"]
     with pytest.raises(CheckpointCorruptedError, match="malformed batch manifest"):
         load(json.dumps(missing).encode())
+
+
+def _first_record(document: dict[str, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = document["operators"][OPERATOR]["batches"][0]["subtasks"][0]
+    return record
+
+
+MISSHAPEN_MANIFESTS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "huge commit time": lambda d: d.update(committed_at=10**400),
+    "NaN commit time": lambda d: d.update(committed_at=float("nan")),
+    "infinite batch": lambda d: d.update(batch_id=float("inf")),
+    "max parallelism beyond 32768": lambda d: d.update(max_parallelism=40000),
+    "infinite subtask": lambda d: _first_record(d).update(subtask=float("inf")),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(MISSHAPEN_MANIFESTS))
+def test_a_misshapen_manifest_is_one_corruption_error_naming_it(
+    checkpoint_url: Storage, fault: str
+) -> None:
+    """A number no int or float holds, NaN, a max parallelism no job can have: a raw
+    OverflowError, a ConfigurationError not naming the file, or a manifest loaded."""
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handle = record_of(changelog, 1, "a", "user-1", 10)
+    changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+    path = changelog.layout.manifest_path(1)
+    document = json.loads(changelog.fs.read_file(path))
+    del document[DOCUMENT_CHECKSUM]
+    MISSHAPEN_MANIFESTS[fault](document)
+    changelog.fs.write_atomic(path, json.dumps(document).encode())
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
+        ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1)
 
 
 def test_retention_truncation_and_base(checkpoint_url: Storage, tmp_path: Path) -> None:
