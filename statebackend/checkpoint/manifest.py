@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statebackend.checkpoint.layout import CHANGELOG_DIR
+from statebackend.checkpoint.metadata import index_problem
 from statebackend.checkpoint.signing import (
     ALGORITHM,
     FILE_CHECKSUM,
@@ -43,6 +46,7 @@ from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.snapshot.handles import StoredFile
 
 MANIFEST_FORMAT_VERSION = 1
+_FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _KIND = "batch-manifest"
 SIGNATURE = "signature"
 SOURCE_OPERATOR = "source"
@@ -271,8 +275,7 @@ class BatchManifest:
         """What is wrong with the manifest's structure, or None."""
         if not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
             return (
-                f"max parallelism {self.max_parallelism} is not in "
-                f"1..{UPPER_BOUND_MAX_PARALLELISM}"
+                f"max parallelism {self.max_parallelism} is not in 1..{UPPER_BOUND_MAX_PARALLELISM}"
             )
         if not math.isfinite(self.committed_at):
             return f"committed_at {self.committed_at!r} is not a time"
@@ -319,7 +322,29 @@ def _records_problem(operator_id: str, records: BatchRecords, max_parallelism: i
                 f"record of {handle.operator_id!r} subtask {handle.subtask} batch "
                 f"{handle.batch_id} for key groups {handle.key_group_range}"
             )
+        problem = _record_problem(handle)
+        if problem is not None:
+            return f"operator {operator_id!r} batch {records.batch_id} subtask {index}: {problem}"
     return None
+
+
+def _record_problem(handle: ChangelogHandle) -> str | None:
+    """What is wrong with a record's file (it is not one of its batch's records in the
+    job's changelog: ``../changelog/<B>/<name>``), size, checksum or index."""
+    directory = f"../{CHANGELOG_DIR}/{handle.batch_id}/"
+    if handle.path is not None:
+        name = handle.path.removeprefix(directory)
+        if name == handle.path or not _FILE_NAME.fullmatch(name) or not name.strip("."):
+            return f"record path {handle.path!r} is not a file of {directory}"
+    if handle.size < 0 or algorithm_of(handle.checksum) is None:
+        return f"record {handle.path} has a negative size or a malformed checksum"
+    info = handle.operator_state
+    if info is not None and not 0 <= info.offset <= info.offset + info.length <= handle.size:
+        return (
+            f"record {handle.path}: its operator state at {info.offset}+{info.length} lies "
+            f"outside its {handle.size} bytes"
+        )
+    return index_problem(handle)
 
 
 def next_manifest(

@@ -44,7 +44,7 @@ from statebackend.errors import (
     IncompatibleStateError,
 )
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
-from statebackend.snapshot.handles import StoredFile
+from statebackend.snapshot.handles import KeyGroupIndexedFile, StoredFile
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 from statebackend.snapshot.keyed_format import FullKeyedStateHandle
 from statebackend.snapshot.keyed_handles import KeyedHandle, keyed_handle_from_json
@@ -391,7 +391,7 @@ def _spans_problem(spans: tuple[Span, ...], size: int, what: str) -> str | None:
     return None
 
 
-def _index_problem(handle: FullKeyedStateHandle | RawKeyedStateHandle) -> str | None:
+def index_problem(handle: KeyGroupIndexedFile) -> str | None:
     """What is wrong with a key-group index: a group outside the handle's range, entries
     out of order, overlapping or beyond the end of the file."""
     previous_end = -1
@@ -414,7 +414,7 @@ def ack_problem(ack: SubtaskAck) -> str | None:
     keyed = ack.keyed
     for indexed in (keyed, ack.raw_keyed):
         if isinstance(indexed, (FullKeyedStateHandle, RawKeyedStateHandle)):
-            problem = _index_problem(indexed)
+            problem = index_problem(indexed)
             if problem is not None:
                 return problem
     if isinstance(keyed, IncrementalKeyedStateHandle):

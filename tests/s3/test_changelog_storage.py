@@ -337,6 +337,58 @@ def test_a_misshapen_manifest_is_one_corruption_error_naming_it(
         ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1)
 
 
+RECORD_FAULTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "path up and out": (
+        lambda r: r.update(path="../../../../../../../../etc/passwd"),
+        "is not a file of ../changelog/1/",
+    ),
+    "path of another job": (
+        lambda r: r.update(path=r["path"].replace("../changelog", "../../other/changelog")),
+        "is not a file of ../changelog/1/",
+    ),
+    "path of another batch": (
+        lambda r: r.update(path=r["path"].replace("/1/", "/0/")),
+        "is not a file of ../changelog/1/",
+    ),
+    "absolute path": (lambda r: r.update(path="/etc/passwd"), "is not a file of"),
+    "URL": (lambda r: r.update(path="s3://another-bucket/x"), "is not a file of"),
+    "negative index offset": (
+        lambda r: r["key_groups"][0].__setitem__(1, -5),
+        "index entry of key group",
+    ),
+    "index beyond the file": (
+        lambda r: r["key_groups"][-1].__setitem__(2, r["size"] + 1),
+        "index entry of key group",
+    ),
+    "negative size": (lambda r: r.update(size=-1), "negative size"),
+    "operator state beyond the file": (
+        lambda r: r.update(operator_state={"offset": r["size"], "length": 5, "states": {}}),
+        "operator state at",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(RECORD_FAULTS))
+def test_a_manifest_record_outside_its_place_is_refused_on_load(
+    checkpoint_url: Storage, fault: str
+) -> None:
+    """A record path leading out of the job's changelog (up, to another bucket) was read
+    by a rebuild, and an index entry at a negative offset raised a raw ValueError there:
+    a manifest's records are checked on load, as ``_metadata``'s handles are."""
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handle = record_of(changelog, 1, "a", "user-1", 10)
+    changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+    path = changelog.layout.manifest_path(1)
+    document = json.loads(changelog.fs.read_file(path))
+    del document[DOCUMENT_CHECKSUM]
+    mutate, reason = RECORD_FAULTS[fault]
+    mutate(_first_record(document))
+    changelog.fs.write_atomic(path, json.dumps(document).encode())
+    with pytest.raises(CheckpointCorruptedError) as caught:
+        ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1)
+    assert path in str(caught.value) and reason in str(caught.value)
+
+
 def test_retention_truncation_and_base(checkpoint_url: Storage, tmp_path: Path) -> None:
     checkpoints = open_storage(checkpoint_url)
     changelog = ChangelogStorage(checkpoints, retained=2)
