@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.backends.keyed import StateMetaInfo
+from statebackend.checkpoint.layout import ACKS_DIR, METADATA_FILE, PENDING_FILE
 from statebackend.checkpoint.signing import (
     ALGORITHM,
     FILE_CHECKSUM,
@@ -368,8 +369,10 @@ def _path_problem(path: str) -> str | None:
     parts = posixpath.normpath(path).split("/")
     if parts[:2] == ["..", "shared"] and len(parts) == 3:
         parts = parts[2:]
-    if ".." in parts or not all(_FILE_NAME.fullmatch(part) for part in parts):
+    if ".." in parts or not all(_FILE_NAME.fullmatch(part) and part.strip(".") for part in parts):
         return f"file path {path!r} leads outside the checkpoint"
+    if parts[0] in (METADATA_FILE, PENDING_FILE, ACKS_DIR):
+        return f"file path {path!r} names the checkpoint's own {parts[0]}"
     return None
 
 

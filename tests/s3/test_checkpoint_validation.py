@@ -328,3 +328,26 @@ def _empty_range_ack(ack: Document) -> None:
 
 def _infinite_subtask_ack(ack: Document) -> None:
     ack["subtask"] = float("inf")
+
+
+def test_an_ack_naming_the_checkpoints_metadata_is_ignored(job: Job) -> None:
+    """An ack of another run whose handle named ``_metadata`` made the coordinator, which
+    deletes the files of the acks it did not take once the checkpoint completed, delete
+    the ``_metadata`` it had just written: the completed checkpoint was gone."""
+    job.checkpoint()
+    job.process()
+    checkpoint_id = job.coordinator.trigger({OPERATOR: P})
+    job.snapshot_and_ack(checkpoint_id)
+    good = job.storage.read_acks(checkpoint_id)[0].to_json()
+    evil = json.loads(json.dumps(good))
+    evil["run"] = "another-run"
+    evil["keyed"]["path"] = "_metadata"
+    layout = job.storage.layout
+    raw = raw_fs(job.location)
+    raw.pipe_file(layout.ack_path(checkpoint_id, OPERATOR, 0, "evil"), json.dumps(evil).encode())
+    job.remember(checkpoint_id)
+    assert job.coordinator.poll(checkpoint_id) is not None
+    job.coordinator.trigger({OPERATOR: P})  # the work after the completion is done by now
+    assert job.storage.completed_checkpoint_ids()[-1] == checkpoint_id
+    assert job.storage.read_acks(checkpoint_id + 1) == []
+    assert_restores(job, checkpoint_id)
