@@ -354,6 +354,20 @@ def _operator_problem(op: OperatorSnapshot, max_parallelism: int) -> str | None:
             expected_start = max(expected_start, end + 1)
         if expected_start != max_parallelism:
             return f"the key-group ranges end at {expected_start - 1}, not at {max_parallelism - 1}"
+    raw = sorted(
+        (h.key_group_range.start, h.key_group_range.end, ack.subtask)
+        for ack in op.subtasks
+        if (h := ack.raw_keyed) is not None and h.key_group_range
+    )
+    for n, (start, end, subtask) in enumerate(raw):
+        if start < 0 or end >= max_parallelism:
+            return (
+                f"the raw keyed key-group ranges go beyond 0..{max_parallelism - 1} "
+                f"(subtask {subtask} has {start}..{end})"
+            )
+        if n and start <= raw[n - 1][1]:
+            previous = raw[n - 1][2]
+            return f"the raw keyed key-group ranges of subtasks {previous} and {subtask} overlap"
     for ack in op.subtasks:
         problem = ack_problem(ack)
         if problem is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_raw_keyed_state
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.cli import main
-from statebackend.errors import SerializationError, StateAccessError
+from statebackend.errors import CheckpointCorruptedError, SerializationError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.snapshot.keyed_format import FRAME_BYTES
 from tests.conftest import Storage
@@ -214,3 +216,37 @@ def test_inspect_verify_and_savepoint(
     status, out = cli(storage, capsys, "verify", directory)
     assert status == 1
     assert f"FAILED {raw_file}" in out
+
+
+def _repeat_handle(subtasks: list[dict[str, Any]]) -> None:
+    subtasks[1]["raw_keyed"] = subtasks[0]["raw_keyed"]
+
+
+def _beyond_max_parallelism(subtasks: list[dict[str, Any]]) -> None:
+    raw = subtasks[1]["raw_keyed"]
+    raw["key_group_range"][1] = MAX_PARALLELISM + 100
+    raw["key_groups"][-1][0] = MAX_PARALLELISM + 50
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [(_repeat_handle, "overlap"), (_beyond_max_parallelism, "go beyond 0..63")],
+)
+def test_raw_keyed_ranges_that_overlap_or_exceed_the_key_groups_are_refused(
+    checkpoint_url: Storage, mutate: Callable[[list[dict[str, Any]]], None], reason: str
+) -> None:
+    """Two subtasks' raw keyed handles holding the same key groups (subtask 0's handle
+    repeated as subtask 1's), or one holding a key group beyond the max parallelism,
+    loaded; a restore silently lost the streams of subtask 1's key groups, or of that key
+    group."""
+    storage, checkpoint_id, streams = build_checkpoint(checkpoint_url, 2)
+    checkpoints = CheckpointStorage(storage.url, "job", storage_options=storage.storage_options)
+    path = checkpoints.layout.metadata_path(checkpoint_id)
+    document = json.loads(checkpoints.fs.read_file(path))
+    del document[DOCUMENT_CHECKSUM]
+    mutate(document["operators"][OPERATOR]["subtasks"])
+    checkpoints.fs.write_atomic(path, json.dumps(document).encode())
+    with pytest.raises(CheckpointCorruptedError) as caught:
+        checkpoints.load(checkpoint_id)
+    assert path in str(caught.value) and "raw keyed key-group ranges" in str(caught.value)
+    assert reason in str(caught.value)
