@@ -492,6 +492,7 @@ def cmd_savepoint_transform(args: argparse.Namespace) -> int:
             storage_options=_options(args),
             compression=args.compression,
             written=lambda _operator, _subtask: advance(1),
+            allow_pickle=args.allow_pickle,
         )
     out(target)
     return 0

@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parallelism", "-p", type=int, metavar="P", help="default: unchanged")
     _add_compression(p)
+    _add_allow_pickle(
+        p, "for subtasks that store a pickled state with different serializers (migrated)"
+    )
     p = command(
         "savepoint bootstrap",
         "write a new savepoint of one operator's keyed state from JSON Lines files",

@@ -8,6 +8,7 @@ executors), optionally at another parallelism; the source is only read.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,6 +79,30 @@ def plan_transform(
     return rewrites
 
 
+def check_transform_without_pickle(ref: CheckpointRef, rewrites: Sequence[OperatorRewrite]) -> None:
+    """ConfigurationError if rewriting would unpickle: the subtasks of an operator whose
+    state is restored store a state with different serializers, one of which is (or
+    holds) pickle, and restoring their handles into one subtask migrates the values of
+    one to the other's serializer by decoding them (``backends.keyed._reconcile``)."""
+    for rewrite in rewrites:
+        snapshot = ref.metadata.operators.get(rewrite.operator_id)
+        if not rewrite.from_source or snapshot is None:
+            continue
+        configs: dict[str, set[str]] = {}
+        for handle in snapshot.keyed_handles():
+            for meta in handle.states:
+                text = json.dumps(meta.serializers, sort_keys=True)
+                configs.setdefault(meta.name, set()).add(text)
+        for name, texts in sorted(configs.items()):
+            if len(texts) > 1 and any('"pickle"' in text for text in texts):
+                raise ConfigurationError(
+                    f"the subtasks of operator {rewrite.operator_id!r} in {ref.directory} "
+                    f"store state {name!r} with different serializers, one of them pickle: "
+                    f"rewriting them migrates pickled values, which unpickles them; pass "
+                    f"--allow-pickle only if nobody else can write the checkpoint's storage"
+                )
+
+
 def transform_savepoint(
     ref: CheckpointRef,
     target: str,
@@ -86,9 +111,13 @@ def transform_savepoint(
     storage_options: Mapping[str, Any] | None = None,
     compression: str = DEFAULT_CODEC,
     written: Written | None = None,
+    allow_pickle: bool = False,
 ) -> str:
     """Write the savepoint of ``rewrites`` (``plan_transform``) of ``ref`` to ``target``,
-    ``_metadata`` last; returns the target directory."""
+    ``_metadata`` last; returns the target directory. ConfigurationError if that would
+    unpickle, unless ``allow_pickle`` (``check_transform_without_pickle``)."""
+    if not allow_pickle:
+        check_transform_without_pickle(ref, rewrites)
     writer = SavepointWriter(
         checkpoint_directory(target),
         ref.metadata.max_parallelism,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,9 +26,10 @@ from statebackend.checkpoint.restore import (
     restore_raw_keyed_state,
 )
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.cli import main
 from statebackend.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index
-from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.serializers import IntSerializer, PickleSerializer, StrSerializer
 from statebackend.snapshot.frames import CODECS, FRAME_HEADER
 from statebackend.state.descriptors import (
     ListStateDescriptor,
@@ -36,6 +37,7 @@ from statebackend.state.descriptors import (
     StateDescriptor,
     ValueStateDescriptor,
 )
+from statebackend.state.interfaces import ValueState
 from statebackend.state.ttl import StateTtlConfig
 from statebackend.tools.location import open_checkpoint
 from statebackend.tools.transform import plan_transform, transform_savepoint
@@ -448,3 +450,62 @@ def test_an_interrupted_transform_leaves_nothing_and_a_used_target_is_refused(
     status, _, err = transform(checkpoint_url, capsys, source, used)
     assert status == 1
     assert f"{used} is not empty (it holds enrich-0-leftover)" in err
+
+
+UNPICKLED: list[str] = []
+"""Filled by ``_unpickled`` whenever a ``Planted`` value is unpickled."""
+
+
+def _unpickled(marker: str) -> str:
+    UNPICKLED.append(marker)
+    return marker
+
+
+class Planted:
+    """A value whose unpickling calls ``_unpickled``: code a checkpoint carries."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickled, ("ran",))
+
+
+def test_transform_never_unpickles_without_allow_pickle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two subtasks storing a pickled state with different serializer configs (a
+    ``version`` edited in ``_metadata``): restoring both into one subtask (``-p 1``)
+    migrated one subtask's values, unpickling them, though the command never unpickles
+    without ``--allow-pickle``."""
+    storage = Storage(tmp_path.as_uri())
+    descriptor = ValueStateDescriptor("blob", PickleSerializer())
+    checkpoints = CheckpointStorage(storage.url, "job")
+    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=M)
+    keyed = backends(2)
+    for key in KEYS:
+        backend = owner(key, keyed)
+        backend.set_current_key(key)
+        cast(ValueState, backend.get_state(descriptor)).update(Planted())
+    checkpoint_id = coordinator.trigger({"enrich": 2})
+    for i, backend in enumerate(keyed):
+        target = checkpoints.snapshot_target(checkpoint_id, "enrich", i)
+        handle = backend.snapshot(checkpoint_id, target).result()
+        ack = SubtaskAck("enrich", i, 2, handle, None, coordinator.run_id)
+        checkpoints.write_ack(checkpoint_id, ack)
+    source = coordinator.poll(checkpoint_id)
+    assert source is not None
+    checkpoints.close()
+    path = f"{source}/_metadata"
+    document = json.loads(checkpoints.fs.read_file(path))
+    del document[DOCUMENT_CHECKSUM]
+    (state,) = document["operators"]["enrich"]["subtasks"][1]["keyed"]["states"]
+    state["serializers"]["value"]["version"] = 0
+    checkpoints.fs.write_atomic(path, json.dumps(document).encode())
+    UNPICKLED.clear()
+
+    status, out, err = transform(storage, capsys, source, target_of(storage, "p1"), "-p", "1")
+    assert UNPICKLED == []
+    assert status == 1 and out == "" and "--allow-pickle" in err, err
+    status, out, err = transform(
+        storage, capsys, source, target_of(storage, "p1"), "-p", "1", "--allow-pickle"
+    )
+    assert status == 0, err
+    assert UNPICKLED  # asked for: the pickled values were migrated
