@@ -25,7 +25,7 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_u
 from statebackend.checkpoint.layout import SAVEPOINTS_DIR, join, metadata_path
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.errors import MALFORMED_DOCUMENT, CheckpointError, ConfigurationError
 
 REQUESTS_DIR = "requests"
 
@@ -95,7 +95,7 @@ def pending_savepoint_requests(
                 float(document["requested_at"]),
                 None if target is None else str(target),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except MALFORMED_DOCUMENT as exc:
             _write_answer(fs, job_dir, request_id, None, f"malformed savepoint request: {exc}")
             continue
         taken = _taken_for(fs, job_dir, request, signing_key)

@@ -86,11 +86,22 @@ def test_an_answer_needs_exactly_a_path_or_an_error(fs: CheckpointFileSystem, jo
             answer_savepoint_request(fs, job_dir, request, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b'{"requested_at": 1' + b"0" * 400 + b', "target_dir": null}',  # no float holds it
+        b"[" * 100_000 + b"]" * 100_000,  # nested too deep for json.loads
+    ],
+    ids=["not JSON", "huge time", "deep nesting"],
+)
 def test_malformed_requests_are_answered_with_an_error(
-    fs: CheckpointFileSystem, job_dir: str
+    fs: CheckpointFileSystem, job_dir: str, content: bytes
 ) -> None:
+    """A request file read by the running job's driver: a time no float holds raised a raw
+    OverflowError there, nesting too deep a RecursionError, failing the job."""
     request_id = "0000000000001-abcdef01"
-    fs.write_atomic(join(job_dir, REQUESTS_DIR, f"savepoint-{request_id}.json"), b"{not json")
+    fs.write_atomic(join(job_dir, REQUESTS_DIR, f"savepoint-{request_id}.json"), content)
     assert pending_savepoint_requests(fs, job_dir) == []
     with pytest.raises(CheckpointError, match="malformed"):
         wait_for_savepoint(fs, job_dir, request_id, 0)
