@@ -282,6 +282,11 @@ class BatchManifest:
         low = -1 if self.base is None else self.base.batch_id
         if self.base is not None and self.base.batch_id > self.batch_id:
             return f"base batch {self.base.batch_id} is after batch {self.batch_id}"
+        if self.base is not None and (self.base.checkpoint_id < 0 or self.base.batch_id < -1):
+            return (
+                f"base checkpoint {self.base.checkpoint_id} of batch {self.base.batch_id} "
+                f"is no checkpoint"
+            )
         for operator_id, batches in self.operators.items():
             if not batches:
                 return f"operator {operator_id!r} has no batches"

@@ -316,6 +316,9 @@ MISSHAPEN_MANIFESTS: dict[str, Callable[[dict[str, Any]], None]] = {
     "infinite batch": lambda d: d.update(batch_id=float("inf")),
     "max parallelism beyond 32768": lambda d: d.update(max_parallelism=40000),
     "infinite subtask": lambda d: _first_record(d).update(subtask=float("inf")),
+    "negative base checkpoint": lambda d: d.update(
+        base={"checkpoint_id": -1, "batch_id": 0, "path": "../chk-1"}
+    ),
 }
 
 
@@ -323,8 +326,10 @@ MISSHAPEN_MANIFESTS: dict[str, Callable[[dict[str, Any]], None]] = {
 def test_a_misshapen_manifest_is_one_corruption_error_naming_it(
     checkpoint_url: Storage, fault: str
 ) -> None:
-    """A number no int or float holds, NaN, a max parallelism no job can have: a raw
-    OverflowError, a ConfigurationError not naming the file, or a manifest loaded."""
+    """A number no int or float holds, NaN, a max parallelism no job can have, a negative
+    base checkpoint id: a raw OverflowError, a ConfigurationError not naming the file, or
+    a manifest loaded (whose negative base then failed the job's checkpoint retention with
+    a ConfigurationError, at every completion)."""
     changelog = ChangelogStorage(open_storage(checkpoint_url))
     handle = record_of(changelog, 1, "a", "user-1", 10)
     changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
