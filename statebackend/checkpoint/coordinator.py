@@ -391,6 +391,14 @@ class CheckpointCoordinator:
             completed_at=self.clock(),
             properties=pending.properties,
         )
+        problem = metadata.problem()  # what every load of it would refuse
+        if problem is not None:
+            self.abort(pending.checkpoint_id)
+            raise CheckpointError(
+                f"checkpoint {pending.checkpoint_id} was aborted: its acknowledgements make "
+                f"an invalid checkpoint ({problem}); check that every executor runs this "
+                f"job's code and settings"
+            )
         directory = self.storage.complete(metadata)
         # From here on the checkpoint is complete, whatever fails afterwards.
         del self.pending[pending.checkpoint_id]

@@ -17,7 +17,7 @@ from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.cli import main
-from statebackend.errors import CheckpointCorruptedError
+from statebackend.errors import CheckpointCorruptedError, CheckpointError
 from tests.conftest import Storage
 from tests.s3.test_checkpoint_storage import (
     OPERATOR,
@@ -351,3 +351,25 @@ def test_an_ack_naming_the_checkpoints_metadata_is_ignored(job: Job) -> None:
     assert job.storage.completed_checkpoint_ids()[-1] == checkpoint_id
     assert job.storage.read_acks(checkpoint_id + 1) == []
     assert_restores(job, checkpoint_id)
+
+
+def test_acks_that_make_an_invalid_checkpoint_abort_it(job: Job) -> None:
+    """An ack of the coordinator's own run (read first: its file name sorts first) whose
+    key-group range overlaps another subtask's: the coordinator wrote a ``_metadata`` that
+    every load refuses, and as the newest completed checkpoint it replaced the restorable
+    ones (a restore of the latest failed, retention discarded the older ones)."""
+    first, _ = job.checkpoint()
+    job.process()
+    checkpoint_id = job.coordinator.trigger({OPERATOR: P})
+    job.snapshot_and_ack(checkpoint_id, range(1))
+    copy = job.storage.read_acks(checkpoint_id)[0].to_json()
+    copy["subtask"] = 1  # subtask 0's handles, key groups 0..63, as subtask 1's
+    layout = job.storage.layout
+    path = layout.ack_path(checkpoint_id, OPERATOR, 1, "early")
+    raw_fs(job.location).pipe_file(path, json.dumps(copy).encode())
+    job.snapshot_and_ack(checkpoint_id, range(1, P))
+    with pytest.raises(CheckpointError, match="do not cover 0..127 exactly"):
+        job.coordinator.poll(checkpoint_id)
+    assert job.storage.completed_checkpoint_ids() == [first]
+    assert checkpoint_id not in job.coordinator.pending
+    assert_restores(job, first)
