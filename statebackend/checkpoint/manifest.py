@@ -64,6 +64,33 @@ the manifest's properties, which the savepoint carries."""
 """The field of a signed manifest holding its signature (``{"algorithm", "value"}``)."""
 
 
+def source_offsets(properties: Mapping[str, Any], where: str) -> list[list[tuple[int, int]]] | None:
+    """The source offsets committed in ``properties`` (``SOURCE_OFFSETS_PROPERTY``): per
+    source subtask, its (partition, byte offset) pairs; None if there are none.
+    CheckpointCorruptedError naming ``where`` unless they are pairs of integers >= 0."""
+    offsets = properties.get(SOURCE_OFFSETS_PROPERTY)
+    if offsets is None:
+        return None
+    if isinstance(offsets, list) and all(
+        isinstance(share, list) and all(_is_offset_pair(pair) for pair in share)
+        for share in offsets
+    ):
+        return [[(partition, offset) for partition, offset in share] for share in offsets]
+    raise CheckpointCorruptedError(
+        f"{where}: the source offsets {json.dumps(offsets)[:80]} are not [partition, byte "
+        f"offset] pairs of integers >= 0 per source subtask; restore from another manifest "
+        f"or checkpoint"
+    )
+
+
+def _is_offset_pair(pair: Any) -> bool:
+    return (
+        isinstance(pair, list)
+        and len(pair) == 2
+        and all(type(number) is int and number >= 0 for number in pair)
+    )
+
+
 def _compact(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":"), sort_keys=True).encode("utf-8")
 

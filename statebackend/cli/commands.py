@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
 from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
 from statebackend.checkpoint.savepoints import copy_checkpoint
@@ -371,13 +372,17 @@ def cmd_read(args: argparse.Namespace) -> int:
     if (args.state is None) == (not args.timers):
         raise ConfigurationError("give either --state NAME or --timers")
     ref = open_state(args.checkpoint, _options(args), _signing_key(args))
-    operators, properties = (
-        (ref.metadata.operators, ref.metadata.properties)
+    operators, properties, where = (
+        (ref.metadata.operators, ref.metadata.properties, metadata_path(ref.directory))
         if isinstance(ref, CheckpointRef)
-        else (ref.manifest.operators, ref.manifest.properties)
+        else (ref.manifest.operators, ref.manifest.properties, ref.path)
     )
-    offsets = committed_source_offsets(properties, args.operator, args.state)
-    if args.operator not in operators and offsets is not None:
+    offsets = (
+        None
+        if args.operator in operators
+        else committed_source_offsets(properties, args.operator, args.state, where)
+    )
+    if offsets is not None:
         write_records(iter(offsets), args.format, sys.stdout)  # the driver's, in the properties
         return 0
     if isinstance(ref, CheckpointRef):

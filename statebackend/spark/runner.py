@@ -76,6 +76,7 @@ from statebackend.checkpoint.manifest import (
     SOURCE_OFFSETS_PROPERTY,
     SOURCE_OPERATOR,
     BatchManifest,
+    source_offsets,
 )
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.metrics import (
@@ -568,12 +569,13 @@ class StatefulJob:
     def _committed_offsets(self, properties: Mapping[str, Any]) -> list[OperatorStateBackend]:
         """The source subtasks' states from the offsets a batch manifest committed (or a
         savepoint folded from one carries), split anew if the parallelism changed."""
-        if SOURCE_OFFSETS_PROPERTY not in properties:
+        committed = source_offsets(properties, str(self._restore_point))
+        if committed is None:
             raise CheckpointCorruptedError(
                 f"{self._restore_point} names no source offsets: it was not written by a "
                 f"StatefulJob; restore from one of this job's checkpoints or manifests"
             )
-        shares = [list(map(tuple, share)) for share in properties[SOURCE_OFFSETS_PROPERTY]]
+        shares = committed
         if len(shares) != self.parallelism:
             shares = split_offsets([pair for share in shares for pair in share], self.parallelism)
         states = [OperatorStateBackend() for _ in shares]

@@ -33,9 +33,9 @@ from statebackend.checkpoint.changelog_restore import rebuild_keyed_state, rebui
 from statebackend.checkpoint.filesystem import FAIL_FAST_RETRY
 from statebackend.checkpoint.manifest import (
     FOLDED_FROM_PROPERTY,
-    SOURCE_OFFSETS_PROPERTY,
     SOURCE_OFFSETS_STATE,
     SOURCE_OPERATOR,
+    source_offsets,
 )
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import plan_restore
@@ -517,13 +517,16 @@ def fold_manifest(
 
 
 def committed_source_offsets(
-    properties: dict[str, Any], operator_id: str, state_name: str | None
+    properties: dict[str, Any], operator_id: str, state_name: str | None, where: str
 ) -> list[Record] | None:
     """The source offsets a job's driver committed in a manifest's properties (which a
     savepoint folded from it carries), as ``read`` shows the source's ``offsets`` state in
     a checkpoint: ``{"value": [partition, offset]}`` per partition. None unless
-    ``operator_id``/``state_name`` name that state and the properties hold offsets."""
-    offsets = properties.get(SOURCE_OFFSETS_PROPERTY)
-    if (operator_id, state_name) != (SOURCE_OPERATOR, SOURCE_OFFSETS_STATE) or offsets is None:
+    ``operator_id``/``state_name`` name that state and the properties hold offsets;
+    CheckpointCorruptedError naming ``where`` if they are malformed."""
+    if (operator_id, state_name) != (SOURCE_OPERATOR, SOURCE_OFFSETS_STATE):
+        return None
+    offsets = source_offsets(properties, where)
+    if offsets is None:
         return None
     return [{"value": list(pair)} for share in offsets for pair in share]

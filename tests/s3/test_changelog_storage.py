@@ -26,12 +26,19 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
-from statebackend.checkpoint.manifest import BatchManifest
+from statebackend.checkpoint.manifest import (
+    SOURCE_OFFSETS_PROPERTY,
+    SOURCE_OFFSETS_STATE,
+    SOURCE_OPERATOR,
+    BatchManifest,
+    source_offsets,
+)
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
+from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, IncompatibleStateError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot.changelog_format import ChangelogHandle
@@ -392,6 +399,45 @@ def test_a_manifest_record_outside_its_place_is_refused_on_load(
     with pytest.raises(CheckpointCorruptedError) as caught:
         ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1)
     assert path in str(caught.value) and reason in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [5, [[1, 513887]], [[[0, -5]]], [[["p", 3]]], [[[0, 1.5]]], [[[0, 1, 2]]]],
+    ids=["number", "pairs without shares", "negative", "text", "fraction", "triple"],
+)
+def test_misshapen_source_offsets_in_a_manifest_are_one_corruption_error(
+    checkpoint_url: Storage, capsys: pytest.CaptureFixture[str], offsets: Any
+) -> None:
+    """A manifest's source offsets (per source subtask, [partition, byte offset] pairs,
+    which a StatefulJob resumes its source from) that are no such pairs: ``read`` of them
+    raised a raw TypeError (a traceback), or printed a negative or fractional offset as
+    one the job would resume from."""
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handle = record_of(changelog, 1, "a", "user-1", 10)
+    properties = {SOURCE_OFFSETS_PROPERTY: offsets}
+    changelog.commit(
+        1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM, properties=properties
+    )
+    path = changelog.layout.manifest_path(1)
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
+        source_offsets(changelog.load_manifest(1).properties, path)
+    capsys.readouterr()
+    argv = ["read", path, "--operator", SOURCE_OPERATOR, "--state", SOURCE_OFFSETS_STATE]
+    options = [f"--storage-option={k}={v}" for k, v in checkpoint_url.storage_options.items()]
+    status = main([*argv, *options])
+    out, err = capsys.readouterr()
+    assert status == 1 and out == "" and err.count("\n") == 1 and path in err, err
+
+
+def test_source_offsets_of_a_manifest_are_read_back() -> None:
+    offsets = [[[0, 10], [2, 0]], [], [[1, 7]]]
+    assert source_offsets({SOURCE_OFFSETS_PROPERTY: offsets}, "m") == [
+        [(0, 10), (2, 0)],
+        [],
+        [(1, 7)],
+    ]
+    assert source_offsets({}, "m") is None
 
 
 def test_retention_truncation_and_base(checkpoint_url: Storage, tmp_path: Path) -> None:
