@@ -41,6 +41,8 @@ from statebackend.snapshot.target import AbortSignal, SnapshotDirectory
 DEFAULT_TRANSFER_THREADS = 4
 _log = logging.getLogger(__name__)
 _HELD_FILES_CACHED = 4
+_MAX_ID_DIGITS = 19
+"""The most digits a checkpoint id has (a signed 64-bit integer's)."""
 
 
 def snapshot_name(
@@ -264,7 +266,7 @@ class CheckpointStorage:
         if not self.fs.exists(path):
             return 0
         text = self.fs.read_file(path)
-        if not text.strip().isdigit():
+        if not text.strip().isdigit() or len(text.strip()) > _MAX_ID_DIGITS:
             raise CheckpointCorruptedError(
                 f"{path} holds {text[:40]!r}, not a checkpoint id (cut short by a crash?): "
                 f"write into it an id above every chk-<N> the job ever had, e.g. the highest "

@@ -373,3 +373,14 @@ def test_acks_that_make_an_invalid_checkpoint_abort_it(job: Job) -> None:
     assert job.storage.completed_checkpoint_ids() == [first]
     assert checkpoint_id not in job.coordinator.pending
     assert_restores(job, first)
+
+
+@pytest.mark.parametrize("content", [b"12x", b"9" * 5000], ids=["not a number", "5000 digits"])
+def test_a_misshapen_checkpoint_id_mark_is_one_corruption_error(job: Job, content: bytes) -> None:
+    """``_checkpoint_id`` of 5000 digits raised a raw ValueError (Python's 4300-digit
+    limit) from every trigger, where other damage is a CheckpointCorruptedError naming it."""
+    job.checkpoint()
+    path = job.storage.layout.checkpoint_id_path
+    raw_fs(job.location).pipe_file(path, content)
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
+        job.coordinator.trigger({OPERATOR: P})
