@@ -284,8 +284,20 @@ class CheckpointStorage:
         return sorted(e for e in map(epoch_of, names) if e is not None)
 
     def read_leader(self, epoch: int) -> dict[str, Any]:
-        """The claim of leader epoch E: ``{"epoch", "run", "claimed_at"}``."""
-        return dict(json.loads(self.fs.read_file(self.layout.leader_path(epoch))))
+        """The claim of leader epoch E: ``{"epoch", "run", "claimed_at"}``;
+        CheckpointCorruptedError naming it if it is no such document."""
+        path = self.layout.leader_path(epoch)
+        data = self.fs.read_file(path)
+        try:
+            claim = json.loads(data)
+            if not isinstance(claim, dict):
+                raise TypeError(f"{type(claim).__name__}, not an object")
+        except MALFORMED_DOCUMENT as exc:
+            raise CheckpointCorruptedError(
+                f"{path} is no leader claim ({type(exc).__name__}: {exc}): if no other "
+                f"driver runs job {self.job_id}, delete it"
+            ) from exc
+        return claim
 
     def write_leader(self, epoch: int, run: str, claimed_at: float) -> None:
         """Claim leader epoch E for coordinator run ``run``."""

@@ -384,3 +384,15 @@ def test_a_misshapen_checkpoint_id_mark_is_one_corruption_error(job: Job, conten
     raw_fs(job.location).pipe_file(path, content)
     with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
         job.coordinator.trigger({OPERATOR: P})
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"run": ' + b"[" * 100_000])
+def test_a_misshapen_leader_claim_is_one_corruption_error(job: Job, content: bytes) -> None:
+    """The newest ``_leader/epoch-<E>.json`` that is no claim raised a raw JSONDecodeError,
+    TypeError or RecursionError from every trigger, naming no file."""
+    job.checkpoint()
+    epoch = max(job.storage.leader_epochs()) + 1
+    path = job.storage.layout.leader_path(epoch)
+    raw_fs(job.location).pipe_file(path, content)
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
+        job.coordinator.trigger({OPERATOR: P})
