@@ -25,7 +25,12 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_u
 from statebackend.checkpoint.layout import SAVEPOINTS_DIR, join, metadata_path
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import MALFORMED_DOCUMENT, CheckpointError, ConfigurationError
+from statebackend.errors import (
+    MALFORMED_DOCUMENT,
+    CheckpointCorruptedError,
+    CheckpointError,
+    ConfigurationError,
+)
 
 REQUESTS_DIR = "requests"
 
@@ -145,6 +150,26 @@ def _write_answer(
     fs.write_atomic(_done_path(job_dir, request_id), json.dumps(document).encode("utf-8"))
 
 
+def _read_answer(fs: CheckpointFileSystem, path: str) -> tuple[str | None, str]:
+    """(error, savepoint path) of the answer at ``path``; CheckpointCorruptedError naming
+    it unless it holds an error message or a savepoint path."""
+    data = fs.read_file(path)
+    try:
+        document = json.loads(data)
+        error, savepoint = document.get("error"), document.get("savepoint")
+    except MALFORMED_DOCUMENT as exc:
+        raise CheckpointCorruptedError(
+            f"{path} is no answer to a savepoint request: {exc}"
+        ) from exc
+    if error is not None:
+        return str(error), ""
+    if not isinstance(savepoint, str):
+        raise CheckpointCorruptedError(
+            f"{path} is no answer to a savepoint request: it names no savepoint"
+        )
+    return None, savepoint
+
+
 def answer_savepoint_request(
     fs: CheckpointFileSystem,
     job_dir: str,
@@ -177,12 +202,10 @@ def wait_for_savepoint(
     deadline = time.monotonic() + timeout
     while True:
         if fs.exists(path):
-            document = json.loads(fs.read_file(path))
-            if document.get("error") is not None:
-                raise CheckpointError(
-                    f"the job could not take savepoint {request_id}: {document['error']}"
-                )
-            return str(document["savepoint"])
+            error, savepoint = _read_answer(fs, path)
+            if error is not None:
+                raise CheckpointError(f"the job could not take savepoint {request_id}: {error}")
+            return savepoint
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CheckpointError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import json
+import re
 import uuid
 from typing import Any
 
@@ -20,7 +21,7 @@ from statebackend.checkpoint.requests import (
     request_savepoint,
     wait_for_savepoint,
 )
-from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
 from statebackend.serializers import (
     IntSerializer,
     JsonSerializer,
@@ -213,3 +214,19 @@ def test_dates_times_and_decimals_print_as_json_text() -> None:
         "09:30:00",
     ]
     assert to_jsonable({"naive": datetime.datetime(2024, 1, 1)}) == {"naive": "2024-01-01T00:00:00"}
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"[1, 2]", b'{"error": null}', b'{"savepoint": 5, "error": null}']
+)
+def test_a_malformed_answer_is_one_corruption_error(
+    fs: CheckpointFileSystem, job_dir: str, content: bytes
+) -> None:
+    """An answer file that is no answer made ``savepoint trigger`` raise a raw
+    JSONDecodeError, AttributeError or KeyError (a traceback), or print a number as the
+    savepoint's path."""
+    request_id = request_savepoint(fs, job_dir)
+    path = join(job_dir, REQUESTS_DIR, f"savepoint-{request_id}.done.json")
+    fs.write_atomic(path, content)
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
+        wait_for_savepoint(fs, job_dir, request_id, 0)
