@@ -138,7 +138,8 @@ MALFORMED_DOCUMENT: tuple[type[Exception], ...] = (
     CheckpointCorruptedError,
 )
 """What parsing a JSON document of a checkpoint directory (``_metadata``, an ack, a batch
-manifest, a savepoint request) raises when a value has the wrong shape: a missing field, a
-range without bounds, a number no int or float holds (``Infinity`` for an int, ``10**400``
-for a float), nesting too deep, an unknown handle type. The parser turns each into one
+manifest, a savepoint request or answer, a leader claim, a metrics history line) raises
+when a value has the wrong shape: a missing field, a range without bounds, a number no int
+or float holds (``Infinity`` for an int, ``10**400`` for a float), nesting too deep, bytes
+that are no UTF-8, an unknown handle type. The parser turns each into one
 CheckpointCorruptedError naming the file, or ignores the document (a malformed ack)."""

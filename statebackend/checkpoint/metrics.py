@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import METRICS_DIR, join, validate_id
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.errors import CheckpointError, ConfigurationError
+from statebackend.errors import MALFORMED_DOCUMENT, CheckpointError, ConfigurationError
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
 
 SEGMENT_SUFFIX = ".jsonl"
@@ -387,10 +387,10 @@ def read_history(fs: CheckpointFileSystem, job_dir: str) -> list[HistoryEntry]:
     """
     entries = []
     for run, path in list_segments(fs, join(job_dir, METRICS_DIR)):
-        for number, line in enumerate(fs.read_file(path).decode("utf-8").splitlines(), 1):
+        for number, line in enumerate(fs.read_file(path).splitlines(), 1):
             try:
                 record = record_from_json(json.loads(line))
-            except (TypeError, ValueError, AttributeError) as exc:
+            except MALFORMED_DOCUMENT as exc:
                 _log.warning("skipping line %d of %s: %s", number, path, exc)
                 continue
             if record is not None:

@@ -123,6 +123,9 @@ def test_bad_lines_and_unknown_kinds_are_skipped(checkpoint_url: Storage) -> Non
     history.record(batch)
     path = list_segments(fs, join(job_dir, METRICS_DIR))[0][1]
     lines = fs.read_file(path) + b'{"kind": "gauge", "value": 3}\nnot json\n{"kind": "batch"}\n'
+    # Neither a byte that is no UTF-8 nor nesting too deep for json.loads stops the reading
+    # of the other lines (they raised a raw UnicodeDecodeError or RecursionError).
+    lines += b'{"kind": "batch", "x": "\xff"}\n' + b"[" * 100_000 + b"\n"
     fs.write_atomic(path, lines)
     assert [e.record for e in read_history(fs, job_dir)] == [batch]
 
