@@ -65,6 +65,12 @@ def _without_pickle(config: Any) -> Any:
     return {key: _without_pickle(value) for key, value in config.items()}
 
 
+def holds_pickle(config: Any) -> bool:
+    """Whether a serializer ``config`` is, or holds (in a tuple, a TTL value), pickle:
+    decoding its values would run code they carry."""
+    return bool(_without_pickle(config) != config)
+
+
 def reading_serializer(config: SerializerConfig, allow_pickle: bool) -> Serializer[Any]:
     """The serializer to decode stored state of ``config`` with: the recorded one, except
     that without ``allow_pickle`` pickled values (also inside tuples or TTL values) come

@@ -22,7 +22,6 @@ which needs ``allow_pickle``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,6 +49,7 @@ from statebackend.keygroups import (
 )
 from statebackend.redistribution import StatePlan, plan_operator_state
 from statebackend.serializers import SerializerConfig, serializer_from_config
+from statebackend.serializers.opaque import holds_pickle
 from statebackend.snapshot.changelog_format import ChangelogHandle, read_operator_state
 from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.snapshot.target import SnapshotDirectory
@@ -104,10 +104,6 @@ def state_metas(ref: ManifestRef, operator_id: str) -> tuple[list[StateMetaInfo]
     return list(handle.states), handle.key_serializer
 
 
-def _is_pickled(config: Any) -> bool:
-    return '"pickle"' in json.dumps(config, sort_keys=True)
-
-
 def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle: bool) -> None:
     """ConfigurationError if rebuilding the operator would unpickle, unless
     ``allow_pickle``: a state whose serializers change between the base and the records
@@ -124,7 +120,7 @@ def check_replay_without_pickle(ref: ManifestRef, operator_id: str, allow_pickle
     previous: dict[str, dict[str, Any]] = {}
     for meta in metas:
         before = previous.get(meta.name)
-        if before is not None and before != meta.serializers and _is_pickled(before):
+        if before is not None and before != meta.serializers and holds_pickle(before):
             raise ConfigurationError(
                 f"rebuilding state {meta.name!r} of operator {operator_id!r} from {ref.path} "
                 f"migrates pickled values (its serializer changed between batches), which "

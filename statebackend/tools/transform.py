@@ -8,7 +8,6 @@ executors), optionally at another parallelism; the source is only read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from statebackend.checkpoint.writer import (
     check_rewrites,
 )
 from statebackend.errors import ConfigurationError
+from statebackend.serializers.opaque import holds_pickle
 from statebackend.snapshot.frames import DEFAULT_CODEC
 from statebackend.tools.location import CheckpointRef, checkpoint_directory
 
@@ -88,13 +88,14 @@ def check_transform_without_pickle(ref: CheckpointRef, rewrites: Sequence[Operat
         snapshot = ref.metadata.operators.get(rewrite.operator_id)
         if not rewrite.from_source or snapshot is None:
             continue
-        configs: dict[str, set[str]] = {}
+        configs: dict[str, list[Any]] = {}
         for handle in snapshot.keyed_handles():
             for meta in handle.states:
-                text = json.dumps(meta.serializers, sort_keys=True)
-                configs.setdefault(meta.name, set()).add(text)
-        for name, texts in sorted(configs.items()):
-            if len(texts) > 1 and any('"pickle"' in text for text in texts):
+                seen = configs.setdefault(meta.name, [])
+                if meta.serializers not in seen:
+                    seen.append(meta.serializers)
+        for name, distinct in sorted(configs.items()):
+            if len(distinct) > 1 and any(map(holds_pickle, distinct)):
                 raise ConfigurationError(
                     f"the subtasks of operator {rewrite.operator_id!r} in {ref.directory} "
                     f"store state {name!r} with different serializers, one of them pickle: "
