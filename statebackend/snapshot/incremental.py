@@ -377,13 +377,18 @@ def _download(fs: SnapshotFileSystem, remote: str, file: NativeFile, target: Pat
     stream = fs.open_read(remote)
     try:
         with target.open("wb") as out:
-            while chunk := stream.read(CHUNK_BYTES):
+            while size <= file.size and (chunk := stream.read(CHUNK_BYTES)):
                 out.write(chunk)
                 size += len(chunk)
                 running.update(chunk)
     finally:
         stream.close()
-    if size != file.size or running.value() != file.checksum:
+    if size > file.size:  # stopped reading: a file far larger would fill the disk
+        raise CheckpointCorruptedError(
+            f"{remote} is larger than the {file.size} bytes the _metadata declares; the "
+            f"file is corrupted"
+        )
+    if running.value() != file.checksum or size != file.size:
         raise CheckpointCorruptedError(
             f"{remote}: size {size} and checksum {running.value()} != expected {file.size} "
             f"and {file.checksum}; the file is truncated or corrupted"

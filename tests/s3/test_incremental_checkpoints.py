@@ -553,6 +553,27 @@ def test_verify_and_restore_catch_a_damaged_shared_file(job: Job) -> None:
         restore(job.storage.fs, directory, 1, Path("unused"))
 
 
+def test_a_shared_file_far_larger_than_declared_is_refused_without_reading_it_all(
+    job: Job,
+) -> None:
+    """A shared SST file replaced by one many chunks larger than the _metadata declares:
+    restore stops reading one chunk past the declared size (it read it all to local disk
+    before checking, which a crafted file the size of the disk would fill)."""
+    job.write(3000)
+    checkpoint_id = job.checkpoint()
+    directory = job.storage.resolve(checkpoint_id)
+    (handle,) = handles(job, checkpoint_id)
+    damaged = join(job.storage.layout.shared_dir, handle.shared[0].path.rsplit("/", 1)[-1])
+    fs = raw_fs(job.location)
+    extra = 4 * incremental.CHUNK_BYTES
+    fs.pipe_file(damaged, fs.cat_file(damaged) + bytes(extra))
+
+    before = job.storage.fs.bytes_read
+    with pytest.raises(CheckpointCorruptedError, match="larger than the"):
+        restore(job.storage.fs, directory, 1, Path("unused"))
+    assert job.storage.fs.bytes_read - before < handle.size + 2 * incremental.CHUNK_BYTES
+
+
 def edit_inline_file(
     job: Job, checkpoint_id: int, prefix: str, edit: Callable[[dict[str, Any]], None]
 ) -> str:
