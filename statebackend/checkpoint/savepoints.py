@@ -54,7 +54,9 @@ def copy_checkpoint(
     from wherever it is moved to. With ``signing_key`` the source must be signed with
     it and the savepoint is signed with it too; without, the savepoint is not signed.
     Returns ``target_dir`` (normalized); raises CheckpointError if it already holds a
-    savepoint.
+    savepoint, or if a copied file would land on the file it is copied from (``target_dir``
+    is the job directory of an incremental checkpoint, whose ``../shared/x`` goes to
+    ``shared/x``).
     """
     target_dir = normalize_url(target_dir)
     metadata = load_metadata(source_fs, source_dir, signing_key)
@@ -62,9 +64,18 @@ def copy_checkpoint(
         raise CheckpointError(
             f"{target_dir} already holds a checkpoint or savepoint: choose an empty directory"
         )
-    for relative, size, checksum in metadata.files():
-        source = resolve_path(source_dir, relative)
-        target = join(target_dir, _inside(relative))
+    copies = [
+        (resolve_path(source_dir, relative), join(target_dir, _inside(relative)), size, checksum)
+        for relative, size, checksum in metadata.files()
+    ]
+    if source_fs.fsspec.protocol == target_fs.fsspec.protocol:
+        for source, target, _, _ in copies:
+            if target_fs.same_path(source, target):  # writing it would truncate what it reads
+                raise CheckpointError(
+                    f"copying {source_dir} to {target_dir} would overwrite its own file "
+                    f"{source}: choose another directory, e.g. <job dir>/savepoints/<name>"
+                )
+    for source, target, size, checksum in copies:
         if source_fs is target_fs:
             source_fs.copy(source, target)
         else:
