@@ -47,6 +47,7 @@ from statebackend.checkpoint.restore import (
 )
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import (
+    CheckpointCorruptedError,
     CheckpointError,
     ConfigurationError,
     SerializationError,
@@ -65,6 +66,7 @@ from statebackend.serializers import (
     StrSerializer,
     serializer_from_config,
 )
+from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.target import SnapshotDirectory
 from statebackend.state.descriptors import (
     AggregateFunction,
@@ -424,6 +426,15 @@ class SavepointWriter:
         )
         fs = self.filesystem(self.target)
         self._check_no_savepoint(fs)  # written by another writer meanwhile
+        for relative, size, _ in metadata.files():  # or its cleanup deleted our files
+            path = resolve_path(self.target, relative)
+            with suppress(CheckpointCorruptedError):  # missing
+                if fs.size(path) == size:
+                    continue
+            raise CheckpointError(
+                f"{path} was deleted or changed while the savepoint was written (another "
+                f"write into {self.target} failed?): write it again into an empty directory"
+            )
         fs.write_atomic(metadata_path(self.target), metadata.to_bytes())
         return self.target
 

@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter
+from statebackend.errors import CheckpointError
 from tests.conftest import Storage
 from tests.s3.test_cli import assert_one_error_line
-from tests.s3.test_incremental_checkpoints import Job, new_job, raw_fs, restore
+from tests.s3.test_incremental_checkpoints import OPERATOR, Job, M, new_job, raw_fs, restore
 
 
 @pytest.fixture
@@ -72,3 +74,34 @@ def test_savepoint_create_into_the_jobs_directory_leaves_the_checkpoint_intact(
     result = run_cli(job.location, "savepoint", "create", "--from", source, "--to", elsewhere)
     assert result.returncode == 0, result.stderr
     assert restore(job.storage.fs, elsewhere, 2, tmp_path) == job.models[checkpoint_id]
+
+
+def test_a_savepoint_whose_files_another_writers_cleanup_deleted_is_not_completed(
+    job: Job, tmp_path: Path
+) -> None:
+    """Two writes into one new directory (a command started twice) both find it empty;
+    when one is interrupted it deletes the directory, files of the other included. The
+    other wrote its ``_metadata`` anyway and reported success: a savepoint whose files
+    were gone. It now fails, leaving no ``_metadata``, and a new run succeeds."""
+    checkpoint_id = max(job.models)
+    source = job.storage.resolve(checkpoint_id)
+    target = join(job.storage.layout.job_dir, "savepoints", "sp-1")
+    rewrite = OperatorRewrite(OPERATOR, 2)
+    first, second = (
+        SavepointWriter(target, M, source=source, storage_options=job.location.storage_options)
+        for _ in range(2)
+    )
+    with pytest.raises(CheckpointError, match="while the savepoint was written"), first.writing():
+        interrupted = second.writing()
+        interrupted.__enter__()  # both found the target empty
+        acks = [first.write_subtask(rewrite, i, ()) for i in range(2)]
+        interrupted.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)  # Ctrl-C
+        first.complete(acks, job_id="job")
+    result = run_cli(job.location, "verify", target)
+    assert result.returncode == 1 and "no _metadata" in result.stderr, result.stderr
+    assert_one_error_line(result.stderr)
+    again = ["savepoint", "transform", "--from", source, "--to", target, "-p", "2"]
+    result = run_cli(job.location, *again)
+    assert result.returncode == 0, result.stderr
+    assert run_cli(job.location, "verify", target).returncode == 0
+    assert restore(job.storage.fs, target, 3, tmp_path) == job.models[checkpoint_id]
