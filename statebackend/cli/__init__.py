@@ -44,6 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {exc.filename}" if exc.filename else " (writing the output)"
         print(f"{PROG}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a command may say what the interruption left
+        print(f"{PROG}: interrupted" + (f": {exc}" if exc.args else ""), file=sys.stderr)
         return 130

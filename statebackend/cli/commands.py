@@ -11,9 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from statebackend.checkpoint.layout import metadata_path
+from statebackend.checkpoint.layout import join, metadata_path
 from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
-from statebackend.checkpoint.requests import request_savepoint, wait_for_savepoint
+from statebackend.checkpoint.requests import (
+    REQUESTS_DIR,
+    SavepointRequest,
+    request_savepoint,
+    wait_for_savepoint,
+)
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.signing import SigningKey, load_signing_key
 from statebackend.cli.output import (
@@ -541,7 +546,14 @@ def cmd_savepoint_trigger(args: argparse.Namespace) -> int:
     if args.wait is None:
         out(f"requested savepoint {request_id} of {job_dir}")
         return 0
-    out(wait_for_savepoint(fs, job_dir, request_id, args.wait))
+    try:
+        out(wait_for_savepoint(fs, job_dir, request_id, args.wait))
+    except KeyboardInterrupt:
+        target = SavepointRequest(request_id, 0.0, args.target).savepoint_dir(job_dir)
+        raise KeyboardInterrupt(
+            f"savepoint request {request_id} stays in {join(job_dir, REQUESTS_DIR)} and the "
+            f"job will still take it into {target}: do not request it again"
+        ) from None
     return 0
 
 

@@ -8,14 +8,17 @@ the bytes of the source read before the command.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from statebackend.checkpoint.layout import join
+from statebackend.checkpoint.requests import pending_savepoint_requests
 from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter
 from statebackend.errors import CheckpointError
 from tests.conftest import Storage
@@ -105,3 +108,30 @@ def test_a_savepoint_whose_files_another_writers_cleanup_deleted_is_not_complete
     assert result.returncode == 0, result.stderr
     assert run_cli(job.location, "verify", target).returncode == 0
     assert restore(job.storage.fs, target, 3, tmp_path) == job.models[checkpoint_id]
+
+
+def test_ctrl_c_while_waiting_for_a_savepoint_says_the_request_stays(job: Job) -> None:
+    """Ctrl-C during ``savepoint trigger --wait`` said only "interrupted", while the request
+    stays and the job still takes the savepoint: running the command again asked for a
+    second one. The one line now says so, and where the savepoint will be."""
+    job_dir = job.storage.layout.job_dir
+    options = [f"--storage-option={k}={v}" for k, v in job.location.storage_options.items()]
+    command = [sys.executable, "-m", "statebackend", "savepoint", "trigger", job_dir]
+    process = subprocess.Popen(
+        [*command, "--wait", "60", *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not pending_savepoint_requests(job.storage.fs, job_dir):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)  # waiting for the answer
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert (process.returncode, out) == (130, ""), err
+    [line] = err.splitlines()
+    [request] = pending_savepoint_requests(job.storage.fs, job_dir)
+    assert line.startswith("statebackend: interrupted") and "Traceback" not in err
+    assert request.request_id in line and request.savepoint_dir(job_dir) in line, line
