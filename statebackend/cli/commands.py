@@ -27,6 +27,7 @@ from statebackend.cli.output import (
     local_time,
     out,
     progress,
+    progress_of,
     size,
     state_size,
     table,
@@ -562,18 +563,23 @@ def cmd_gc(args: argparse.Namespace) -> int:
     fs = open_location(args.directory, _options(args))
     total_files = total_bytes = 0
     for job_dir in find_job_dirs(fs, args.directory):
-        garbage = find_garbage(fs, job_dir, grace_seconds=args.grace)
-        if args.apply:
-            garbage = delete_garbage(fs, job_dir, garbage, grace_seconds=args.grace)
+        with progress_of(f"checking {job_dir}", "files") as checked:
+            garbage = find_garbage(fs, job_dir, grace_seconds=args.grace, checked=checked)
+        if args.apply and garbage:
+            # one bar at a time: it counts the files checked again, then those deleted
+            with progress_of(f"checking again and deleting in {job_dir}", "files") as update:
+                garbage = delete_garbage(
+                    fs, job_dir, garbage, grace_seconds=args.grace, checked=update, deleted=update
+                )
         for item in garbage:
             out(f"{item.size:>12}  {item.path}  ({item.reason})")
         total_files += len(garbage)
         total_bytes += sum(item.size for item in garbage)
     if args.apply:
-        out(f"deleted {total_files} files, {size(total_bytes)}")
+        out(f"deleted {total_files} files, {size(total_bytes)}, from {args.directory}")
     else:
         out(
-            f"{total_files} unreferenced files, {size(total_bytes)}"
+            f"{total_files} unreferenced files, {size(total_bytes)}, in {args.directory}"
             + ("; run with --apply to delete them" if total_files else "")
         )
     return 0

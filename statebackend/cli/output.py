@@ -73,9 +73,26 @@ def cell(value: Any) -> str:
 @contextmanager
 def progress(description: str, total: int, unit: str = "bytes") -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr counting bytes (else ``total`` things named ``unit``),
-    shown only when stderr is a terminal."""
+    shown only when stderr is a terminal; the callable advances it by n."""
+    with _bar(description, unit) as update:
+        update(total=total)
+        yield lambda n: update(advance=n)
+
+
+@contextmanager
+def progress_of(description: str, unit: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr of things named ``unit`` whose number is learnt on the
+    way, shown only when stderr is a terminal; the callable takes (done, total)."""
+    with _bar(description, unit) as update:
+        yield lambda done, total: update(completed=done, total=total)
+
+
+@contextmanager
+def _bar(description: str, unit: str) -> Iterator[Callable[..., None]]:
+    """A transient rich progress bar on stderr (nothing unless stderr is a terminal); the
+    callable takes ``Progress.update``'s keywords (``total``, ``completed``, ``advance``)."""
     if not sys.stderr.isatty():
-        yield lambda n: None
+        yield lambda **_: None
         return
     from rich.console import Console
     from rich.progress import (
@@ -94,9 +111,9 @@ def progress(description: str, total: int, unit: str = "bytes") -> Iterator[Call
         TextColumn("" if unit == "bytes" else unit),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda **fields: bar.update(task, **fields)
 
 
 def write_records(records: Iterator[Record], output_format: str, stream: TextIO) -> int:

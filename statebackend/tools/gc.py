@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import posixpath
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
@@ -81,6 +82,8 @@ from statebackend.snapshot.handles import StoredFile, normalize_path, resolve_pa
 
 DEFAULT_GRACE_SECONDS = 3600.0
 """Files modified less than this long ago are never garbage."""
+Progress = Callable[[int, int], None]
+"""Told (things done, total) as a long step goes on."""
 
 
 @dataclass(frozen=True)
@@ -250,9 +253,11 @@ def find_garbage(
     *,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     now: float | None = None,
+    checked: Progress | None = None,
 ) -> list[Garbage]:
     """The garbage files of the job in ``job_dir`` (see the module docstring): none
     modified within ``grace_seconds`` before ``now`` (default: the current time).
+    ``checked(done, total)`` is told of each candidate file whose time was looked up.
 
     Raises ConfigurationError if ``grace_seconds`` is negative, and CheckpointError if a
     ``_metadata`` of the job cannot be read.
@@ -266,7 +271,10 @@ def find_garbage(
     oldest_young = (time.time() if now is None else now) - grace_seconds
     shared_prefix = join(job_dir, SHARED_DIR) + "/"
     garbage = []
-    for path, reason in _candidates(fs, job_dir, view):
+    candidates = _candidates(fs, job_dir, view)
+    for done, (path, reason) in enumerate(candidates, 1):
+        if checked is not None:
+            checked(done, len(candidates))
         try:
             modified = fs.modified(path)
             size = fs.size(path)
@@ -287,17 +295,21 @@ def delete_garbage(
     garbage: list[Garbage],
     *,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    checked: Progress | None = None,
+    deleted: Progress | None = None,
 ) -> list[Garbage]:
     """Delete those of ``garbage`` (from ``find_garbage`` of ``job_dir``) that a fresh
-    ``find_garbage`` finds again with the same modification time, and the directories of
-    never-completed checkpoints and of changelog batches that are left empty. Returns
-    what it deleted."""
-    again = find_garbage(fs, job_dir, grace_seconds=grace_seconds)
+    ``find_garbage`` (told ``checked``) finds again with the same modification time, and
+    the directories of never-completed checkpoints and of changelog batches that are left
+    empty. Returns what it deleted; ``deleted(done, total)`` is told of each file."""
+    again = find_garbage(fs, job_dir, grace_seconds=grace_seconds, checked=checked)
     confirmed = {(item.path, item.modified) for item in again}
-    deleted = [item for item in garbage if (item.path, item.modified) in confirmed]
+    doomed = [item for item in garbage if (item.path, item.modified) in confirmed]
     directories = set()
-    for item in deleted:
+    for done, item in enumerate(doomed, 1):
         fs.delete(item.path)
+        if deleted is not None:
+            deleted(done, len(doomed))
         directory = posixpath.dirname(item.path)
         if posixpath.basename(directory) == ACKS_DIR:
             directories.add(directory)
@@ -310,4 +322,4 @@ def delete_garbage(
     for directory in sorted(directories, reverse=True):
         if not fs.list_dir(directory):
             fs.delete(directory, recursive=True)
-    return deleted
+    return doomed

@@ -381,7 +381,7 @@ def test_gc_finds_only_unreferenced_files(
     assert fs.exists(join(completed, "_metadata"))
     assert not fs.exists(join(job.job_dir, "chk-2"))
     status, out, _ = cli(capsys, job.storage, "gc", job.job_dir, "--grace", "0")
-    assert out.strip() == "0 unreferenced files, 0 B"
+    assert out.strip() == f"0 unreferenced files, 0 B, in {job.job_dir}"
     assert cli(capsys, job.storage, "verify", completed)[0] == 0
     assert_reads_model(capsys, job, completed)
     job.checkpoints.close()

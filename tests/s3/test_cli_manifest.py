@@ -373,7 +373,7 @@ def test_gc_keeps_what_retained_manifests_need_and_deletes_other_records(
     assert listed() == {rejected_path}
     # Files younger than the grace period are never garbage.
     status, out, _ = cli(capsys, job.storage, "gc", job.job_dir)
-    assert out.strip() == "0 unreferenced files, 0 B"
+    assert out.strip() == f"0 unreferenced files, 0 B, in {job.job_dir}"
     # Manifest 3 retired (as the job's retention does): records 1-2 are below every base.
     fs.delete(layout.manifest_path(3))
     old = {

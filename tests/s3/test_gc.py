@@ -209,6 +209,33 @@ def test_a_young_file_is_never_garbage(
         assert_restores(job, checkpoint_id, tmp_path / f"restore-{checkpoint_id}")
 
 
+def test_gc_tells_its_progress_over_every_file_it_checks_and_deletes(job: Job) -> None:
+    """``checked`` hears (done, total) for each candidate file looked up, ``deleted`` for
+    each file deleted (what `statebackend gc` shows as progress bars)."""
+    orphans = {shared_file(job, f"op-0-orphan-{i:06d}.sst") for i in range(3)}
+    settle(job.location)
+    job.write(500)
+    job.checkpoint()
+    checks: list[tuple[int, int]] = []
+    garbage = find_garbage(
+        job.storage.fs, job_dir(job), grace_seconds=0, checked=lambda *p: checks.append(p)
+    )
+    assert {item.path for item in garbage} == orphans
+    candidates = checks[-1][1]
+    assert candidates >= len(orphans)
+    assert checks == [(done, candidates) for done in range(1, candidates + 1)]
+    deletes: list[tuple[int, int]] = []
+    deleted = delete_garbage(
+        job.storage.fs,
+        job_dir(job),
+        garbage,
+        grace_seconds=0,
+        deleted=lambda *p: deletes.append(p),
+    )
+    assert {item.path for item in deleted} == orphans
+    assert deletes == [(done, len(orphans)) for done in range(1, len(orphans) + 1)]
+
+
 def test_shared_files_of_a_pending_checkpoint_are_kept_before_its_directory_exists(
     capsys: pytest.CaptureFixture[str], checkpoint_url: Storage, tmp_path: Path
 ) -> None:

@@ -381,7 +381,7 @@ def test_gc_lists_an_aborted_checkpoint_and_never_a_referenced_file(
     checkpoint) is listed file by file, deleted with ``--apply``, and nothing else."""
     status, out, err = cli(capsys, example.storage, "gc", example.job_dir)
     assert status == 0, err
-    assert out.strip() == "0 unreferenced files, 0 B"
+    assert out.strip() == f"0 unreferenced files, 0 B, in {example.job_dir}"
 
     storage = clone_job(example, tmp_path)
     job_dir = join(storage.url, JOB_ID)
@@ -404,7 +404,9 @@ def test_gc_lists_an_aborted_checkpoint_and_never_a_referenced_file(
     fs.write_file(stray, [b"the upload of a task attempt that was retried"])
     referenced = referenced_files(storage)
 
-    assert cli(capsys, storage, "gc", job_dir)[1].strip() == "0 unreferenced files, 0 B"
+    assert (
+        cli(capsys, storage, "gc", job_dir)[1].strip() == f"0 unreferenced files, 0 B, in {job_dir}"
+    )
     status, out, err = cli(capsys, storage, "gc", job_dir, "--grace", "0")  # all are young
     assert status == 0, err
     listed = {line.split()[1] for line in out.splitlines()[:-1]}
@@ -413,8 +415,9 @@ def test_gc_lists_an_aborted_checkpoint_and_never_a_referenced_file(
     assert out.splitlines()[-1].startswith(f"{len(listed)} unreferenced files")
     status, out, _ = cli(capsys, storage, "gc", job_dir, "--apply", "--grace", "0")
     assert status == 0 and out.splitlines()[-1].startswith(f"deleted {len(listed)} files")
+    assert out.splitlines()[-1].endswith(f", from {job_dir}")
     status, out, _ = cli(capsys, storage, "gc", job_dir, "--grace", "0")
-    assert out.strip() == "0 unreferenced files, 0 B"
+    assert out.strip() == f"0 unreferenced files, 0 B, in {job_dir}"
     assert referenced_files(storage) == referenced
     assert cli(capsys, storage, "verify", newest_dir)[0] == 0
     assert read_totals(capsys, storage, newest_dir) == example.expected()
