@@ -58,6 +58,8 @@ from statebackend.errors import (
 from statebackend.snapshot.handles import normalize_path
 
 _READ_CHUNK = 1 << 20
+_SIZE_CHECKED_READ = 64 << 20
+"""Ranged reads longer than this first check the file holds them (one more request)."""
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -539,6 +541,11 @@ class CheckpointFileSystem:
             raise ValueError(f"invalid range start={start} length={length} of {path}")
         if length == 0:
             return b""  # fsspec implementations read an empty range as the whole file
+        if length > _SIZE_CHECKED_READ and start + length > (size := self.size(path)):
+            # a local read allocates ``length`` first: a corrupted index must not ask for 1 PB
+            raise CheckpointCorruptedError(
+                f"{path} is truncated: it has {size} bytes, not {length} at offset {start}"
+            )
         data = self._retrying(
             "read", path, lambda: bytes(self._fs.cat_file(path, start=start, end=start + length))
         )

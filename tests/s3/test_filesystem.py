@@ -192,6 +192,18 @@ def test_a_range_past_the_end_is_truncation(fs: CheckpointFileSystem, root: str)
         fs.read_range(path, 90, 20)
 
 
+def test_a_huge_range_past_the_end_is_truncation_without_reading(
+    fs: CheckpointFileSystem, root: str
+) -> None:
+    """A range far larger than the file (a corrupted index: 1 PB) is truncation, named
+    with the file's size; on a local disk the read allocated the range first and failed
+    with an empty MemoryError ("could not read X: ")."""
+    path = f"{root}/state.bin"
+    fs.write_file(path, [pattern(100)])
+    with pytest.raises(CheckpointCorruptedError, match="state.bin is truncated: it has 100 bytes"):
+        fs.read_range(path, 0, 10**15)
+
+
 def test_open_read_streams_and_seeks(fs: CheckpointFileSystem, root: str) -> None:
     data = pattern(100_000)
     path = f"{root}/state.bin"
