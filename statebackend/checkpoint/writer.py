@@ -38,7 +38,7 @@ from statebackend.checkpoint.filesystem import (
     RetryPolicy,
     open_filesystem,
 )
-from statebackend.checkpoint.layout import metadata_path
+from statebackend.checkpoint.layout import metadata_path, validate_id
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot, SubtaskAck
 from statebackend.checkpoint.restore import (
     restore_keyed_state,
@@ -129,6 +129,10 @@ class OperatorRewrite:
     key_serializer: Serializer[Any] = field(default_factory=StrSerializer)
     operator_states: tuple[OperatorStateInput, ...] = ()
     from_source: bool = True
+
+    def __post_init__(self) -> None:
+        # The id starts the names of the operator's files: no '/' nor '..' in it.
+        validate_id(self.operator_id, "operator id")
 
     def subtask_of(self, key: Any, max_parallelism: int, state: str) -> int:
         """The subtask that owns ``key``; SerializationError naming the state if the key

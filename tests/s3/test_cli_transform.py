@@ -353,6 +353,35 @@ def test_bootstrap_rejects_bad_rows(
     assert not (tmp_path / "sp" / "_metadata").exists()
 
 
+@pytest.mark.parametrize("operator", ["../../escaped", "a/b", ""])
+def test_bootstrap_refuses_an_operator_id_that_is_no_file_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], operator: str
+) -> None:
+    """The operator id starts the names of the savepoint's files: one with a '/' or '..'
+    would put them outside ``--to`` (or in a subdirectory no restore looks into)."""
+    work = tmp_path / "work"
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"key": "a", "value": 1}])
+    before = sorted(tmp_path.rglob("*"))
+    status, _, err = cli(
+        Storage(tmp_path.as_uri()),
+        capsys,
+        "savepoint",
+        "bootstrap",
+        "--to",
+        str(work / "sp"),
+        "--operator",
+        operator,
+        "--state",
+        f"count:value={rows}",
+        "-p",
+        "2",
+    )
+    assert status == 1
+    assert err.startswith(f"statebackend: error: operator id {operator!r} is invalid")
+    assert err.count("\n") == 1
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_transform_operator_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Operator states are dropped and renamed like keyed ones; other operators stay."""
     storage = Storage(tmp_path.as_uri())
