@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,17 @@ def _storage_option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds >= 0 (``inf``: no limit); NaN and negative ones are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 _S3 = "--storage-option endpoint_url=http://127.0.0.1:9000"
@@ -357,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where (default: JOBDIR/savepoints)",
     )
     p.add_argument(
-        "--wait", type=float, metavar="SECONDS", help="wait this long and print the path"
+        "--wait", type=_seconds, metavar="SECONDS", help="wait this long and print the path"
     )
 
     p = command("gc", "list or delete files no checkpoint or savepoint uses", cmd_gc)

@@ -471,6 +471,26 @@ def test_savepoint_trigger_round_trip(
     job.checkpoints.close()
 
 
+@pytest.mark.timeout(60)  # --wait nan waited forever
+@pytest.mark.parametrize("wait", ["-1", "nan", "soon"])
+def test_savepoint_trigger_refuses_a_bad_wait_before_requesting(
+    capsys: pytest.CaptureFixture[str], checkpoint_url: Storage, tmp_path: Path, wait: str
+) -> None:
+    job = make_job(checkpoint_url, tmp_path)
+    job.process(10, seed=5)
+    job.checkpoint()
+    fs, job_dir = job.checkpoints.fs, job.job_dir
+    with pytest.raises(SystemExit) as exit:
+        cli(capsys, job.storage, "savepoint", "trigger", job_dir, "--wait", wait)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith("statebackend savepoint trigger: error: argument --wait:")
+    assert repr(wait) in error
+    # no request the job would serve after the command failed
+    assert pending_savepoint_requests(fs, job_dir) == []
+    job.checkpoints.close()
+
+
 def test_list_and_inspect_show_the_metadata(capsys: pytest.CaptureFixture[str], job: Job) -> None:
     pending = job.coordinator.trigger({"source": P, "user-totals": P})
     job.snapshot(pending)  # acknowledged, not yet completed by the coordinator
