@@ -58,6 +58,7 @@ from statebackend.keygroups import (
     check_parallelism,
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
+    require_parallelism,
 )
 from statebackend.redistribution import DistributionMode
 from statebackend.serializers import (
@@ -133,6 +134,7 @@ class OperatorRewrite:
     def __post_init__(self) -> None:
         # The id starts the names of the operator's files: no '/' nor '..' in it.
         validate_id(self.operator_id, "operator id")
+        require_parallelism(self.parallelism)
 
     def subtask_of(self, key: Any, max_parallelism: int, state: str) -> int:
         """The subtask that owns ``key``; SerializationError naming the state if the key

@@ -436,7 +436,8 @@ def cmd_savepoint_create(args: argparse.Namespace) -> int:
     source = open_state(args.source, _options(args), key)
     if isinstance(source, ManifestRef):
         subtasks = sum(
-            args.parallelism or parallelism_of(source, op) for op in operator_ids(source)
+            parallelism_of(source, op) if args.parallelism is None else args.parallelism
+            for op in operator_ids(source)
         )
         with progress("writing", subtasks, unit="subtasks") as advance:
             folded = fold_manifest(

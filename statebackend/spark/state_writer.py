@@ -277,7 +277,9 @@ class StateWriter:
         """
         rewrites = self._rewrites(parallelism)
         highest = max((r.parallelism for r in rewrites), default=1)
-        max_parallelism = self.max_parallelism or compute_default_max_parallelism(highest)
+        max_parallelism = self.max_parallelism
+        if max_parallelism is None:
+            max_parallelism = compute_default_max_parallelism(highest)
         for rewrite in rewrites:
             check_parallelism(rewrite.parallelism, max_parallelism)
         writer = SavepointWriter(

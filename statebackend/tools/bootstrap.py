@@ -100,7 +100,8 @@ def bootstrap_from_files(
     subtask written. Returns the savepoint's directory."""
     if len({s.name for s in states}) != len(states):
         raise ConfigurationError("a state is given twice: give each state once")
-    max_parallelism = max_parallelism or compute_default_max_parallelism(parallelism)
+    if max_parallelism is None:
+        max_parallelism = compute_default_max_parallelism(parallelism)
     check_parallelism(parallelism, max_parallelism)
     rewrite = OperatorRewrite(
         operator_id,

@@ -479,7 +479,7 @@ def fold_manifest(
         acks = []
         with ThreadPoolExecutor(1, thread_name_prefix="statebackend-fold") as pool:
             for operator_id in operator_ids(ref):
-                p = parallelism or parallelism_of(ref, operator_id)
+                p = parallelism_of(ref, operator_id) if parallelism is None else parallelism
                 check_parallelism(p, manifest.max_parallelism)
                 for subtask in range(p):
                     key_groups = compute_key_group_range_for_operator_index(

@@ -68,7 +68,7 @@ def plan_transform(
     rewrites = [
         OperatorRewrite(
             operator_id,
-            parallelism or snapshot.parallelism,
+            snapshot.parallelism if parallelism is None else parallelism,
             drop_states=frozenset(drops.get(operator_id, ())),
             rename_states=renames.get(operator_id, {}),
         )

@@ -341,6 +341,21 @@ def test_savepoint_folds_a_manifest_and_restores_at_any_parallelism(
     assert_one_error_line(err)
 
 
+def test_folding_a_manifest_at_parallelism_zero_is_refused(
+    capsys: pytest.CaptureFixture[str], job: ChangelogJob, tmp_path: Path
+) -> None:
+    target = tmp_path / "savepoints" / "zero"
+    status, _, err = cli(
+        capsys, job.storage, "savepoint", "create", "--from", job.manifest(5), "--to",
+        target.as_uri(), "-p", "0",
+    )  # fmt: skip
+    assert (status, err) == (
+        1,
+        "statebackend: error: parallelism 0 is invalid: it must be an integer >= 1\n",
+    )
+    assert not target.exists()
+
+
 def test_gc_keeps_what_retained_manifests_need_and_deletes_other_records(
     capsys: pytest.CaptureFixture[str], job: ChangelogJob
 ) -> None:

@@ -353,6 +353,31 @@ def test_bootstrap_rejects_bad_rows(
     assert not (tmp_path / "sp" / "_metadata").exists()
 
 
+def test_a_parallelism_of_zero_is_refused_not_taken_for_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    storage = Storage(tmp_path.as_uri())
+    source, _ = build(storage, 2)
+    target = target_of(storage, "zero")
+    status, _, err = transform(storage, capsys, source, target, "-p", "0")
+    assert (status, err) == (
+        1,
+        "statebackend: error: parallelism 0 is invalid: it must be an integer >= 1\n",
+    )
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"key": "a", "value": 1}])
+    bootstrap = ["savepoint", "bootstrap", "--to", target, "--operator", "op"]
+    status, _, err = cli(
+        storage, capsys, *bootstrap, "--state", f"count:value={rows}", "-p", "2",
+        "--max-parallelism", "0",
+    )  # fmt: skip
+    assert (status, err) == (
+        1,
+        "statebackend: error: max parallelism 0 is out of range: it must be an integer "
+        "from 1 to 32768\n",
+    )
+    assert not (tmp_path / "savepoints" / "zero").exists()
+
+
 @pytest.mark.parametrize("operator", ["../../escaped", "a/b", ""])
 def test_bootstrap_refuses_an_operator_id_that_is_no_file_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], operator: str

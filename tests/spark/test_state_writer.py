@@ -300,3 +300,28 @@ def test_bad_bootstrap_data_is_a_clear_error(
     with pytest.raises(error, match=message):
         writer.write(str(tmp_path / "sp"), parallelism=2)
     assert not (tmp_path / "sp" / "_metadata").exists()
+
+
+@pytest.mark.parametrize(
+    ("max_parallelism", "operator", "message"),
+    [
+        (0, OPERATOR_ID, "max parallelism 0 is out of range"),
+        (None, "../escaped", "operator id '../escaped' is invalid"),
+    ],
+)
+def test_bad_writer_arguments_are_refused_before_writing(
+    spark_local: SparkSession,
+    tmp_path: Path,
+    max_parallelism: int | None,
+    operator: str,
+    message: str,
+) -> None:
+    schema = StructType([StructField("key", StringType()), StructField("value", LongType())])
+    frame = spark_local.createDataFrame([("a", 1)], schema)
+    writer = StateWriter.new(spark_local, max_parallelism=max_parallelism)
+    writer.with_keyed_state(operator, COUNT, frame)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        writer.write(str(work / "sp"), parallelism=2)
+    assert list(tmp_path.rglob("*")) == [work]
