@@ -30,6 +30,7 @@ while handles resolve their relative paths through ``posixpath.normpath``.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
@@ -217,6 +218,16 @@ def normalize_url(url: str) -> str:
     if rest.startswith("//"):  # normpath keeps a leading "//" (POSIX allows it a meaning)
         normalized = f"{scheme}{sep}/{rest.lstrip('/')}"
     return normalized
+
+
+def storage_option_value(text: str) -> Any:
+    """The value of a storage option given as text (``--storage-option KEY=VALUE``,
+    ``spark.statebackend.storage.KEY``): JSON if it parses (``false``, ``5242880``,
+    ``{"region_name": "eu-west-1"}``), else the text itself (a URL, a name)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def open_filesystem(

@@ -4,12 +4,11 @@ subcommand."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 from typing import Any
 
-from statebackend.checkpoint.filesystem import normalize_url
+from statebackend.checkpoint.filesystem import normalize_url, storage_option_value
 from statebackend.cli.commands import (
     cmd_gc,
     cmd_inspect,
@@ -33,10 +32,7 @@ def _storage_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
+    return key, storage_option_value(value)
 
 
 def _seconds(text: str) -> float:

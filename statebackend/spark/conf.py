@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.coordinator import DEFAULT_RETAINED, DEFAULT_TIMEOUT_SECONDS
-from statebackend.checkpoint.filesystem import absolute_location
+from statebackend.checkpoint.filesystem import absolute_location, storage_option_value
 from statebackend.checkpoint.signing import MIN_KEY_BYTES, SigningKey, load_signing_key
 from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
 from statebackend.errors import ConfigurationError
@@ -268,7 +268,7 @@ class StateBackendConf:
                 option = key[len(STORAGE_PREFIX) :]
                 if not option:
                     raise ConfigurationError(f"{key} names no storage option")
-                storage[option] = text
+                storage[option] = storage_option_value(text)
                 continue
             spec = KEYS.get(key[len(PREFIX) :])
             if spec is None:
@@ -332,13 +332,13 @@ class StateBackendConf:
         return self.checkpoint_dir
 
 
-def parse_storage_options(items: Iterable[str]) -> Mapping[str, str]:
-    """``k=v`` strings (e.g. from ``--storage-option``) as a dict; ConfigurationError on a
-    string without ``=``."""
+def parse_storage_options(items: Iterable[str]) -> Mapping[str, Any]:
+    """``k=v`` strings (e.g. from ``--storage-option``) as a dict, each value read by
+    ``storage_option_value``; ConfigurationError on a string without ``=``."""
     options = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigurationError(f"storage option {item!r} is invalid: write key=value")
-        options[key] = value
+        options[key] = storage_option_value(value)
     return options

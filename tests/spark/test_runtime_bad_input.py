@@ -16,6 +16,7 @@ from pyspark.sql import SparkSession
 from statebackend.checkpoint.layout import METRICS_DIR
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.cli import build_parser
 from statebackend.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -36,6 +37,7 @@ from statebackend.spark.example import (
 )
 from statebackend.spark.runner import RunSummary
 from statebackend.spark.source import partition_path
+from tests.conftest import Storage
 from tests.scripts import REPO
 
 SCRIPT = REPO / "scripts" / "user_totals.py"
@@ -352,6 +354,30 @@ def test_conf_rejects_unknown_and_malformed_keys() -> None:
         ("file:///abs/ckpt", "file:///abs/ckpt"),
     ):
         assert StateBackendConf.from_pairs([(directory, given)]).checkpoint_dir == read
+
+
+@pytest.mark.s3
+def test_storage_options_of_the_conf_mean_what_they_mean_on_the_command_line(
+    s3_storage: Storage,
+) -> None:
+    """Every SparkConf value is text: ``storage.anon false`` must not be the truthy string
+    'false' (anonymous requests), nor a block size the string '5242880' (every upload
+    failed comparing it with a number); the CLI's --storage-option reads them as JSON."""
+    given = {"default_block_size": "5242880", "anon": "false", "use_ssl": "true"}
+    pairs = [(f"spark.statebackend.storage.{k}", v) for k, v in given.items()]
+    pairs += [(f"spark.statebackend.storage.{k}", v) for k, v in s3_storage.storage_options.items()]
+    conf = StateBackendConf.from_pairs(pairs)
+    expected = {k: json.loads(v) for k, v in given.items()}
+    assert {k: conf.storage_options[k] for k in given} == expected
+    assert conf.storage_options["endpoint_url"] == s3_storage.storage_options["endpoint_url"]
+    cli = build_parser().parse_args(
+        ["list", s3_storage.url, *(f"--storage-option={k}={v}" for k, v in given.items())]
+    )
+    assert dict(cli.storage_option) == expected
+    storage = CheckpointStorage(s3_storage.url, "job", storage_options=conf.storage_options)
+    written = storage.fs.write_file(f"{s3_storage.url}/job/file", [b"x" * 100])
+    assert written.size == 100
+    storage.close()
 
 
 @pytest.mark.parametrize(
