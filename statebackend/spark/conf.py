@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -113,7 +114,14 @@ def _signing_key(key: str, text: str) -> str:
     return text
 
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{unit: 1 << (10 * power) for power, unit in enumerate("kmgtp", 1)},
+    **{f"{unit}b": 1 << (10 * power) for power, unit in enumerate("kmgtp", 1)},
+}
+"""The units of a size, as Spark's (``JavaUtils.byteStringAsBytes``): 512m, 512mb, 1g..."""
+_SIZE = re.compile(r"([0-9]+)([a-z]*)")
 DEFAULT_SINGLE_STAGE_BYTES = 4 << 20
 """A StatefulJob batch of at most this many input bytes runs as one stage (no shuffle)."""
 DEFAULT_ROCKSDB_MEMORY = 512 << 20
@@ -144,13 +152,11 @@ def parse_byte_size(key: str, text: str) -> int:
 
 
 def _bytes(lowered: str) -> int | None:
-    """The bytes of a lower-case size with an optional unit (k, m, g), or None."""
-    unit = lowered[-1:] if lowered[-1:].isalpha() else ""
-    number = lowered[: len(lowered) - len(unit)]
-    try:
-        return int(number) * _SIZE_UNITS[unit]
-    except (ValueError, KeyError):
+    """The bytes of a lower-case size with an optional unit (``_SIZE_UNITS``), or None."""
+    match = _SIZE.fullmatch(lowered)
+    if match is None or match[2] not in _SIZE_UNITS:
         return None
+    return int(match[1]) * _SIZE_UNITS[match[2]]
 
 
 def _optional_seconds(key: str, text: str) -> float | None:

@@ -31,7 +31,19 @@ def limit_restored() -> Iterator[None]:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("512m", 512 * MB), ("2g", 2048 * MB), ("1048576", MB), ("64M", 64 * MB), ("unbounded", None)],
+    [
+        ("512m", 512 * MB),
+        ("2g", 2048 * MB),
+        ("1048576", MB),
+        ("64M", 64 * MB),
+        ("unbounded", None),
+        # Spark's size strings (spark.executor.memory, JavaUtils.byteStringAsBytes)
+        ("512mb", 512 * MB),
+        ("1GB", 1024 * MB),
+        ("2048kb", 2 * MB),
+        ("1t", 1024 * 1024 * MB),
+        ("1048576b", MB),
+    ],
 )
 def test_the_setting_takes_sizes_with_units(text: str, expected: int | None) -> None:
     conf = StateBackendConf.from_pairs([("spark.statebackend.rocksdb.memory", text)])
@@ -39,7 +51,9 @@ def test_the_setting_takes_sizes_with_units(text: str, expected: int | None) -> 
     assert StateBackendConf().rocksdb_memory == DEFAULT_ROCKSDB_MEMORY
 
 
-@pytest.mark.parametrize("text", ["", "lots", "-1g", "0", "512x", "1000"])
+@pytest.mark.parametrize(
+    "text", ["", "lots", "-1g", "0", "512x", "1000", "1.5g", "512 m", "1_024m", "m", "1gib"]
+)
 def test_the_setting_rejects_what_is_no_size(text: str) -> None:
     with pytest.raises(ConfigurationError, match="rocksdb.memory=.*at least 1m"):
         StateBackendConf.from_pairs([("spark.statebackend.rocksdb.memory", text)])

@@ -68,13 +68,16 @@ def test_read_with_an_end_skips_malformed_lines_before_it(tmp_path: Path) -> Non
     assert (batch.offset, batch.skipped) == (end, 1)
 
 
-@pytest.mark.parametrize(("text", "expected"), [("0", 0), ("512k", 512 << 10), ("2m", 2 << 20)])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", 0), ("512k", 512 << 10), ("2m", 2 << 20), ("512KB", 512 << 10), ("2mb", 2 << 20)],
+)
 def test_single_stage_bytes_setting(text: str, expected: int) -> None:
     assert StateBackendConf.from_pairs([(KEY, text)]).single_stage_bytes == expected
     assert StateBackendConf().single_stage_bytes == DEFAULT_SINGLE_STAGE_BYTES
 
 
-@pytest.mark.parametrize("text", ["-1", "lots", "2x", ""])
+@pytest.mark.parametrize("text", ["-1", "lots", "2x", "", "1.5m", "-1k"])
 def test_single_stage_bytes_rejects_what_is_not_a_size(text: str) -> None:
     with pytest.raises(ConfigurationError, match="single-stage-bytes"):
         StateBackendConf.from_pairs([(KEY, text)])
