@@ -55,9 +55,9 @@ def _choice(options: Iterable[str]) -> Callable[[str, str], str]:
     allowed = tuple(options)
 
     def parse(key: str, text: str) -> str:
-        if text not in allowed:
+        if text.lower() not in allowed:  # in any case, as Spark's own choices
             raise ConfigurationError(f"{key}={text!r} is invalid: choose one of {list(allowed)}")
-        return text
+        return text.lower()
 
     return parse
 
@@ -79,11 +79,11 @@ def _location(key: str, text: str) -> str:
 
 
 def _optional_int(key: str, text: str) -> int | None:
-    return None if text in ("", "auto") else _positive_int(key, text)
+    return None if text.lower() in ("", "auto") else _positive_int(key, text)
 
 
 def _max_parallelism(key: str, text: str) -> int | None:
-    if text in ("", "auto"):
+    if text.lower() in ("", "auto"):
         return None
     try:
         value = int(text)
@@ -160,7 +160,7 @@ def _bytes(lowered: str) -> int | None:
 
 
 def _optional_seconds(key: str, text: str) -> float | None:
-    return None if text in ("", "off") else _positive_float(key, text)
+    return None if text.lower() in ("", "off") else _positive_float(key, text)
 
 
 KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {

@@ -401,6 +401,27 @@ def test_conf_rejects_values_that_would_fail_later(key: str, text: str, says: st
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "field", "expected"),
+    [
+        ("backend", "RocksDB", "backend", "rocksdb"),
+        ("backend", "HEAP", "backend", "heap"),
+        ("compression", "LZ4", "compression", "lz4"),
+        ("compression", "Zstd", "compression", "zstd"),
+        ("parallelism", "AUTO", "parallelism", None),
+        ("max-parallelism", "Auto", "max_parallelism", None),
+        ("streaming.tick-interval", "OFF", "tick_interval", None),
+    ],
+)
+def test_conf_names_are_case_insensitive_as_spark_s(
+    key: str, text: str, field: str, expected: Any
+) -> None:
+    """Spark reads the names its own keys choose from in any case
+    (spark.io.compression.codec=LZ4, spark.sql.parquet.compression.codec=Zstd)."""
+    conf = StateBackendConf.from_pairs([("spark.statebackend." + key, text)])
+    assert getattr(conf, field) == expected
+
+
 def test_conf_accepts_the_bounds() -> None:
     pairs = [
         ("spark.statebackend.max-parallelism", "32768"),
