@@ -41,13 +41,23 @@ def _positive_int(key: str, text: str) -> int:
     return value
 
 
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+"""The units of a duration, as Spark's (``JavaUtils.timeStringAsSec``): 30s, 10min, 1h..."""
+_DURATION = re.compile(r"([0-9.eE+-]+)(us|ms|s|min|m|h|d)?")
+
+
 def _positive_float(key: str, text: str) -> float:
+    """Seconds > 0: a number, or one with a unit of ``_TIME_UNITS`` (any case)."""
+    match = _DURATION.fullmatch(text.lower())
     try:
-        value = float(text)
+        value = float(match[1]) * _TIME_UNITS[match[2] or "s"] if match else 0.0
     except ValueError:
         value = 0.0
     if not (value > 0 and math.isfinite(value)):
-        raise ConfigurationError(f"{key}={text!r} is invalid: give a finite number of seconds > 0")
+        raise ConfigurationError(
+            f"{key}={text!r} is invalid: give a finite number of seconds > 0, or a duration "
+            f"such as 500ms, 30s, 10min or 1h"
+        )
     return value
 
 

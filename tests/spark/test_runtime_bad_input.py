@@ -422,6 +422,39 @@ def test_conf_names_are_case_insensitive_as_spark_s(
     assert getattr(conf, field) == expected
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "seconds"),
+    [
+        ("checkpoint.timeout", "10min", 600.0),
+        ("checkpoint.timeout", "1h", 3600.0),
+        ("checkpoint.timeout", "2d", 2 * 86400.0),
+        ("checkpoint.timeout", "15m", 900.0),
+        ("checkpoint.upload-stall-timeout", "30s", 30.0),
+        ("checkpoint.upload-stall-timeout", " 45S ", 45.0),
+        ("streaming.tick-interval", "500ms", 0.5),
+        ("streaming.tick-interval", "250000us", 0.25),
+        ("streaming.tick-interval", "2", 2.0),
+    ],
+)
+def test_conf_durations_take_spark_s_time_strings(key: str, text: str, seconds: float) -> None:
+    """As Spark's own durations (spark.network.timeout=120s, JavaUtils.timeStringAsSec):
+    a number of seconds, or one with a unit us, ms, s, m, min, h or d."""
+    conf = StateBackendConf.from_pairs([("spark.statebackend." + key, text)])
+    field = {
+        "checkpoint.timeout": "timeout_seconds",
+        "checkpoint.upload-stall-timeout": "upload_stall_seconds",
+        "streaming.tick-interval": "tick_interval",
+    }[key]
+    assert getattr(conf, field) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["30 s", "30sec", "0s", "-5s", "s", "10mins", "infs"])
+def test_conf_durations_refuse_what_is_no_duration(text: str) -> None:
+    name = "spark.statebackend.checkpoint.timeout"
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(name)}={re.escape(repr(text))}"):
+        StateBackendConf.from_pairs([(name, text)])
+
+
 def test_conf_accepts_the_bounds() -> None:
     pairs = [
         ("spark.statebackend.max-parallelism", "32768"),
