@@ -231,6 +231,13 @@ def task_error(exc: BaseException) -> StateBackendError | None:
     return next((e for e in task_errors(exc) if not e.recoverable), None)
 
 
+def _count(value: Any, what: str) -> int:
+    """``value`` if it is an int >= 1 (not a bool), else ConfigurationError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{what} {value!r} is invalid: give an integer >= 1")
+    return value
+
+
 class StatefulJob:
     """A keyed stateful job over a partitioned log source, run as Spark micro-batches.
 
@@ -271,15 +278,13 @@ class StatefulJob:
         self.key_by = key_by
         self.function = function
         self.parallelism = require_parallelism(parallelism)
-        if batch_size < 1:
-            raise ConfigurationError(f"batch size {batch_size!r} is invalid: give >= 1")
-        self.batch_size = batch_size
+        self.batch_size = _count(batch_size, "batch size")
         self.conf = conf or StateBackendConf.from_spark_conf(spark.sparkContext.getConf())
         self.checkpoint_every = (
-            self.conf.checkpoint_interval if checkpoint_every is None else checkpoint_every
+            self.conf.checkpoint_interval
+            if checkpoint_every is None
+            else _count(checkpoint_every, "checkpoint_every")
         )
-        if self.checkpoint_every < 1:
-            raise ConfigurationError(f"checkpoint_every {checkpoint_every!r}: give >= 1")
         self.restore = restore
         self.output_dir = output_dir
         self.key_serializer = key_serializer or StrSerializer()

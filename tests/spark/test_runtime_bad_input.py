@@ -233,9 +233,16 @@ def test_parallelism_above_max_parallelism(spark_local: SparkSession, tmp_path: 
     ("arguments", "message"),
     [
         ({"parallelism": 0}, "parallelism 0 is invalid: it must be an integer >= 1"),
-        ({"parallelism": True}, "parallelism True is invalid"),
-        ({"checkpoint_every": 0}, "checkpoint_every 0: give >= 1"),
-        ({"batch_size": 0}, "batch size 0 is invalid"),
+        ({"parallelism": True}, "parallelism True is invalid: it must be an integer >= 1"),
+        ({"checkpoint_every": 0}, "checkpoint_every 0 is invalid: give an integer >= 1"),
+        ({"batch_size": 0}, "batch size 0 is invalid: give an integer >= 1"),
+        # of the wrong type: a TypeError from a comparison, or taken as they were
+        ({"batch_size": "10"}, "batch size '10' is invalid: give an integer >= 1"),
+        ({"batch_size": None}, "batch size None is invalid: give an integer >= 1"),
+        ({"batch_size": 2.5}, "batch size 2.5 is invalid: give an integer >= 1"),
+        ({"batch_size": True}, "batch size True is invalid: give an integer >= 1"),
+        ({"checkpoint_every": "5"}, "checkpoint_every '5' is invalid: give an integer >= 1"),
+        ({"checkpoint_every": 2.5}, "checkpoint_every 2.5 is invalid: give an integer >= 1"),
     ],
 )
 def test_bad_job_arguments_are_refused_when_the_job_is_made(
@@ -244,7 +251,7 @@ def test_bad_job_arguments_are_refused_when_the_job_is_made(
     """Checked by ``StatefulJob`` itself, before a run: a parallelism of 0 used to end in
     a ZeroDivisionError inside the run, a checkpoint_every of 0 to mean the conf's."""
     options: dict[str, Any] = {"parallelism": 2, **arguments}
-    with pytest.raises(ConfigurationError, match=message):
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(message)}$"):
         user_totals_job(
             spark_local,
             job_id="bad",
