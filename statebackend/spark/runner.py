@@ -274,8 +274,17 @@ class StatefulJob:
         self.operator_id = validate_id(operator_id, "operator id")
         if self.operator_id == SOURCE_OPERATOR:
             raise ConfigurationError(f"operator id {SOURCE_OPERATOR!r} is the source's: rename")
+        if not isinstance(source, LogSource):
+            raise ConfigurationError(
+                f"source {source!r} is a {type(source).__name__}: give a LogSource"
+            )
         self.source = source
         self.key_by = key_by
+        if not isinstance(function, KeyedFunction):
+            raise ConfigurationError(
+                f"function {function!r} is a {type(function).__name__}: give an instance of "
+                f"a KeyedFunction subclass (e.g. RecordFunction)"
+            )
         self.function = function
         self.parallelism = require_parallelism(parallelism)
         self.batch_size = _count(batch_size, "batch size")

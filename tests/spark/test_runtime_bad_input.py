@@ -261,6 +261,36 @@ def test_bad_job_arguments_are_refused_when_the_job_is_made(
         )
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"function": UserTotals}, "function <class "),
+        ({"function": lambda key, value: None}, "function <function "),
+        ({"source": "input"}, "source 'input' is a str: give a LogSource"),
+    ],
+)
+def test_a_function_or_source_of_another_type_is_refused_when_the_job_is_made(
+    spark_local: SparkSession, tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    """Not first in every task of a batch, retried max-retries times and ended as
+    JobFailedError: AttributeError: 'function' object has no attribute 'open'."""
+    generate_events(tmp_path / "input", 10, 5, 1, 1)
+    options: dict[str, Any] = {
+        "job_id": "typed",
+        "source": LogSource(str(tmp_path / "input")),
+        "operator_id": OPERATOR_ID,
+        "key_by": KEY_FIELD,
+        "function": UserTotals(),
+        "parallelism": 2,
+        "conf": StateBackendConf(checkpoint_dir=(tmp_path / "ck").as_uri()),
+        **arguments,
+    }
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(message)}") as raised:
+        StatefulJob(spark_local, **options)
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "ck").exists()
+
+
 def test_script_prints_one_line(tmp_path: Path) -> None:
     """The script's errors: one line, exit 2 (missing Java; no Spark is started)."""
     generate_events(tmp_path / "input", 10, 5, 1, 1)
