@@ -203,7 +203,7 @@ KEYS_FILE = "conf/statebackend.conf"
 def _unknown_key(key: str) -> ConfigurationError:
     """The error of an unknown ``spark.statebackend.*`` key: it suggests the closest known
     key, and lists them all only when none is close."""
-    close = difflib.get_close_matches(key[len(PREFIX) :], KEYS, n=1)
+    close = difflib.get_close_matches(key[len(PREFIX) :].lower(), KEYS, n=1)
     if close:
         return ConfigurationError(
             f"unknown key {key}: did you mean {PREFIX}{close[0]}? (all keys: {KEYS_FILE})"
@@ -279,6 +279,8 @@ class StateBackendConf:
         storage: dict[str, Any] = {}
         for key, text in pairs:
             if not key.startswith(PREFIX):
+                if key.lower().startswith(PREFIX):  # Spark's keys are case-sensitive
+                    raise _unknown_key(key)
                 continue
             if key.startswith(STORAGE_PREFIX):
                 option = key[len(STORAGE_PREFIX) :]

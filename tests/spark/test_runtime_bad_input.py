@@ -492,6 +492,25 @@ def test_conf_durations_refuse_what_is_no_duration(text: str) -> None:
         StateBackendConf.from_pairs([(name, text)])
 
 
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("spark.stateBackend.backend", "spark.statebackend.backend"),
+        ("spark.StateBackend.checkpoint.Interval", "spark.statebackend.checkpoint.interval"),
+    ],
+)
+def test_a_key_whose_prefix_differs_only_in_case_is_unknown_not_ignored(
+    key: str, meant: str
+) -> None:
+    """Spark's keys are case-sensitive: spark.stateBackend.backend=heap would be ignored
+    and the job run on RocksDB."""
+    with pytest.raises(ConfigurationError) as raised:
+        StateBackendConf.from_pairs([(key, "heap")])
+    assert str(raised.value) == (
+        f"unknown key {key}: did you mean {meant}? (all keys: conf/statebackend.conf)"
+    )
+
+
 def test_conf_accepts_the_bounds() -> None:
     pairs = [
         ("spark.statebackend.max-parallelism", "32768"),
