@@ -79,10 +79,6 @@ def _boolean(key: str, text: str) -> bool:
     return lowered == "true"
 
 
-def _text(key: str, text: str) -> str:
-    return text
-
-
 def _location(key: str, text: str) -> str:
     """Made absolute on the driver, where the conf is read (``absolute_location``)."""
     return absolute_location(text)
@@ -117,9 +113,22 @@ def _local_dir(key: str, text: str) -> str:
 
 def _signing_key(key: str, text: str) -> str:
     size = len(text.encode("utf-8"))
-    if 0 < size < MIN_KEY_BYTES:
+    if size == 0:  # set to nothing (e.g. an unset variable): not "do not sign" silently
+        raise ConfigurationError(
+            f"{key} is empty: give at least {MIN_KEY_BYTES} bytes, or leave {key} out to "
+            f"not sign checkpoints"
+        )
+    if size < MIN_KEY_BYTES:
         raise ConfigurationError(
             f"{key} has {size} bytes: give at least {MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)"
+        )
+    return text
+
+
+def _signing_key_file(key: str, text: str) -> str:
+    if not text:
+        raise ConfigurationError(
+            f"{key} is empty: give the key's file, or leave {key} out to not sign checkpoints"
         )
     return text
 
@@ -183,7 +192,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
     "checkpoint.max-retries": ("max_retries", _positive_int),
     "checkpoint.signing-key": ("signing_key", _signing_key),
-    "checkpoint.signing-key-file": ("signing_key_file", _text),
+    "checkpoint.signing-key-file": ("signing_key_file", _signing_key_file),
     "max-parallelism": ("max_parallelism", _max_parallelism),
     "parallelism": ("parallelism", _optional_int),
     "local.dir": ("local_dir", _local_dir),

@@ -429,6 +429,10 @@ def test_storage_options_of_the_conf_mean_what_they_mean_on_the_command_line(
         ("checkpoint.upload-stall-timeout", "nan", "finite number of seconds"),
         ("local.dir", "", "is empty: give a directory"),
         ("local.dir", "  ", "is empty: give a directory"),
+        # set but empty (an unset variable in --conf ...=$KEY): not "unsigned" silently
+        ("checkpoint.signing-key", "", "is empty: give at least 16 bytes"),
+        ("checkpoint.signing-key", "  ", "is empty: give at least 16 bytes"),
+        ("checkpoint.signing-key-file", "", "is empty: give the key's file"),
     ],
 )
 def test_conf_rejects_values_that_would_fail_later(key: str, text: str, says: str) -> None:
