@@ -105,8 +105,8 @@ def load_signing_key(key: str | None = None, key_file: str | None = None) -> Sig
     """The signing key given as text (``key``) or in a local file (``key_file``: its
     bytes, one trailing newline dropped), or None if neither is given.
 
-    Raises ConfigurationError if both are given, the file cannot be read, or the key is
-    shorter than 16 bytes.
+    Raises ConfigurationError if both are given, ``key_file`` is empty or cannot be read,
+    or the key is shorter than 16 bytes.
     """
     if key and key_file:
         raise ConfigurationError(
@@ -114,6 +114,11 @@ def load_signing_key(key: str | None = None, key_file: str | None = None) -> Sig
         )
     if key:
         return SigningKey(key.encode("utf-8"))
+    if key_file == "":  # asked for (an unset variable?): not "no key" silently
+        raise ConfigurationError(
+            "the checkpoint signing key file is empty: give the key's file, or leave the "
+            "option out to read without checking signatures"
+        )
     if key_file:
         try:
             secret = Path(key_file).read_bytes()

@@ -338,6 +338,26 @@ def test_an_unsigned_or_foreign_checkpoint_is_refused_with_a_key(
     backend.dispose()
 
 
+def test_an_empty_signing_key_file_is_refused_not_taken_for_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--signing-key-file "$KEY_FILE"`` with the variable unset: verify said OK for an
+    unsigned checkpoint, as if no key had been asked for."""
+    location = Storage(tmp_path.as_uri())
+    unsigned = CheckpointStorage(location.url, "job")
+    backend = HeapKeyedStateBackend(max_parallelism=M, key_group_range=KeyGroupRange(0, M - 1))
+    directory = take_checkpoint(unsigned, backend, OperatorStateBackend())
+    for command in (["verify", directory], ["inspect", directory]):
+        status, out, err = cli(capsys, location, *command, "--signing-key-file", "")
+        assert (status, out) == (1, "")
+        assert err == (
+            "statebackend: error: the checkpoint signing key file is empty: give the key's "
+            "file, or leave the option out to read without checking signatures\n"
+        )
+    unsigned.close()
+    backend.dispose()
+
+
 def test_savepoints_of_signed_checkpoints_are_signed(
     signed: SignedJob, key_file: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
