@@ -58,6 +58,7 @@ from pyspark.sql.types import StructType, _parse_datatype_string
 from statebackend.backends.keyed import stored_reader
 from statebackend.checkpoint.changelog_restore import stored_keyed_states
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.layout import validate_id
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.metrics import (
@@ -686,8 +687,7 @@ def transform_with_state(
             f"output_mode {output_mode!r} is invalid: choose one of {list(OUTPUT_MODES.values())}"
         )
     mode = parse_time_mode(time_mode)
-    if not isinstance(job_id, str) or not job_id or "/" in job_id:
-        raise ConfigurationError(f"job_id {job_id!r} is invalid: give a name without '/'")
+    validate_id(job_id, "job_id")  # the name of its directory: before any user code runs
     initial_frame = _initial_state_frame(initial_state, keys)
     initial, initial_keys = initial_frame if initial_frame is not None else (None, ())
     # The session's conf holds the SparkConf's settings and those set at run time.
