@@ -670,6 +670,8 @@ def transform_with_state(
     spark = df.sparkSession
     keys = _key_columns(df, key_by)
     _check_replayable(df)
+    if not isinstance(use_pandas, bool):  # "false" would be true
+        raise ConfigurationError(f"use_pandas {use_pandas!r} is invalid: give True or False")
     if isinstance(processor, KeyedFunction):
         if use_pandas:
             raise ConfigurationError(

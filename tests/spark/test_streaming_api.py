@@ -103,6 +103,8 @@ def events(spark: SparkSession) -> DataFrame:
         ({"time_mode": "EventTime"}, "withWatermark"),
         ({"initial_state": "nope"}, "initial_state 'nope' is invalid"),
         ({"parallelism": 0}, "parallelism 0 is invalid"),
+        ({"use_pandas": "false"}, "use_pandas 'false' is invalid: give True or False"),
+        ({"use_pandas": None}, "use_pandas None is invalid: give True or False"),
     ],
 )
 def test_bad_arguments_are_one_clear_error(
