@@ -249,8 +249,9 @@ class StatefulJob:
     ``"latest"`` resumes from that state.
     ``checkpoint_every`` defaults to the conf's ``checkpoint.interval``: a checkpoint falls
     due that many batches after the last one and is taken at the first batch, from then
-    on, that finds no checkpoint still uploading; ``conf`` defaults to the SparkConf's
-    ``spark.statebackend.*`` settings.
+    on, that finds no checkpoint still uploading; ``conf`` defaults to the session's
+    ``spark.statebackend.*`` settings (its SparkConf's and those ``spark.conf.set`` changed
+    since), as ``transform_with_state`` reads them.
     """
 
     def __init__(
@@ -288,7 +289,7 @@ class StatefulJob:
         self.function = function
         self.parallelism = require_parallelism(parallelism)
         self.batch_size = _count(batch_size, "batch size")
-        self.conf = conf or StateBackendConf.from_spark_conf(spark.sparkContext.getConf())
+        self.conf = conf or StateBackendConf.from_session(spark)
         self.checkpoint_every = (
             self.conf.checkpoint_interval
             if checkpoint_every is None

@@ -291,6 +291,34 @@ def test_a_function_or_source_of_another_type_is_refused_when_the_job_is_made(
     assert not (tmp_path / "ck").exists()
 
 
+def test_a_job_reads_the_settings_set_on_the_session(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """``spark.conf.set("spark.statebackend.backend", "heap")`` applies to a StatefulJob as
+    to transform_with_state, and a misspelled key set so is refused: the job read only the
+    SparkConf it was started with, ignoring both silently."""
+    generate_events(tmp_path / "input", 10, 5, 1, 1)
+    options: dict[str, Any] = {
+        "job_id": "session",
+        "input_dir": tmp_path / "input",
+        "parallelism": 2,
+        "conf": None,
+    }
+    directory = (tmp_path / "ck").as_uri()
+    spark_local.conf.set("spark.statebackend.checkpoint.dir", directory)
+    spark_local.conf.set("spark.statebackend.backend", "heap")
+    try:
+        job = user_totals_job(spark_local, **options)
+        assert (job.conf.backend, job.conf.checkpoint_dir) == ("heap", directory)
+        spark_local.conf.set("spark.statebackend.paralelism", "4")
+        with pytest.raises(ConfigurationError, match="did you mean spark.statebackend.parallelism"):
+            user_totals_job(spark_local, **options)
+    finally:
+        for key in ("checkpoint.dir", "backend", "paralelism"):
+            spark_local.conf.unset("spark.statebackend." + key)
+    assert not (tmp_path / "ck").exists()
+
+
 def test_script_prints_one_line(tmp_path: Path) -> None:
     """The script's errors: one line, exit 2 (missing Java; no Spark is started)."""
     generate_events(tmp_path / "input", 10, 5, 1, 1)
