@@ -85,6 +85,10 @@ _CLIENT_RETRIES_OFF: dict[str, dict[str, Any]] = {
     "s3a": {"config_kwargs": {"retries": {"total_max_attempts": 1}}},
 }
 
+# Storage options that are text (credentials, an endpoint): one of digits given as text
+# (--storage-option, spark.statebackend.storage.*) is read as a JSON number.
+_TEXT_OPTIONS = ("key", "secret", "token", "endpoint_url", "username", "password", "profile")
+
 # Protocols whose client goes to a public cloud's endpoint unless given an endpoint_url.
 _ENDPOINT_PROTOCOLS = frozenset({"s3", "s3a"})
 
@@ -248,6 +252,14 @@ def open_filesystem(
     """
     protocol = get_protocol(url)
     options = {**_DEFAULT_OPTIONS.get(protocol, {}), **(storage_options or {})}
+    for name in _TEXT_OPTIONS:
+        value = options.get(name)
+        if isinstance(value, (int, float)):  # never a credential (gcsfs takes a dict token)
+            given = json.dumps(value)
+            raise ConfigurationError(
+                f"storage option {name} of {url} is {given}, not text (a value that parses as "
+                f"JSON is read as JSON): quote it, {name}='\"{given}\"'"
+            )
     if not retry.retry_refused:
         options = _with_defaults(options, _CLIENT_RETRIES_OFF.get(protocol, {}))
     try:

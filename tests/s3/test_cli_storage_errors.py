@@ -113,6 +113,26 @@ def test_a_missing_bucket_is_named_as_missing(
     assert "no job checkpoints under" in err and "bucket" not in err.replace(existing.url, "")
 
 
+def test_credentials_of_digits_say_to_quote_them(
+    capsys: pytest.CaptureFixture[str], s3_endpoint: S3Endpoint
+) -> None:
+    """A value that parses as JSON is read as JSON (--storage-option, and the job's
+    spark.statebackend.storage.*): an access key of digits became a number, and the command
+    failed with "sequence item 0: expected str instance, int found"."""
+    options = {"endpoint_url": s3_endpoint.endpoint_url, "key": "12345678", "secret": "testing"}
+    storage = Storage(f"s3://{s3_endpoint.bucket}/ckpt", options)
+    status, out, err = cli(capsys, storage, "list", storage.url)
+    assert (status, out) == (1, "")
+    assert err == (
+        f"statebackend: error: storage option key of {storage.url} is 12345678, not text "
+        f"(a value that parses as JSON is read as JSON): quote it, "
+        f"key='\"12345678\"'\n"
+    )
+    quoted = Storage(storage.url, {**options, "key": '"12345678"'})
+    status, out, err = cli(capsys, quoted, "list", quoted.url)
+    assert (status, out) == (1, "") and "no job checkpoints under" in err
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 @pytest.mark.parametrize("name", ["chk-1", "latest", "manifests/3"])
 def test_a_checkpoint_in_a_missing_bucket_is_named_as_missing(
