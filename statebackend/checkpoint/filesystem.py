@@ -234,6 +234,33 @@ def storage_option_value(text: str) -> Any:
         return text
 
 
+_ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+_FILE_HOST = re.compile(r"file://([^/]+)", re.IGNORECASE)
+
+
+def _check_url(url: str) -> None:
+    """ConfigurationError for a URL that fsspec would read as a local path relative to the
+    working directory, which differs between a Spark driver and its executors:
+    ``hdfs:/ckpt`` or ``s3:/bucket`` (one '/', as Hadoop may write a URI; ``file:/path``
+    is a local absolute path to fsspec too, and fine) and ``file://tmp/x`` (host ``tmp``)."""
+    one_slash = _ONE_SLASH.match(url)
+    if one_slash and one_slash[1].lower() != "file":
+        scheme = one_slash[1]
+        raise ConfigurationError(
+            f"checkpoint storage {url!r} has one '/' after '{scheme}:', which fsspec reads "
+            f"as a local path relative to the working directory: write "
+            f"{scheme}://<bucket or host>/<path>"
+        )
+    host = _FILE_HOST.match(url)
+    if host:
+        path = url[host.end() :]
+        local = path if host[1].lower() == "localhost" else f"/{host[1]}{path}"
+        raise ConfigurationError(
+            f"checkpoint storage {url!r} names the host {host[1]!r}, which fsspec reads as a "
+            f"local path relative to the working directory: write file://{local}"
+        )
+
+
 def open_filesystem(
     url: str,
     storage_options: dict[str, Any] | None = None,
@@ -250,6 +277,7 @@ def open_filesystem(
     ConfigurationError naming the URL if the protocol is unknown or its implementation is
     not installed.
     """
+    _check_url(url)
     protocol = get_protocol(url)
     options = {**_DEFAULT_OPTIONS.get(protocol, {}), **(storage_options or {})}
     for name in _TEXT_OPTIONS:

@@ -460,3 +460,36 @@ def test_s3_without_credentials_says_how_to_give_them(
     assert status != 0
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "AWS_ACCESS_KEY_ID" in line
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("hdfs:/ckpt", "'hdfs:/ckpt' has one '/' after 'hdfs:'"),
+        ("s3:/bucket/ckpt", "'s3:/bucket/ckpt' has one '/' after 's3:'"),
+        ("file://tmp/ckpt", "'file://tmp/ckpt' names the host 'tmp'"),
+    ],
+)
+def test_a_url_fsspec_would_take_for_a_relative_local_path_is_refused(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    url: str,
+    says: str,
+) -> None:
+    """fsspec reads these as local paths relative to the working directory (./hdfs:/ckpt,
+    ./tmp/ckpt), which differs between a Spark driver and its executors: checkpoints
+    landed on local disks instead of HDFS or S3, and a restart found none."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=f"^checkpoint storage {says}"):
+        open_filesystem(url)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"key": "a", "value": 1}\n')
+    status = main(
+        ["savepoint", "bootstrap", "--to", url, "--operator", "op", "--state",
+         f"count:value={rows}", "-p", "1"]
+    )  # fmt: skip
+    assert status == 1
+    assert capsys.readouterr().err.startswith(f"statebackend: error: checkpoint storage {says}")
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]
+    assert open_filesystem("file:" + str(tmp_path)).exists(str(rows))  # Hadoop's file:/path
