@@ -629,6 +629,11 @@ class CheckpointFileSystem:
         self._fs.invalidate_cache(path)
         return self._retrying("check", path, lambda: bool(self._fs.exists(path)))
 
+    def is_file(self, path: str) -> bool:
+        """Whether a file is at ``path`` (fsspec lists a file as an entry of itself)."""
+        self._fs.invalidate_cache(path)
+        return self._retrying("check", path, lambda: bool(self._fs.isfile(path)))
+
     def list_dir(self, path: str) -> list[str]:
         """The sorted names (not paths) of the entries in directory ``path``; [] if none.
 

@@ -285,6 +285,8 @@ class SavepointWriter:
         fs = self.filesystem(self.target)
         self._check_no_savepoint(fs)
         entries = fs.list_dir(self.target)
+        if entries and fs.is_file(self.target):
+            raise CheckpointError(f"{self.target} is a file: give a directory for the savepoint")
         if entries:
             raise CheckpointError(
                 f"{self.target} is not empty (it holds {', '.join(entries[:3])}"

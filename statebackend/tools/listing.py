@@ -128,6 +128,11 @@ def find_job_dirs(fs: CheckpointFileSystem, directory: str) -> list[str]:
     names = fs.list_dir(directory)
     if _is_job(names):
         return [directory]
+    if names and fs.is_file(directory):
+        raise CheckpointNotFoundError(
+            f"{directory} is a file: give the checkpoint directory (holding "
+            f"<job id>/chk-<N>) or a job's directory"
+        )
     jobs = [join(directory, n) for n in names if _is_job(fs.list_dir(join(directory, n)))]
     if not jobs:
         raise CheckpointNotFoundError(

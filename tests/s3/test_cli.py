@@ -24,6 +24,7 @@ from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.filesystem import open_filesystem
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.requests import (
@@ -489,6 +490,33 @@ def test_savepoint_trigger_refuses_a_bad_wait_before_requesting(
     # no request the job would serve after the command failed
     assert pending_savepoint_requests(fs, job_dir) == []
     job.checkpoints.close()
+
+
+def test_a_file_where_a_directory_is_expected_is_named_as_a_file(
+    capsys: pytest.CaptureFixture[str], checkpoint_url: Storage, tmp_path: Path
+) -> None:
+    """``list FILE`` said "could not list FILE/FILE: Not a directory" and ``savepoint
+    transform --to FILE`` "FILE is not empty (it holds FILE)": fsspec lists a file as an
+    entry of itself."""
+    fs = open_filesystem(checkpoint_url.url, checkpoint_url.storage_options)
+    path = f"{checkpoint_url.url}/notes.txt"
+    fs.write_atomic(path, b"not a directory")
+    rows = tmp_path / "input" / "rows.jsonl"
+    rows.parent.mkdir()
+    rows.write_text('{"key": "a", "value": 1}\n')
+    for argv in (
+        ["list", path],
+        ["gc", path, "--apply"],
+        ["savepoint", "trigger", path],
+        ["savepoint", "bootstrap", "--to", path, "--operator", "op", "--state",
+         f"count:value={rows}", "-p", "1"],
+    ):  # fmt: skip
+        status, out, err = cli(capsys, checkpoint_url, *argv)
+        assert (status, out) == (1, ""), argv
+        assert_one_error_line(err)
+        assert f"error: {path} is a file" in err, err
+    assert fs.read_file(path) == b"not a directory"
+    assert set(fs.list_dir(checkpoint_url.url)) - {"input"} == {"notes.txt"}
 
 
 def test_list_and_inspect_show_the_metadata(capsys: pytest.CaptureFixture[str], job: Job) -> None:
