@@ -8,7 +8,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from statebackend.checkpoint.filesystem import normalize_url, storage_option_value
+from statebackend.checkpoint.filesystem import (
+    absolute_location,
+    normalize_url,
+    storage_option_value,
+)
 from statebackend.cli.commands import (
     cmd_gc,
     cmd_inspect,
@@ -33,6 +37,12 @@ def _storage_option(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     return key, storage_option_value(value)
+
+
+def _job_side_location(text: str) -> str:
+    """A location the running job's driver uses: a relative local path made absolute
+    here, where the user gave it, not in the driver's working directory."""
+    return normalize_url(absolute_location(text))
 
 
 def _seconds(text: str) -> float:
@@ -361,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--to",
         dest="target",
         metavar="DIR",
-        type=normalize_url,
+        type=_job_side_location,
         help="where (default: JOBDIR/savepoints)",
     )
     p.add_argument(

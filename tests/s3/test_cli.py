@@ -472,6 +472,26 @@ def test_savepoint_trigger_round_trip(
     job.checkpoints.close()
 
 
+def test_savepoint_trigger_to_a_relative_path_asks_for_it_where_the_command_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's driver, another process in another working directory, took the request's
+    relative --to from its own: the savepoint was not where the user looked for it."""
+    storage = Storage(tmp_path.as_uri())
+    job = make_job(storage, tmp_path)
+    job.process(10, seed=5)
+    job.checkpoint()
+    shell = tmp_path / "shell"
+    shell.mkdir()
+    monkeypatch.chdir(shell)
+    status, _, err = cli(capsys, storage, "savepoint", "trigger", job.job_dir, "--to", "sp/v2")
+    assert status == 0, err
+    monkeypatch.chdir(tmp_path)  # the driver's working directory
+    [request] = pending_savepoint_requests(job.checkpoints.fs, job.job_dir)
+    assert request.savepoint_dir(job.job_dir) == str(shell / "sp" / "v2")
+    job.checkpoints.close()
+
+
 @pytest.mark.timeout(60)  # --wait nan waited forever
 @pytest.mark.parametrize("wait", ["-1", "nan", "soon"])
 def test_savepoint_trigger_refuses_a_bad_wait_before_requesting(
