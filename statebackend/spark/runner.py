@@ -70,6 +70,7 @@ from statebackend import errors
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.filesystem import absolute_location
 from statebackend.checkpoint.layout import validate_id
 from statebackend.checkpoint.manifest import (
     FOLDED_FROM_PROPERTY,
@@ -279,7 +280,9 @@ class StatefulJob:
             raise ConfigurationError(
                 f"source {source!r} is a {type(source).__name__}: give a LogSource"
             )
-        self.source = source
+        # Local paths made absolute here: executors read and write them from another
+        # working directory.
+        self.source = dataclasses.replace(source, directory=absolute_location(source.directory))
         self.key_by = key_by
         if not isinstance(function, KeyedFunction):
             raise ConfigurationError(
@@ -296,7 +299,7 @@ class StatefulJob:
             else _count(checkpoint_every, "checkpoint_every")
         )
         self.restore = restore
-        self.output_dir = output_dir
+        self.output_dir = None if output_dir is None else absolute_location(output_dir)
         self.key_serializer = key_serializer or StrSerializer()
         reuse = spark.sparkContext.getConf().get("spark.python.worker.reuse", "true")
         self._wait_for_uploads = reuse.lower() != "true"

@@ -291,6 +291,26 @@ def test_a_function_or_source_of_another_type_is_refused_when_the_job_is_made(
     assert not (tmp_path / "ck").exists()
 
 
+def test_relative_source_and_output_directories_are_the_driver_s(
+    spark_local: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executors read the source and write the output, in a working directory of their
+    own (a cluster's work/app-*/N): a relative path must be resolved where it was given,
+    as scripts/user_totals.py and checkpoint.dir do."""
+    monkeypatch.chdir(tmp_path)
+    generate_events(tmp_path / "input", 10, 5, 1, 1)
+    job = user_totals_job(
+        spark_local,
+        job_id="relative",
+        input_dir="input",
+        parallelism=2,
+        conf=StateBackendConf(checkpoint_dir=(tmp_path / "ck").as_uri()),
+        output_dir="out",
+    )
+    assert job.source.directory == str(tmp_path / "input")
+    assert job.output_dir == str(tmp_path / "out")
+
+
 def test_a_job_reads_the_settings_set_on_the_session(
     spark_local: SparkSession, tmp_path: Path
 ) -> None:
