@@ -85,8 +85,8 @@ _CLIENT_RETRIES_OFF: dict[str, dict[str, Any]] = {
     "s3a": {"config_kwargs": {"retries": {"total_max_attempts": 1}}},
 }
 
-# Storage options that are text (credentials, an endpoint): one of digits given as text
-# (--storage-option, spark.statebackend.storage.*) is read as a JSON number.
+# Storage options that are text (credentials, an endpoint): given as text
+# (--storage-option, spark.statebackend.storage.*), digits stay text.
 _TEXT_OPTIONS = ("key", "secret", "token", "endpoint_url", "username", "password", "profile")
 
 # Protocols whose client goes to a public cloud's endpoint unless given an endpoint_url.
@@ -224,14 +224,19 @@ def normalize_url(url: str) -> str:
     return normalized
 
 
-def storage_option_value(text: str) -> Any:
-    """The value of a storage option given as text (``--storage-option KEY=VALUE``,
+def storage_option_value(name: str, text: str) -> Any:
+    """The value of storage option ``name`` given as text (``--storage-option KEY=VALUE``,
     ``spark.statebackend.storage.KEY``): JSON if it parses (``false``, ``5242880``,
-    ``{"region_name": "eu-west-1"}``), else the text itself (a URL, a name)."""
+    ``{"region_name": "eu-west-1"}``), else the text itself (a URL, a name). The options
+    that are text (credentials, an endpoint) stay the text given, digits too, unless it is
+    a JSON string or object."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    if name in _TEXT_OPTIONS and not isinstance(value, (str, dict)):
+        return text
+    return value
 
 
 _ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
@@ -283,10 +288,9 @@ def open_filesystem(
     for name in _TEXT_OPTIONS:
         value = options.get(name)
         if isinstance(value, (int, float)):  # never a credential (gcsfs takes a dict token)
-            given = json.dumps(value)
             raise ConfigurationError(
-                f"storage option {name} of {url} is {given}, not text (a value that parses as "
-                f"JSON is read as JSON): quote it, {name}='\"{given}\"'"
+                f"storage option {name} of {url} is the number {value!r}, not text: give it "
+                f"as a string"
             )
     if not retry.retry_refused:
         options = _with_defaults(options, _CLIENT_RETRIES_OFF.get(protocol, {}))

@@ -36,7 +36,7 @@ def _storage_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    return key, storage_option_value(value)
+    return key, storage_option_value(key, value)
 
 
 def _job_side_location(text: str) -> str:

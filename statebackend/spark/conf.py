@@ -295,7 +295,7 @@ class StateBackendConf:
                 option = key[len(STORAGE_PREFIX) :]
                 if not option:
                     raise ConfigurationError(f"{key} names no storage option")
-                storage[option] = storage_option_value(text)
+                storage[option] = storage_option_value(option, text)
                 continue
             spec = KEYS.get(key[len(PREFIX) :])
             if spec is None:
@@ -367,5 +367,5 @@ def parse_storage_options(items: Iterable[str]) -> Mapping[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigurationError(f"storage option {item!r} is invalid: write key=value")
-        options[key] = storage_option_value(value)
+        options[key] = storage_option_value(key, value)
     return options

@@ -15,7 +15,7 @@ import pytest
 
 from statebackend.checkpoint.filesystem import RetryPolicy, open_filesystem
 from statebackend.cli import main
-from statebackend.errors import CheckpointError
+from statebackend.errors import CheckpointError, ConfigurationError
 from tests.conftest import S3Endpoint, Storage
 from tests.faultproxy import Fault, FaultProxy
 from tests.s3.test_cli import assert_one_error_line, cli
@@ -113,24 +113,21 @@ def test_a_missing_bucket_is_named_as_missing(
     assert "no job checkpoints under" in err and "bucket" not in err.replace(existing.url, "")
 
 
-def test_credentials_of_digits_say_to_quote_them(
+def test_credentials_of_digits_stay_text(
     capsys: pytest.CaptureFixture[str], s3_endpoint: S3Endpoint
 ) -> None:
-    """A value that parses as JSON is read as JSON (--storage-option, and the job's
-    spark.statebackend.storage.*): an access key of digits became a number, and the command
-    failed with "sequence item 0: expected str instance, int found"."""
+    """Option values that parse as JSON are read as JSON (--storage-option, and the job's
+    spark.statebackend.storage.*), except credentials and the endpoint: an access key of
+    digits became a number, and the command failed with "sequence item 0: expected str
+    instance, int found". Given as a JSON string it is the same key; a number given through
+    the Python API is one error."""
     options = {"endpoint_url": s3_endpoint.endpoint_url, "key": "12345678", "secret": "testing"}
-    storage = Storage(f"s3://{s3_endpoint.bucket}/ckpt", options)
-    status, out, err = cli(capsys, storage, "list", storage.url)
-    assert (status, out) == (1, "")
-    assert err == (
-        f"statebackend: error: storage option key of {storage.url} is 12345678, not text "
-        f"(a value that parses as JSON is read as JSON): quote it, "
-        f"key='\"12345678\"'\n"
-    )
-    quoted = Storage(storage.url, {**options, "key": '"12345678"'})
-    status, out, err = cli(capsys, quoted, "list", quoted.url)
-    assert (status, out) == (1, "") and "no job checkpoints under" in err
+    for key in ("12345678", '"12345678"'):
+        storage = Storage(f"s3://{s3_endpoint.bucket}/ckpt", {**options, "key": key})
+        status, out, err = cli(capsys, storage, "list", storage.url)
+        assert (status, out) == (1, "") and "no job checkpoints under" in err, err
+    with pytest.raises(ConfigurationError, match="storage option key of .* is the number 12345678"):
+        open_filesystem(f"s3://{s3_endpoint.bucket}/ckpt", {**options, "key": 12345678})
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
