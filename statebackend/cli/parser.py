@@ -39,10 +39,23 @@ def _storage_option(text: str) -> tuple[str, Any]:
     return key, storage_option_value(key, value)
 
 
+def _location(text: str) -> str:
+    """A checkpoint, directory or file as given; an empty one (an unset variable) is
+    refused rather than taken as the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give a directory or checkpoint")
+    return text
+
+
+def _directory(text: str) -> str:
+    """A directory (``_location``) in the one spelling of ``normalize_url``."""
+    return normalize_url(_location(text))
+
+
 def _job_side_location(text: str) -> str:
     """A location the running job's driver uses: a relative local path made absolute
     here, where the user gave it, not in the driver's working directory."""
-    return normalize_url(absolute_location(text))
+    return normalize_url(absolute_location(_location(text)))
 
 
 def _seconds(text: str) -> float:
@@ -246,28 +259,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("list", "the jobs in a directory and their checkpoints and savepoints", cmd_list)
     p.add_argument(
-        "directory", metavar="DIR", type=normalize_url, help="the checkpoint directory, or a job's"
+        "directory", metavar="DIR", type=_directory, help="the checkpoint directory, or a job's"
     )
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("inspect", "operators, states and subtasks of a checkpoint", cmd_inspect)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=_location, help=_NAMES)
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_signing_key(p)
 
     p = command("verify", "check every file of a checkpoint by size and checksum", cmd_verify)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=_location, help=_NAMES)
     _add_signing_key(p)
 
     p = command("plan", "what each subtask would restore at another parallelism", cmd_plan)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=_location, help=_NAMES)
     _add_signing_key(p)
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P")
     p.add_argument("--operator", metavar="OP", help="only this operator")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("read", "print a state's entries, without Spark", cmd_read)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help=_NAMES)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=_location, help=_NAMES)
     p.add_argument("--operator", required=True, metavar="OP")
     p.add_argument("--state", metavar="NAME", help="the state to read")
     p.add_argument(
@@ -293,8 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_savepoint_create,
         actions,
     )
-    p.add_argument("--from", dest="source", required=True, metavar="CHECKPOINT", help=_NAMES)
-    p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p.add_argument(
+        "--from", dest="source", required=True, metavar="CHECKPOINT", type=_location, help=_NAMES
+    )
+    p.add_argument("--to", dest="target", required=True, metavar="DIR", type=_location)
     p.add_argument(
         "--parallelism",
         "-p",
@@ -318,10 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="source",
         required=True,
         metavar="CHECKPOINT",
+        type=_location,
         help="a checkpoint or savepoint directory, or JOBDIR/latest when that is a checkpoint "
         "(fold a batch manifest into a savepoint first with `savepoint create`)",
     )
-    p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p.add_argument("--to", dest="target", required=True, metavar="DIR", type=_location)
     p.add_argument("--drop-operator", action="append", default=[], metavar="OP", help="repeatable")
     p.add_argument(
         "--drop-state", action="append", default=[], metavar="OP/STATE", help="repeatable"
@@ -340,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_savepoint_bootstrap,
         actions,
     )
-    p.add_argument("--to", dest="target", required=True, metavar="DIR")
+    p.add_argument("--to", dest="target", required=True, metavar="DIR", type=_location)
     p.add_argument("--operator", required=True, metavar="OP")
     p.add_argument(
         "--state",
@@ -365,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         actions,
     )
     p.add_argument(
-        "job_dir", metavar="JOBDIR", type=normalize_url, help="the job's checkpoint directory"
+        "job_dir", metavar="JOBDIR", type=_directory, help="the job's checkpoint directory"
     )
     p.add_argument(
         "--to",
@@ -382,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "directory",
         metavar="DIR",
-        type=normalize_url,
+        type=_directory,
         help="a job's directory, or the directory of jobs",
     )
     p.add_argument("--apply", action="store_true", help="delete them (default: only list)")
@@ -396,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("report", "an HTML page (or JSON) of a job's checkpoints and metrics", cmd_report)
     p.add_argument(
-        "job_dir", metavar="JOBDIR", type=normalize_url, help="the job's checkpoint directory"
+        "job_dir", metavar="JOBDIR", type=_directory, help="the job's checkpoint directory"
     )
     p.add_argument(
         "--output", "-o", metavar="FILE", help="where (default report.html; for --json stdout)"

@@ -663,3 +663,33 @@ def test_a_misspelt_storage_option_is_one_error_naming_it(
     assert (status, out) == (1, "")
     assert_one_error_line(err)
     assert "a storage option is not one the file system" in err and "endpoint_ur" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "", "--apply", "--grace", "0"],
+        ["list", ""],
+        ["inspect", ""],
+        ["verify", ""],
+        ["savepoint", "create", "--from", "", "--to", "sp"],
+        ["savepoint", "create", "--from", "chk-1", "--to", ""],
+        ["savepoint", "trigger", "", "--to", "sp"],
+        ["report", ""],
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+) -> None:
+    """An empty path (an unset shell variable) was the working directory: ``gc "" --apply``
+    looked for garbage there, ``savepoint create --to ""`` wrote into it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stray").write_bytes(b"not the command's")
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert "an empty path" in capsys.readouterr().err.splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stray"]
