@@ -329,6 +329,20 @@ MISSHAPEN_MANIFESTS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+def edited_manifest(checkpoint_url: Storage, edit: Callable[[dict[str, Any]], None]) -> str:
+    """The path of manifest 1 (one record) committed, then rewritten with ``edit`` applied
+    to its document, without the document checksum (as a release before it wrote it)."""
+    changelog = ChangelogStorage(open_storage(checkpoint_url))
+    handle = record_of(changelog, 1, "a", "user-1", 10)
+    changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
+    path = changelog.layout.manifest_path(1)
+    document = json.loads(changelog.fs.read_file(path))
+    del document[DOCUMENT_CHECKSUM]
+    edit(document)
+    changelog.fs.write_atomic(path, json.dumps(document).encode())
+    return path
+
+
 @pytest.mark.parametrize("fault", sorted(MISSHAPEN_MANIFESTS))
 def test_a_misshapen_manifest_is_one_corruption_error_naming_it(
     checkpoint_url: Storage, fault: str
@@ -337,14 +351,7 @@ def test_a_misshapen_manifest_is_one_corruption_error_naming_it(
     base checkpoint id: a raw OverflowError, a ConfigurationError not naming the file, or
     a manifest loaded (whose negative base then failed the job's checkpoint retention with
     a ConfigurationError, at every completion)."""
-    changelog = ChangelogStorage(open_storage(checkpoint_url))
-    handle = record_of(changelog, 1, "a", "user-1", 10)
-    changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
-    path = changelog.layout.manifest_path(1)
-    document = json.loads(changelog.fs.read_file(path))
-    del document[DOCUMENT_CHECKSUM]
-    MISSHAPEN_MANIFESTS[fault](document)
-    changelog.fs.write_atomic(path, json.dumps(document).encode())
+    path = edited_manifest(checkpoint_url, MISSHAPEN_MANIFESTS[fault])
     with pytest.raises(CheckpointCorruptedError, match=re.escape(path)):
         ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1)
 
@@ -387,15 +394,8 @@ def test_a_manifest_record_outside_its_place_is_refused_on_load(
     """A record path leading out of the job's changelog (up, to another bucket) was read
     by a rebuild, and an index entry at a negative offset raised a raw ValueError there:
     a manifest's records are checked on load, as ``_metadata``'s handles are."""
-    changelog = ChangelogStorage(open_storage(checkpoint_url))
-    handle = record_of(changelog, 1, "a", "user-1", 10)
-    changelog.commit(1, {OPERATOR: [handle]}, max_parallelism=MAX_PARALLELISM)
-    path = changelog.layout.manifest_path(1)
-    document = json.loads(changelog.fs.read_file(path))
-    del document[DOCUMENT_CHECKSUM]
     mutate, reason = RECORD_FAULTS[fault]
-    mutate(_first_record(document))
-    changelog.fs.write_atomic(path, json.dumps(document).encode())
+    path = edited_manifest(checkpoint_url, lambda document: mutate(_first_record(document)))
     with pytest.raises(CheckpointCorruptedError) as caught:
         ChangelogStorage(open_storage(checkpoint_url)).load_manifest(1)
     assert path in str(caught.value) and reason in str(caught.value)

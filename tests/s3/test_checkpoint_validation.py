@@ -224,6 +224,17 @@ def test_invalid_metadata_is_refused_everywhere(
     assert status == 0 and "unreadable" in out and reason in out
 
 
+def write_foreign_ack(job: Job, checkpoint_id: int, keyed_path: str) -> None:
+    """Write, beside subtask 0's ack of pending checkpoint N, a copy from another run whose
+    keyed handle names ``keyed_path`` (the coordinator deletes the files of such acks once
+    N completed)."""
+    evil = job.storage.read_acks(checkpoint_id)[0].to_json()
+    evil["run"] = "another-run"
+    evil["keyed"]["path"] = keyed_path
+    path = job.storage.layout.ack_path(checkpoint_id, OPERATOR, 0, "evil")
+    raw_fs(job.location).pipe_file(path, json.dumps(evil).encode())
+
+
 def test_malformed_acks_are_ignored_and_their_files_never_deleted(job: Job) -> None:
     """Acknowledgements are written by executors: one that is no ack, and one naming a
     file outside the checkpoint (``../../victim``, from another run, so the coordinator
@@ -236,12 +247,8 @@ def test_malformed_acks_are_ignored_and_their_files_never_deleted(job: Job) -> N
     job.process()
     checkpoint_id = job.coordinator.trigger({OPERATOR: P})
     job.snapshot_and_ack(checkpoint_id)
-    good = job.storage.read_acks(checkpoint_id)[0].to_json()
-    evil = json.loads(json.dumps(good))
-    evil["run"] = "another-run"
-    evil["keyed"]["path"] = "../../victim"
+    write_foreign_ack(job, checkpoint_id, "../../victim")
     layout = job.storage.layout
-    raw.pipe_file(layout.ack_path(checkpoint_id, OPERATOR, 0, "evil"), json.dumps(evil).encode())
     raw.pipe_file(layout.ack_path(checkpoint_id, OPERATOR, 1, "junk"), b'["not", "an ack"]')
     job.remember(checkpoint_id)
     assert job.coordinator.poll(checkpoint_id) is not None
@@ -338,13 +345,7 @@ def test_an_ack_naming_the_checkpoints_metadata_is_ignored(job: Job) -> None:
     job.process()
     checkpoint_id = job.coordinator.trigger({OPERATOR: P})
     job.snapshot_and_ack(checkpoint_id)
-    good = job.storage.read_acks(checkpoint_id)[0].to_json()
-    evil = json.loads(json.dumps(good))
-    evil["run"] = "another-run"
-    evil["keyed"]["path"] = "_metadata"
-    layout = job.storage.layout
-    raw = raw_fs(job.location)
-    raw.pipe_file(layout.ack_path(checkpoint_id, OPERATOR, 0, "evil"), json.dumps(evil).encode())
+    write_foreign_ack(job, checkpoint_id, "_metadata")
     job.remember(checkpoint_id)
     assert job.coordinator.poll(checkpoint_id) is not None
     job.coordinator.trigger({OPERATOR: P})  # the work after the completion is done by now
