@@ -106,6 +106,24 @@ def run_two_subtasks(
     return backends
 
 
+def checkpoint_and_dispose(
+    storage: CheckpointStorage,
+    coordinator: CheckpointCoordinator,
+    backends: list[KeyedStateBackend],
+) -> int:
+    """Checkpoint the subtasks ``backends`` of operator "op" (completed once each
+    acknowledged), dispose of them, and return the checkpoint's id."""
+    checkpoint_id = coordinator.trigger({"op": len(backends)})
+    for index, backend in enumerate(backends):
+        handle = backend.snapshot(
+            checkpoint_id, storage.snapshot_target(checkpoint_id, "op", index)
+        )
+        ack = SubtaskAck("op", index, len(backends), handle.result(), None, coordinator.run_id)
+        coordinator.acknowledge(checkpoint_id, ack)
+        backend.dispose()
+    return checkpoint_id
+
+
 @pytest.mark.parametrize("upgraded", [0, 1])
 @pytest.mark.parametrize("state", ["value", "list"])
 @pytest.mark.parametrize(
@@ -117,14 +135,7 @@ def test_a_checkpoint_of_subtasks_with_different_serializers_restores_at_another
     storage = CheckpointStorage(f"file://{tmp_path}/ck", "job", incremental=incremental)
     coordinator = CheckpointCoordinator(storage, max_parallelism=MAX_PARALLELISM)
     first = run_two_subtasks(kind, tmp_path, state, upgraded)
-    checkpoint_id = coordinator.trigger({"op": 2})
-    for index, backend in enumerate(first):
-        handle = backend.snapshot(
-            checkpoint_id, storage.snapshot_target(checkpoint_id, "op", index)
-        )
-        ack = SubtaskAck("op", index, 2, handle.result(), None, coordinator.run_id)
-        coordinator.acknowledge(checkpoint_id, ack)
-        backend.dispose()
+    checkpoint_id = checkpoint_and_dispose(storage, coordinator, first)
     # Restore each subtask at 2, upgrade only one, checkpoint again: mixed serializers.
     directory = storage.resolve(checkpoint_id)
     metadata = storage.load(checkpoint_id)
@@ -136,14 +147,7 @@ def test_a_checkpoint_of_subtasks_with_different_serializers_restores_at_another
         if owner(key, 2) == upgraded:
             second[upgraded].set_current_key(key)
             write(upgraded_state, state, 7.5)
-    checkpoint_id = coordinator.trigger({"op": 2})
-    for index, backend in enumerate(second):
-        handle = backend.snapshot(
-            checkpoint_id, storage.snapshot_target(checkpoint_id, "op", index)
-        )
-        ack = SubtaskAck("op", index, 2, handle.result(), None, coordinator.run_id)
-        coordinator.acknowledge(checkpoint_id, ack)
-        backend.dispose()
+    checkpoint_id = checkpoint_and_dispose(storage, coordinator, second)
     metadata = storage.load(checkpoint_id)
     stored = {
         h.states[0].serializers["value"]["identity"]
