@@ -53,7 +53,9 @@ def _run(
     restore: str | None = "latest",
     on_malformed: str = "fail",
     max_parallelism: int | None = None,
+    **conf: Any,
 ) -> RunSummary:
+    """Run the example job on ``tmp_path/input``; ``conf``: more StateBackendConf fields."""
     return user_totals_job(
         spark,
         job_id=job_id,
@@ -68,6 +70,7 @@ def _run(
             checkpoint_dir=(tmp_path / "checkpoints").as_uri(),
             local_dir=str(tmp_path / "local"),
             max_parallelism=max_parallelism,
+            **conf,
         ),
     ).run()
 
@@ -121,21 +124,15 @@ def test_a_line_whose_key_the_job_cannot_use_is_a_malformed_line(
     line = path.read_text().splitlines(keepends=True).index(bad) + 1
 
     def run(on_malformed: str) -> RunSummary:
-        return user_totals_job(
+        return _run(
             spark_local,
+            tmp_path,
             job_id="bad-key",
-            input_dir=tmp_path / "input",
-            parallelism=2,
-            on_malformed=on_malformed,
-            batch_size=100,
             restore=None,
-            conf=StateBackendConf(
-                checkpoint_dir=(tmp_path / "checkpoints").as_uri(),
-                local_dir=str(tmp_path / "local"),
-                single_stage_bytes=single_stage_bytes,
-                max_retries=0,
-            ),
-        ).run()
+            on_malformed=on_malformed,
+            single_stage_bytes=single_stage_bytes,
+            max_retries=0,
+        )
 
     with pytest.raises(SourceError, match=rf"partition-1\.jsonl line {line}: malformed record"):
         run("fail")
