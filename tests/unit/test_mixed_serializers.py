@@ -79,6 +79,17 @@ def read(handle: Any, state: str) -> Any:
     return handle.value() if state == "value" else list(handle.get())
 
 
+def read_all_and_dispose(backend: KeyedStateBackend, state: str) -> dict[str, Any]:
+    """Every key's value of the state, registered as float, in ``backend`` (then disposed)."""
+    handle = backend.get_state(descriptor(state, FloatSerializer()))
+    got = {}
+    for key in KEYS:
+        backend.set_current_key(key)
+        got[key] = read(handle, state)
+    backend.dispose()
+    return got
+
+
 def expected(upgraded: int, state: str) -> dict[str, Any]:
     """Every key got 7 (int) under the old serializer; the keys of subtask ``upgraded``
     then got 7.5 (float) under the new one, which the other subtask never registered."""
@@ -157,13 +168,7 @@ def test_a_checkpoint_of_subtasks_with_different_serializers_restores_at_another
 
     one = new_backend(kind, tmp_path, 1, 0)
     restore_keyed_state(one, storage.fs, storage.resolve(checkpoint_id), metadata, "op")
-    handle = one.get_state(descriptor(state, FloatSerializer()))
-    got = {}
-    for key in KEYS:
-        one.set_current_key(key)
-        got[key] = read(handle, state)
-    one.dispose()
-    assert got == expected(upgraded, state)
+    assert read_all_and_dispose(one, state) == expected(upgraded, state)
 
 
 @pytest.mark.parametrize("upgraded", [0, 1])
@@ -206,10 +211,4 @@ def test_a_batch_of_subtasks_with_different_serializers_rebuilds_at_another_para
     one = new_backend(kind, tmp_path, 1, 0)
     assert one.key_group_range == KeyGroupRange(0, MAX_PARALLELISM - 1)
     rebuild_keyed_state(one, changelog, changelog.load_manifest(1), "op")
-    handle = one.get_state(descriptor(state, FloatSerializer()))
-    got = {}
-    for key in KEYS:
-        one.set_current_key(key)
-        got[key] = read(handle, state)
-    one.dispose()
-    assert got == expected(upgraded, state)
+    assert read_all_and_dispose(one, state) == expected(upgraded, state)
