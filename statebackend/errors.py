@@ -94,6 +94,16 @@ class StatefulProcessorError(StateAccessError):
         self.error_class = error_class
 
 
+class ProcessorArgumentTypeError(StateAccessError, TypeError):
+    """A StatefulProcessor gave its handle a number of the wrong type (a float timer
+    timestamp or TTL): a TypeError too, as Spark's handle raises one."""
+
+
+class ProcessorArgumentRangeError(StateAccessError, ValueError):
+    """A StatefulProcessor gave its handle a number beyond 64 bits: a ValueError too, as
+    Spark's handle raises one."""
+
+
 class ProcessorFailedError(StateBackendError):
     """A user's StatefulProcessor (or KeyedFunction) raised while a keyed subtask ran a
     micro-batch; names the method that raised (``Class.handleInputRows``) and the batch.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import index
 from struct import Struct
 from typing import Any
 
@@ -33,7 +34,13 @@ from pyspark.sql.streaming.stateful_processor_api_client import StatefulProcesso
 from pyspark.sql.types import StructType
 
 from statebackend.backends.keyed import KeyedStateBackend
-from statebackend.errors import ConfigurationError, IncompatibleStateError, StatefulProcessorError
+from statebackend.errors import (
+    ConfigurationError,
+    IncompatibleStateError,
+    ProcessorArgumentRangeError,
+    ProcessorArgumentTypeError,
+    StatefulProcessorError,
+)
 from statebackend.serializers import RowTupleSerializer, serializer_from_config
 from statebackend.state.descriptors import (
     ListStateDescriptor,
@@ -150,6 +157,26 @@ def _plain(value: Any) -> Any:
             if hasattr(value, convert):
                 return getattr(value, convert)()
     return value
+
+
+def _int64(value: Any, what: str) -> int:
+    """``value`` as Spark's handle takes it for ``what`` (a protobuf int64 field): None is
+    0; an int, bool or numpy integer is that int; a float (even 2.0) or a string is a
+    TypeError and a number beyond 64 bits a ValueError (our classes, subclasses of them)."""
+    if value is None:
+        return 0
+    try:
+        number = index(value)
+    except TypeError:
+        raise ProcessorArgumentTypeError(
+            f"{what} {value!r} is a {type(value).__name__}, not an int: give whole "
+            f"milliseconds as an int (Spark refuses it too)"
+        ) from None
+    if not -(2**63) <= number < 2**63:
+        raise ProcessorArgumentRangeError(
+            f"{what} {value!r} is beyond 64 bits: give milliseconds between -2**63 and 2**63 - 1"
+        )
+    return number
 
 
 _PLAIN_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
@@ -379,8 +406,12 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     def _ttl(self, name: str, ttl_duration_ms: int | None) -> StateTtlConfig | None:
         # 0 is no TTL, in any time mode, as in Spark: its Python handle sends the duration
-        # in a protobuf field, where 0 is the default and reads as no TTL at all.
-        if ttl_duration_ms is None or ttl_duration_ms == 0:
+        # in a protobuf field, where 0 is the default and reads as no TTL at all. Its type
+        # is checked first, as that field checks it (numpy ints are ints, floats are not).
+        if ttl_duration_ms is None:
+            return None
+        ttl_duration_ms = _int64(ttl_duration_ms, f"state {name!r}: ttlDurationMs")
+        if ttl_duration_ms == 0:
             return None
         if self.time_mode != "ProcessingTime":  # as Spark: not in EventTime either
             raise StatefulProcessorError(
@@ -388,7 +419,7 @@ class ProcessorHandle(StatefulProcessorHandle):
                 f"Cannot use TTL for state={name} in timeMode={self.time_mode}, use "
                 f"TimeMode.ProcessingTime() instead",
             )
-        if not isinstance(ttl_duration_ms, int) or ttl_duration_ms <= 0:
+        if ttl_duration_ms < 0:
             raise StatefulProcessorError(
                 "STATEFUL_PROCESSOR_TTL_DURATION_MUST_BE_POSITIVE",
                 f"TTL duration must be greater than zero for State store operation=get_state "
@@ -493,20 +524,24 @@ class ProcessorHandle(StatefulProcessorHandle):
         return self.timers
 
     def registerTimer(self, expiryTimestampMs: int) -> None:
-        """Register a timer of the current key at ``expiryTimestampMs``."""
+        """Register a timer of the current key at ``expiryTimestampMs`` (an int, taken as
+        Spark's handle takes it: ``_int64``)."""
         timers = self._timer_service("register_timer")
+        expiry = _int64(expiryTimestampMs, "registerTimer: expiryTimestampMs")
         if self.time_mode == "ProcessingTime":
-            timers.register_processing_time_timer(int(expiryTimestampMs))
+            timers.register_processing_time_timer(expiry)
         else:
-            timers.register_event_time_timer(int(expiryTimestampMs))
+            timers.register_event_time_timer(expiry)
 
     def deleteTimer(self, expiryTimestampMs: int) -> None:
-        """Delete the current key's timer at ``expiryTimestampMs`` (if any)."""
+        """Delete the current key's timer at ``expiryTimestampMs`` (if any; an int, taken
+        as ``registerTimer`` takes it)."""
         timers = self._timer_service("delete_timer")
+        expiry = _int64(expiryTimestampMs, "deleteTimer: expiryTimestampMs")
         if self.time_mode == "ProcessingTime":
-            timers.delete_processing_time_timer(int(expiryTimestampMs))
+            timers.delete_processing_time_timer(expiry)
         else:
-            timers.delete_event_time_timer(int(expiryTimestampMs))
+            timers.delete_event_time_timer(expiry)
 
     def listTimers(self) -> Iterator[int]:
         """The current key's timer timestamps, in Spark's order (``spark_timer_order``)."""

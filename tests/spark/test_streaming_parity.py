@@ -10,10 +10,12 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import numpy as np
 import pandas as pd
 import pytest
 from pyspark import cloudpickle
@@ -1185,3 +1187,123 @@ def test_pandas_mode_timestamps_are_wall_times_of_the_session_time_zone_like_spa
             expected[(batch_id, (key[0], wall, "Row/datetime", -1, 0, wall))] += 1
     assert ours == expected
     assert theirs == expected
+
+
+# -- argument types of the handle's numbers ----------------------------------------------
+
+ARGUMENT_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("call", StringType()),
+        StructField("outcome", StringType()),
+        StructField("listed", ArrayType(LongType())),
+    ]
+)
+TIMER_ARGUMENTS: list[tuple[str, Any]] = [
+    ("int", 1_000),
+    ("numpy int", np.int64(2_000)),
+    ("bool", True),
+    ("None", None),
+    ("float", 3_000.5),
+    ("whole float", 4_000.0),
+    ("numpy float", np.float64(5_000.0)),
+    ("str", "6000"),
+    ("beyond 64 bits", 2**63),
+]
+TTL_ARGUMENTS: list[tuple[str, Any]] = [
+    ("numpy int", np.int64(HOUR_MS)),
+    ("bool", True),
+    ("whole float", float(HOUR_MS)),
+    ("str", str(HOUR_MS)),
+]
+
+
+def _outcome(call: Any) -> str:
+    """What a handle call did: "ok", or the builtin error class it raised."""
+    try:
+        call()
+    except TypeError:
+        return "TypeError"
+    except ValueError:
+        return "ValueError"
+    return "ok"
+
+
+class HandleArguments(StatefulProcessor):
+    """Gives the handle's number arguments (timer timestamps, ``ttlDurationMs``) of every
+    type and reports, per call, whether it raised TypeError or ValueError and which timers
+    it left; a TTL'd state that was declared then keeps a value."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.ttl_outcomes = []
+        self.ttl_states = []
+        for number, (label, ttl) in enumerate(TTL_ARGUMENTS):
+            declare = partial(handle.getValueState, f"ttl{number}", "n long", ttl)
+            outcome = _outcome(lambda declare=declare: self.ttl_states.append(declare()))
+            self.ttl_outcomes.append((label, outcome))
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        list(rows)
+        handle = self.handle
+        for label, outcome in self.ttl_outcomes:
+            yield Row(user=key[0], call=f"ttl {label}", outcome=outcome, listed=[])
+        for state in self.ttl_states:
+            state.update((1,))
+        kept = sum(state.get() == (1,) for state in self.ttl_states)
+        yield Row(user=key[0], call="ttl states kept", outcome=str(kept), listed=[])
+        for label, expiry in TIMER_ARGUMENTS:
+            outcome = _outcome(partial(handle.registerTimer, expiry))
+            listed = sorted(handle.listTimers())
+            yield Row(user=key[0], call=f"register {label}", outcome=outcome, listed=listed)
+            for timer in listed:
+                handle.deleteTimer(timer)
+        for label, expiry in TIMER_ARGUMENTS:
+            handle.registerTimer(1_000)
+            outcome = _outcome(partial(handle.deleteTimer, expiry))
+            listed = sorted(handle.listTimers())
+            yield Row(user=key[0], call=f"delete {label}", outcome=outcome, listed=listed)
+            for timer in listed:
+                handle.deleteTimer(timer)
+
+    def close(self) -> None:
+        pass
+
+
+def _as_spark_s_int64(value: Any) -> tuple[str, int | None]:
+    """(outcome, milliseconds) of a number given to Spark's handle, which sets it in an
+    int64 protobuf field: None is unset (0), whole types (int, bool, numpy integers) are
+    kept, any other type is a TypeError, more than 64 bits a ValueError."""
+    if value is None:
+        return "ok", 0
+    if not isinstance(value, (int, np.integer)):
+        return "TypeError", None
+    if not -(2**63) <= int(value) < 2**63:
+        return "ValueError", None
+    return "ok", int(value)
+
+
+def test_timer_and_ttl_numbers_take_the_types_spark_takes(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Timer timestamps and TTLs are ints, as in Spark: a float (even ``2.0``) or a
+    string is a TypeError and None a timer at 0; ours truncated floats and parsed strings
+    into timers, and refused a numpy int TTL as not positive."""
+    case = ParityCase(INPUT, ["user"], HandleArguments, ARGUMENT_OUTPUT, time_mode="ProcessingTime")
+    theirs, ours = run_parity(spark_local, case, [BATCHES[0][:2]], tmp_path)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for user in ("alice", "bob"):
+        kept = 0
+        for label, ttl in TTL_ARGUMENTS:
+            outcome, _ = _as_spark_s_int64(ttl)
+            kept += outcome == "ok"
+            expected[(0, (user, f"ttl {label}", outcome, ()))] += 1
+        expected[(0, (user, "ttl states kept", str(kept), ()))] += 1
+        for label, expiry in TIMER_ARGUMENTS:
+            outcome, at = _as_spark_s_int64(expiry)
+            registered = () if at is None else (at,)
+            expected[(0, (user, f"register {label}", outcome, registered))] += 1
+            left = (1_000,) if at != 1_000 else ()
+            expected[(0, (user, f"delete {label}", outcome, left))] += 1
+    assert theirs == expected
+    assert ours == expected
