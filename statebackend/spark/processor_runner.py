@@ -6,9 +6,10 @@ Arrow record batches sorted by (key group, key, kind, arrival): first one contro
 rows (batch 0 only) and its input rows. The runner, as Spark's transformWithState does:
 
 1. calls ``init(handle)``;
-2. per key: ``handleInitialState`` once per initial-state row (pandas mode: once per key
-   with its rows as one DataFrame), then ``handleInputRows(key, rows, timerValues)``
-   (Row mode: an iterator of ``Row``; pandas mode: of DataFrames) if the key has input
+2. per key: ``handleInitialState`` once per initial-state row (pandas mode: once per
+   DataFrame of its rows), then ``handleInputRows(key, rows, timerValues)`` (Row mode: an
+   iterator of ``Row``; pandas mode: of DataFrames, as Spark chunks a key's rows: at most
+   ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows each) if the key has input
    rows left after dropping late events (EventTime: event time <= the late-events
    watermark);
 3. fires due timers in ascending expiry order (``handleExpiredTimer``): expiry <= batch
@@ -104,6 +105,10 @@ class ProcessorSpec:
     initial_key_columns: tuple[str, ...] = ()
     """The initial-state columns holding the key columns, in key order (empty: the key
     columns' own names)."""
+    max_records_per_batch: int = 10_000
+    """Pandas mode: the most rows of a key in one DataFrame that ``handleInputRows`` (or
+    ``handleInitialState``) gets, as Spark chunks them
+    (``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less: no limit)."""
 
     @property
     def output_schema(self) -> StructType:
@@ -544,11 +549,21 @@ class _Inputs:
             self._rows_of, self._rows = batch, self._make_rows(columns)
         return self._rows
 
+    def _frames(self, runs: list[Run], names: list[str], as_names: list[str]) -> Iterator[Any]:
+        """The rows of ``runs`` (columns ``names`` as ``as_names``) as DataFrames of
+        ``max_records_per_batch`` rows each (the last one fewer), made as they are asked
+        for: as Spark chunks a key's rows for a pandas processor."""
+        table = pa.concat_tables([self._select(run, names, as_names) for run in runs])
+        size = self._spec.max_records_per_batch
+        step = size if size > 0 else max(table.num_rows, 1)
+        for offset in range(0, table.num_rows, step):
+            yield pandas_frame(table.slice(offset, step), self._spec.time_zone)
+
     def input_rows(self, runs: list[Run]) -> Iterator[Any]:
-        """The key's input rows: Rows, or one DataFrame per run (pandas mode)."""
+        """The key's input rows: Rows, or DataFrames of at most ``max_records_per_batch``
+        rows (pandas mode)."""
         if self._spec.use_pandas:
-            names, zone = self._input_names, self._spec.time_zone
-            return (pandas_frame(self._select(run, names, names), zone) for run in runs)
+            return self._frames(runs, self._input_names, self._input_names)
         if len(runs) == 1:  # the common case, once per key: no _batch_rows frame
             batch, start, stop = runs[0]
             if batch is self._rows_of:
@@ -559,11 +574,12 @@ class _Inputs:
         )
 
     def initial_states(self, runs: list[Run]) -> Iterator[Any]:
-        """The key's initial-state rows: one Row each, or one DataFrame (pandas mode)."""
+        """The key's initial-state rows: one Row each, or DataFrames of at most
+        ``max_records_per_batch`` rows (pandas mode)."""
         names = list(self._spec.initial_columns)
-        table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         if self._spec.use_pandas:
-            return iter([pandas_frame(table, self._spec.time_zone)])
+            return self._frames(runs, self._initial_names, names)
+        table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         assert self._make_initial_rows is not None
         return iter(self._make_initial_rows([column.to_pylist() for column in table.columns]))
 

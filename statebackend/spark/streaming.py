@@ -231,6 +231,21 @@ def _watermark_column(df: DataFrame) -> str | None:
     return None
 
 
+MAX_RECORDS_PER_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
+
+
+def _max_records_per_batch(spark: Any) -> int:
+    """The session's ``maxRecordsPerBatch`` (Spark's default 10,000): the most rows of a key
+    in one DataFrame a pandas processor gets, as Spark chunks them (0 or less: no limit)."""
+    value = spark.conf.get(MAX_RECORDS_PER_BATCH, "10000")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"{MAX_RECORDS_PER_BATCH} {value!r} is not an int: set it to a number of rows"
+        ) from None
+
+
 def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
     if time_mode != "EventTime":
         return None
@@ -729,6 +744,7 @@ def transform_with_state(
         catalog=catalog,
         event_time_column=_event_time_column(df, mode),
         time_zone=str(df.sparkSession.conf.get("spark.sql.session.timeZone")),
+        max_records_per_batch=_max_records_per_batch(df.sparkSession),
     )
     return StatefulStream(
         df,

@@ -1307,3 +1307,90 @@ def test_timer_and_ttl_numbers_take_the_types_spark_takes(
             expected[(0, (user, f"delete {label}", outcome, left))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- pandas mode: a key's rows in chunks of maxRecordsPerBatch ----------------------------
+
+CHUNK_ROWS = 2
+CHUNK_INPUT = StructType([StructField("user", StringType()), StructField("amount", LongType())])
+CHUNK_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        StructField("sizes", ArrayType(LongType())),
+        StructField("amounts", ArrayType(LongType())),
+    ]
+)
+
+
+class PandasChunks(StatefulProcessor):
+    """Reports the DataFrames it gets: per ``handleInputRows``, the size of each input
+    DataFrame and their amounts in order, and the size and first amount of each initial
+    state DataFrame ``handleInitialState`` got (kept in a list state)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.initial = handle.getListState("initial", "size long, first long")
+
+    def handleInitialState(self, key: Any, initialState: Any, timerValues: TimerValues) -> None:
+        self.initial.appendValue((len(initialState), int(initialState["amount"].iloc[0])))
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        frames = list(rows)
+        initial = list(self.initial.get())
+        yield pd.DataFrame(
+            {
+                "user": [key[0], key[0]],
+                "kind": ["input", "initial"],
+                "sizes": [[len(frame) for frame in frames], [size for size, _ in initial]],
+                "amounts": [
+                    [int(amount) for frame in frames for amount in frame["amount"]],
+                    [first for _, first in initial],
+                ],
+            }
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _chunk_sizes(rows: int) -> tuple[int, ...]:
+    """The sizes of ``rows`` rows cut into chunks of ``CHUNK_ROWS``."""
+    return tuple(min(CHUNK_ROWS, rows - start) for start in range(0, rows, CHUNK_ROWS))
+
+
+def test_pandas_mode_chunks_a_key_s_rows_by_max_records_per_batch_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """A pandas processor gets a key's rows (input and initial state alike) as DataFrames
+    of at most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows, in order, as in
+    Spark; ours gave one DataFrame per key (per Arrow batch it spanned)."""
+    batches = [
+        [{"user": "alice", "amount": n} for n in range(5)] + [{"user": "bob", "amount": 10}],
+        [{"user": "alice", "amount": 20 + n} for n in range(3)] + [{"user": "carol", "amount": 30}],
+    ]
+    initial = [{"user": "alice", "amount": 100 + n} for n in range(3)]
+    initial += [{"user": "carol", "amount": 200 + n} for n in range(3)]
+    case = ParityCase(
+        CHUNK_INPUT,
+        ["user"],
+        PandasChunks,
+        CHUNK_OUTPUT,
+        use_pandas=True,
+        initial_state=initial,
+        initial_schema=CHUNK_INPUT,
+    )
+    spark_local.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(CHUNK_ROWS))
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(batches):
+        for user in dict.fromkeys(row["user"] for row in batch):
+            amounts = tuple(row["amount"] for row in batch if row["user"] == user)
+            seeds = [row["amount"] for row in initial if row["user"] == user]
+            firsts = tuple(seeds[::CHUNK_ROWS])
+            expected[(batch_id, (user, "input", _chunk_sizes(len(amounts)), amounts))] += 1
+            expected[(batch_id, (user, "initial", _chunk_sizes(len(seeds)), firsts))] += 1
+    assert theirs == expected
+    assert ours == expected
