@@ -260,9 +260,11 @@ class ProcessorListState(_StateVariable, SparkListState):
         return bool(state.get())
 
     def get(self) -> Iterator[tuple[Any, ...]]:
-        """The current key's tuples, in order."""
+        """The current key's tuples, in order, read when the first is asked for, as
+        Spark's iterator reads them: one made before an append, put or clear gives the
+        list as it is after it."""
         state: ListState = self._use("get")
-        return iter(state.get())
+        return _read_when_asked(state)
 
     def put(self, newState: list[tuple[Any, ...]]) -> None:
         """Replace the current key's list."""
@@ -282,6 +284,11 @@ class ProcessorListState(_StateVariable, SparkListState):
     def clear(self) -> None:
         """Remove the current key's list."""
         self._use("clear").clear()
+
+
+def _read_when_asked(state: ListState) -> Iterator[tuple[Any, ...]]:
+    """The elements of ``state`` as its ``get`` gives them when the first one is asked for."""
+    yield from state.get()
 
 
 class ProcessorMapState(_StateVariable, SparkMapState):

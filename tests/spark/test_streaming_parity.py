@@ -1394,3 +1394,63 @@ def test_pandas_mode_chunks_a_key_s_rows_by_max_records_per_batch_like_spark(
             expected[(batch_id, (user, "initial", _chunk_sizes(len(seeds)), firsts))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- ListState.get reads when iterated ---------------------------------------------------
+
+LAZY_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("after_append", ArrayType(LongType())),
+        StructField("after_put", ArrayType(LongType())),
+        StructField("after_clear", ArrayType(LongType())),
+    ]
+)
+
+
+class LateListReads(StatefulProcessor):
+    """Takes ``ListState.get()`` iterators before changing the list and reads them after:
+    before appending the batch's amounts, before replacing the list by its sum, and
+    before clearing a second list."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.amounts = handle.getListState("amounts", "v long")
+        self.scratch = handle.getListState("scratch", "v long")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        new = [(row.amount,) for row in rows]
+        pending = self.amounts.get()
+        self.amounts.appendList(new)
+        after_append = [v for (v,) in pending]
+        pending = self.amounts.get()
+        self.amounts.put([(sum(after_append),)])
+        after_put = [v for (v,) in pending]
+        self.scratch.put(new)
+        pending = self.scratch.get()
+        self.scratch.clear()
+        after_clear = [v for (v,) in pending]
+        yield Row(
+            user=key[0], after_append=after_append, after_put=after_put, after_clear=after_clear
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def test_list_state_get_reads_the_list_when_iterated_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """``ListState.get()`` reads the list when its iterator is first advanced, as Spark's
+    does: an iterator taken before an append, put or clear gives the list after it. Ours
+    read the list when ``get()`` was called."""
+    case = ParityCase(INPUT, ["user"], LateListReads, LAZY_OUTPUT)
+    theirs, ours = run_parity(spark_local, case, BATCHES[:2], tmp_path)
+    lists: dict[str, list[int]] = {}
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES[:2]):
+        for user in {r["user"] for r in batch}:
+            appended = lists.get(user, []) + [r["amount"] for r in batch if r["user"] == user]
+            lists[user] = [sum(appended)]
+            expected[(batch_id, (user, tuple(appended), tuple(lists[user]), ()))] += 1
+    assert theirs == expected
+    assert ours == expected
