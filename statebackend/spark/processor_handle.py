@@ -199,6 +199,15 @@ def _nested_row(names: list[str]) -> Callable[[list[Any]], Row]:
     return lambda values: row(*values)
 
 
+def _none_given(name: str, operation: str) -> ProcessorArgumentTypeError:
+    """The error of giving None as a state's value (or user key): a TypeError, as Spark's
+    handle raises (it iterates the value's fields)."""
+    return ProcessorArgumentTypeError(
+        f"{operation} of state {name!r} got None: give a tuple of the state's fields "
+        f"(clear() removes a value)"
+    )
+
+
 class _StateVariable:
     """What the three state kinds share: the handle (phase checks) and the backend state."""
 
@@ -242,6 +251,8 @@ class ProcessorValueState(_StateVariable, SparkValueState):
         """Set the current key's tuple (numpy and pandas scalars become Python ones:
         the state's serializer prepares values with ``_row_tuple``)."""
         if self._handle.serving:
+            if newValue is None:
+                raise _none_given(self._name, "update")
             self._state.update(newValue)
         else:
             raise self._refused("update")
@@ -274,6 +285,8 @@ class ProcessorListState(_StateVariable, SparkListState):
     def appendValue(self, newState: tuple[Any, ...]) -> None:
         """Append one tuple."""
         state: ListState = self._use("append_value")
+        if newState is None:
+            raise _none_given(self._name, "appendValue")
         state.add(newState)
 
     def appendList(self, newState: list[tuple[Any, ...]]) -> None:
@@ -321,6 +334,8 @@ class ProcessorMapState(_StateVariable, SparkMapState):
     def updateValue(self, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
         """Set the value under user key ``key``."""
         state: MapState = self._use("update_value")
+        if key is None or value is None:
+            raise _none_given(self._name, "updateValue")
         state.put(key, value)
 
     def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:

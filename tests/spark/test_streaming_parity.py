@@ -1454,3 +1454,71 @@ def test_list_state_get_reads_the_list_when_iterated_like_spark(
             expected[(batch_id, (user, tuple(appended), tuple(lists[user]), ()))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- None as a state's value --------------------------------------------------------------
+
+NONE_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("outcomes", ArrayType(StringType())),
+        StructField("count", LongType()),
+        StructField("listed", LongType()),
+        StructField("mapped", LongType()),
+    ]
+)
+
+
+class NoneValues(StatefulProcessor):
+    """Gives None as a value (and as a user key) to each state, then counts the key's
+    rows in a value, a list and a map state: what the None calls raised and what the
+    states hold after them."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.getValueState("count", "n long")
+        self.items = handle.getListState("items", "item string")
+        self.seen = handle.getMapState("seen", "item string", "n long")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        items = [row.item for row in rows]
+        calls = [
+            partial(self.count.update, None),
+            partial(self.items.appendValue, None),
+            partial(self.seen.updateValue, None, (1,)),
+            partial(self.seen.updateValue, ("x",), None),
+        ]
+        outcomes = [_outcome(call) for call in calls]
+        self.count.update(((self.count.get() or (0,))[0] + len(items),))
+        self.items.appendList([(item,) for item in items])
+        for item in items:
+            self.seen.updateValue((item,), (1,))
+        yield Row(
+            user=key[0],
+            outcomes=outcomes,
+            count=self.count.get()[0],
+            listed=len(list(self.items.get())),
+            mapped=len(list(self.seen.keys())),
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def test_none_as_a_state_value_is_a_type_error_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """``ValueState.update(None)``, ``ListState.appendValue(None)`` and a None user key
+    or value in ``MapState.updateValue`` raise TypeError and change nothing, as in Spark;
+    ours cleared the value on ``update(None)`` and raised other errors for the rest."""
+    case = ParityCase(INPUT, ["user"], NoneValues, NONE_OUTPUT)
+    theirs, ours = run_parity(spark_local, case, BATCHES[:2], tmp_path)
+    seen: dict[str, list[str]] = {}
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES[:2]):
+        for user in {r["user"] for r in batch}:
+            seen.setdefault(user, []).extend(r["item"] for r in batch if r["user"] == user)
+            items = seen[user]
+            row = (user, ("TypeError",) * 4, len(items), len(items), len(set(items)))
+            expected[(batch_id, row)] += 1
+    assert theirs == expected
+    assert ours == expected
