@@ -95,8 +95,9 @@ class StatefulProcessorError(StateAccessError):
 
 
 class ProcessorArgumentTypeError(StateAccessError, TypeError):
-    """A StatefulProcessor gave its handle a number of the wrong type (a float timer
-    timestamp or TTL): a TypeError too, as Spark's handle raises one."""
+    """A StatefulProcessor gave its handle an argument of the wrong type (a float timer
+    timestamp or TTL, None as a state's value): a TypeError too, as Spark's handle raises
+    one."""
 
 
 class ProcessorArgumentRangeError(StateAccessError, ValueError):

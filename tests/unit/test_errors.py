@@ -23,6 +23,8 @@ DETERMINISTIC = {
     "CheckpointFencedError",
     "SourceError",
     "StatefulProcessorError",
+    "ProcessorArgumentTypeError",
+    "ProcessorArgumentRangeError",
     "OutputSchemaError",
     "JobFailedError",
 }
