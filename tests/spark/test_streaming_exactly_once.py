@@ -443,7 +443,12 @@ def spark_batches(checkpoint: Path, batches: Batches) -> Batches:
     ran: Batches = []
     previous = -1
     for batch_id in range(_committed_batches(checkpoint / "commits")):
-        last = json.loads((checkpoint / "offsets" / str(batch_id)).read_text().splitlines()[-1])
+        offsets = checkpoint / "offsets" / str(batch_id)
+        assert offsets.exists(), (
+            f"{checkpoint} has no offsets/{batch_id}: Spark deleted the logs of its older "
+            f"batches (spark.sql.streaming.minBatchesToRetain): raise it for this test"
+        )
+        last = json.loads(offsets.read_text().splitlines()[-1])
         rows: list[tuple[str, int]] = []
         for source_batch in range(previous + 1, int(last["logOffset"]) + 1):
             for name in sorted(files[source_batch]):
@@ -464,7 +469,31 @@ def _amounts_as_sets(rows: OutputRows) -> OutputRows:
 
 
 def _committed_batches(commits: Path) -> int:
-    return sum(name.isdigit() for name in os.listdir(commits)) if commits.exists() else 0
+    """How many batches Spark committed: its newest ``commits/N``'s N + 1 (not how many
+    files there are: Spark keeps only the newest ``minBatchesToRetain``, 100)."""
+    names = os.listdir(commits) if commits.exists() else []
+    return max((int(name) for name in names if name.isdigit()), default=-1) + 1
+
+
+def test_committed_batches_past_the_commits_spark_retains(tmp_path: Path) -> None:
+    """With commits 150..249 (Spark deleted the older ones), 250 batches were committed,
+    and one more commit makes 251 (the number of files stays 100). ``spark_batches``
+    says it cannot tell the batches apart whose offsets Spark deleted."""
+    commits = tmp_path / "commits"
+    commits.mkdir()
+    for batch_id in range(150, 250):
+        (commits / str(batch_id)).write_text("v1\n{}\n")
+        (commits / f".{batch_id}.crc").write_bytes(b"")
+        (tmp_path / "offsets").mkdir(exist_ok=True)
+        (tmp_path / "offsets" / str(batch_id)).write_text('v1\n{}\n{"logOffset": 0}\n')
+    (tmp_path / "sources" / "0").mkdir(parents=True)
+    assert _committed_batches(commits) == 249 + 1
+    (commits / "250").write_text("v1\n{}\n")
+    (commits / "150").unlink()
+    assert _committed_batches(commits) == 250 + 1
+    assert _committed_batches(tmp_path / "none") == 0
+    with pytest.raises(AssertionError, match="no offsets/0: Spark deleted"):
+        spark_batches(tmp_path, [])
 
 
 def test_sigkilled_driver_restarts_exactly_once(spark: SparkSession, tmp_path: Path) -> None:
