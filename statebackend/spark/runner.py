@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import shutil
 import time
@@ -232,6 +233,17 @@ def task_error(exc: BaseException) -> StateBackendError | None:
     return next((e for e in task_errors(exc) if not e.recoverable), None)
 
 
+def _same_directory(recorded: str, current: str) -> bool:
+    """Whether the input directory a checkpoint or manifest ``recorded`` is ``current``
+    (the same path, or both existing and the same directory, e.g. through a symlink)."""
+    if recorded == current:
+        return True
+    try:
+        return os.path.samefile(recorded, current)
+    except (OSError, ValueError):
+        return False
+
+
 def _count(value: Any, what: str) -> int:
     """``value`` if it is an int >= 1 (not a bool), else ConfigurationError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -362,6 +374,7 @@ class StatefulJob:
         """Make ``manifest`` the restore point and reset the driver's state to it."""
         where = self._changelog.layout.manifest_path(manifest.batch_id)
         self._check_state(where, manifest.properties, set(manifest.operators), manifest.job_id)
+        self._check_source(where, manifest.properties)
         self._restore_point = where
         self._reset(None)
         self._source_states = self._committed_offsets(manifest.properties)
@@ -404,6 +417,8 @@ class StatefulJob:
             )
         # Its own operator first: state of another job is named as such, not as extra state.
         self._check_state(where, metadata.properties, set(metadata.operators), self.job_id)
+        if not metadata.is_savepoint:
+            self._check_source(where, metadata.properties)
         check_operators(metadata, {SOURCE_OPERATOR, self.operator_id}, False, where)
 
     def _check_state(
@@ -422,6 +437,19 @@ class StatefulJob:
             raise IncompatibleStateError(
                 f"{where} was keyed by {recorded!r}, but this job keys by "
                 f"{_describe_key_by(self.key_by)!r}: its key groups would not match"
+            )
+
+    def _check_source(self, where: str, properties: dict[str, Any]) -> None:
+        """ConfigurationError unless the checkpoint or batch manifest at ``where`` read
+        the input directory this run reads: its source offsets are positions in that
+        directory's files. (A savepoint may be restored over other input, e.g. a copy.)"""
+        source = properties.get("source")
+        if source is not None and not _same_directory(source, self.source.directory):
+            raise ConfigurationError(
+                f"{where} read the input directory {source}, but this run reads "
+                f"{self.source.directory}: rerun with that input; to go on over other "
+                f"input, take a savepoint (statebackend savepoint create) and restore it, "
+                f"or start afresh (restore none, or another job id)"
             )
 
     # -- the run ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from statebackend.spark.example import (
     compare_totals,
     expected_totals,
     generate_events,
+    read_events,
     user_totals_job,
 )
 from statebackend.spark.runner import RunSummary
@@ -53,13 +54,15 @@ def _run(
     restore: str | None = "latest",
     on_malformed: str = "fail",
     max_parallelism: int | None = None,
+    input_dir: Path | None = None,
     **conf: Any,
 ) -> RunSummary:
-    """Run the example job on ``tmp_path/input``; ``conf``: more StateBackendConf fields."""
+    """Run the example job on ``input_dir`` (default ``tmp_path/input``); ``conf``: more
+    StateBackendConf fields."""
     return user_totals_job(
         spark,
         job_id=job_id,
-        input_dir=tmp_path / "input",
+        input_dir=input_dir or tmp_path / "input",
         parallelism=parallelism,
         on_malformed=on_malformed,
         key_by=key_by,
@@ -163,6 +166,44 @@ def test_checkpoint_of_another_job(
     with pytest.raises(ConfigurationError, match="checkpoint of job 'bad', not of 'other'"):
         _run(spark_local, tmp_path, job_id="other", restore=checkpointed.last_checkpoint)
     assert _files(tmp_path) == before
+
+
+def test_a_restart_over_another_input_directory_is_refused(
+    spark_local: SparkSession, tmp_path: Path, checkpointed: RunSummary
+) -> None:
+    """The job's checkpoints and manifests hold offsets into the files of the input
+    directory they read: a restart of the job over another directory used to go on from
+    those offsets in the other files, mixing the two. It is refused, naming both, from
+    the newest checkpoint and from the newest manifest; the same directory through a
+    symlink resumes, ending with the totals of the input (computed in plain Python)."""
+    other = tmp_path / "other"
+    generate_events(other, 300, 20, 4, 9)
+    assert checkpointed.last_checkpoint is not None
+    newest = Path(checkpointed.last_checkpoint.removeprefix("file://"))
+    metadata = newest / "_metadata"
+    for restore_point in (checkpointed.last_checkpoint, "manifests/"):
+        before = _files(tmp_path)
+        with pytest.raises(ConfigurationError) as raised:
+            _run(spark_local, tmp_path, input_dir=other)
+        message = str(raised.value)
+        assert restore_point in message and "\n" not in message
+        assert f"read the input directory {tmp_path / 'input'}, " in message
+        assert f"this run reads {other}: rerun with that input" in message
+        assert _files(tmp_path) == before
+        if metadata.exists():  # "latest" is now the newest manifest
+            metadata.rename(tmp_path / "metadata")
+    (tmp_path / "metadata").rename(metadata)
+    generate_events(tmp_path / "input", 50, 20, 4, 10)
+    (tmp_path / "link").symlink_to(tmp_path / "input")
+    summary = _run(spark_local, tmp_path, input_dir=tmp_path / "link")
+    assert summary.records == 50 and summary.last_checkpoint is not None
+    assert (
+        compare_totals(
+            expected_totals(read_events(tmp_path / "input")),
+            checkpointed_totals(spark_local, summary.last_checkpoint),
+        )
+        == []
+    )
 
 
 def test_savepoint_of_another_operator(
