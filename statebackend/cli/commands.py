@@ -31,6 +31,7 @@ from statebackend.cli.output import (
     size,
     state_size,
     table,
+    write_file,
     write_records,
 )
 from statebackend.errors import CheckpointCorruptedError, ConfigurationError
@@ -593,7 +594,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         json_document(report)
         return 0
     output = args.output or "report.html"
-    with open(output, "w", encoding="utf-8") as f:
-        f.write(json.dumps(report, indent=2, sort_keys=True) if args.json else render_html(report))
+    write_file(
+        output, json.dumps(report, indent=2, sort_keys=True) if args.json else render_html(report)
+    )
     out(output)
     return 0

@@ -4,10 +4,13 @@ progress bar on stderr."""
 from __future__ import annotations
 
 import csv
+import errno
 import json
+import os
 import sys
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -114,6 +117,26 @@ def _bar(description: str, unit: str) -> Iterator[Callable[..., None]]:
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=None)
         yield lambda **fields: bar.update(task, **fields)
+
+
+def write_file(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to the local file ``path`` all or nothing: into a new file
+    beside it, renamed over ``path`` once written, so a failure (a full disk, Ctrl-C)
+    leaves what ``path`` held. An OSError names ``path``."""
+    directory, name = os.path.split(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temporary, "x", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException as exc:
+        with suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(exc, OSError) and exc.filename in (None, temporary):
+            raise OSError(exc.errno, exc.strerror, path) from exc
+        raise
 
 
 def write_records(records: Iterator[Record], output_format: str, stream: TextIO) -> int:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import resource
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,6 +159,37 @@ def test_a_report_that_cannot_be_written_fails_in_one_line(
         assert (status, out) == (1, ""), err
         assert err.startswith("statebackend: error: ") and len(err.splitlines()) == 1
         assert reason in err and str(output) in err
+
+
+def test_a_report_that_fails_while_written_leaves_the_file_as_it_was(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    """``report -o FILE`` over a good report, where the file may not grow past half of
+    it (a full disk or quota, as RLIMIT_FSIZE): FILE used to be truncated first and left
+    half written; it keeps the good report, no temporary file is left beside it, and the
+    error is one line naming FILE."""
+    output = tmp_path / "report.html"
+    status, _, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(output))
+    assert status == 0, err
+    good = output.read_bytes()
+    limit = len(good) // 2
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    options = [f"--storage-option={k}={v}" for k, v in job.storage.storage_options.items()]
+    failed = subprocess.run(
+        [sys.executable, "-m", "statebackend", "report", job.job_dir, "-o", str(output), *options],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+        check=False,
+    )
+    assert output.read_bytes() == good
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr == f"statebackend: error: File too large: {output}\n"
+    assert sorted(tmp_path.iterdir()) == [output]
 
 
 def test_plan_prints_the_imbalance_of_the_parallelism_asked_for(
