@@ -41,6 +41,16 @@ def _positive_int(key: str, text: str) -> int:
     return value
 
 
+def _non_negative_int(key: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigurationError(f"{key}={text!r} is invalid: give an integer >= 0")
+    return value
+
+
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 """The units of a duration, as Spark's (``JavaUtils.timeStringAsSec``): 30s, 10min, 1h..."""
 _DURATION = re.compile(r"([0-9.eE+-]+)(us|ms|s|min|m|h|d)?")
@@ -190,7 +200,7 @@ KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "checkpoint.retained": ("retained", _positive_int),
     "checkpoint.timeout": ("timeout_seconds", _positive_float),
     "checkpoint.upload-stall-timeout": ("upload_stall_seconds", _positive_float),
-    "checkpoint.max-retries": ("max_retries", _positive_int),
+    "checkpoint.max-retries": ("max_retries", _non_negative_int),
     "checkpoint.signing-key": ("signing_key", _signing_key),
     "checkpoint.signing-key-file": ("signing_key_file", _signing_key_file),
     "max-parallelism": ("max_parallelism", _max_parallelism),
@@ -260,6 +270,7 @@ class StateBackendConf:
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     upload_stall_seconds: float = 30.0
     max_retries: int = 3
+    """Failed batches of a StatefulJob retried in a row before it gives up (0: none)."""
     max_parallelism: int | None = None
     parallelism: int | None = None
     local_dir: str = field(default_factory=default_local_dir)

@@ -14,6 +14,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from statebackend.checkpoint.layout import METRICS_DIR
+from statebackend.checkpoint.metrics import FailureMetrics, read_history, records_of
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import build_parser
@@ -21,6 +22,7 @@ from statebackend.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     IncompatibleStateError,
+    JobFailedError,
     SourceError,
 )
 from statebackend.spark import LogSource, StatefulJob
@@ -425,6 +427,50 @@ def test_script_under_spark_submit_takes_the_checkpoint_dir_from_the_conf(tmp_pa
         "user_totals: error: no checkpoint directory: set spark.statebackend.checkpoint.dir "
         "(or --checkpoint-dir)"
     ]
+
+
+@pytest.mark.parametrize("max_retries", [0, 1])
+def test_max_retries_0_ends_the_run_at_the_first_failure(
+    spark_local: SparkSession, tmp_path: Path, max_retries: int
+) -> None:
+    """``checkpoint.max-retries 0`` was refused (an integer >= 1): 0 means no retry, as
+    Flink's 0 tolerable failures. A batch that always fails runs max-retries + 1 times
+    (counted in the metrics history) before the run gives up."""
+
+    class FailingTotals(UserTotals):  # local: pickled by value for the executors
+        """The example's function, failing every batch with an error a retry may fix."""
+
+        def process(self, key: Any, values: list[Any], ctx: Any) -> Any:
+            raise RuntimeError("the keyed function failed")
+
+    key = "spark.statebackend.checkpoint.max-retries"
+    conf = StateBackendConf.from_pairs(
+        [(key, str(max_retries))],
+        checkpoint_dir=(tmp_path / "checkpoints").as_uri(),
+        local_dir=str(tmp_path / "local"),
+    )
+    assert conf.max_retries == max_retries
+    generate_events(tmp_path / "input", 20, 5, 2, 1)
+    job = StatefulJob(
+        spark_local,
+        job_id="retries",
+        source=LogSource(str(tmp_path / "input")),
+        operator_id=OPERATOR_ID,
+        key_by=KEY_FIELD,
+        function=FailingTotals(),
+        parallelism=2,
+        conf=conf,
+    )
+    with pytest.raises(JobFailedError, match=f"failed {max_retries + 1} times in a row"):
+        job.run()
+    storage = CheckpointStorage(conf.checkpoint_dir, "retries")
+    failures = records_of(read_history(storage.fs, storage.layout.job_dir), FailureMetrics)
+    assert len(failures) == max_retries + 1
+    assert all("the keyed function failed" in f.error for f in failures), failures
+    for text in ("-1", "x"):
+        with pytest.raises(ConfigurationError) as refused:
+            StateBackendConf.from_pairs([(key, text)])
+        assert str(refused.value) == f"{key}={text!r} is invalid: give an integer >= 0"
 
 
 def test_conf_rejects_unknown_and_malformed_keys() -> None:
