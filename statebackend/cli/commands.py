@@ -67,7 +67,7 @@ from statebackend.tools.manifests import (
     verified_files,
     verify_manifest,
 )
-from statebackend.tools.plan import plan_checkpoint, plan_imbalance
+from statebackend.tools.plan import plan_checkpoint, plan_imbalance, plan_operators
 from statebackend.tools.reader import (
     NO_KEY,
     no_such_operator,
@@ -321,8 +321,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plans = plan_manifest(ref, args.parallelism, args.operator)
         max_parallelism = ref.manifest.max_parallelism
         old = {op: parallelism_of(ref, op) for op in plans}
-    else:
-        plans = plan_checkpoint(ref, args.parallelism, args.operator)
+    else:  # reads the old subtasks' small operator states: one new subtask at a time
+        subtasks = len(plan_operators(ref, args.operator)) * args.parallelism
+        with progress("planning", subtasks, unit="subtasks") as advance:
+            plans = plan_checkpoint(
+                ref, args.parallelism, args.operator, lambda _operator, _subtask: advance(1)
+            )
         max_parallelism = ref.metadata.max_parallelism
         old = {op: ref.metadata.operators[op].parallelism for op in plans}
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from statebackend.checkpoint.restore import SubtaskPlan, plan_restore
+from statebackend.checkpoint.writer import Written
 from statebackend.tools.location import CheckpointRef
 from statebackend.tools.reader import (
     decode_operator_state,
@@ -22,11 +23,15 @@ MAX_SHOWN_VALUES = 64
 shown."""
 
 
-def plan_operator(ref: CheckpointRef, operator_id: str, parallelism: int) -> list[dict[str, Any]]:
+def plan_operator(
+    ref: CheckpointRef, operator_id: str, parallelism: int, planned: Written | None = None
+) -> list[dict[str, Any]]:
     """Per new subtask of ``operator_id`` at ``parallelism``: its key-group range, the
     bytes it reads from which old subtasks, and its operator-state elements as slices
     ``[old subtask, first, end)`` (with their values where the state is small: records as
-    ``statebackend.tools.reader.decode_operator_state`` gives them)."""
+    ``statebackend.tools.reader.decode_operator_state`` gives them, read from the old
+    subtasks' files). ``planned`` hears (operator, subtask) as each new subtask's plan is
+    done."""
     snapshot = operator_of(ref, operator_id)
     totals: dict[str, int] = {}
     for handle in snapshot.operator_handles():
@@ -56,6 +61,8 @@ def plan_operator(ref: CheckpointRef, operator_id: str, parallelism: int) -> lis
                 "operator_state": operator_state,
             }
         )
+        if planned is not None:
+            planned(operator_id, plan.subtask)
     return plans
 
 
@@ -76,8 +83,17 @@ def plan_imbalance(ref: CheckpointRef, operator_id: str, parallelism: int) -> fl
 
 
 def plan_checkpoint(
-    ref: CheckpointRef, parallelism: int, operator_id: str | None = None
+    ref: CheckpointRef,
+    parallelism: int,
+    operator_id: str | None = None,
+    planned: Written | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """``plan_operator`` for one operator, or for every operator of the checkpoint."""
-    operators = sorted(ref.metadata.operators) if operator_id is None else [operator_id]
-    return {op: plan_operator(ref, op, parallelism) for op in operators}
+    return {
+        op: plan_operator(ref, op, parallelism, planned) for op in plan_operators(ref, operator_id)
+    }
+
+
+def plan_operators(ref: CheckpointRef, operator_id: str | None = None) -> list[str]:
+    """The operators ``plan_checkpoint`` plans: ``operator_id``, or all of the checkpoint."""
+    return sorted(ref.metadata.operators) if operator_id is None else [operator_id]
