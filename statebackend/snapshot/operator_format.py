@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from struct import Struct
 from typing import Any
@@ -168,23 +168,32 @@ class OperatorStateReader:
                 raise CheckpointCorruptedError(f"{where}: checksum mismatch ({what})")
             yield element
 
-    def restore_cut(self, subtask: int, new_parallelism: int) -> OperatorStateCut:
+    def restore_cut(
+        self, subtask: int, new_parallelism: int, names: Collection[str] | None = None
+    ) -> OperatorStateCut:
         """The operator state new subtask ``subtask`` of ``new_parallelism`` gets, reading
-        only its slices."""
-        sources = [_StoredOperatorState(self, old) for old in range(len(self.handles))]
+        only its slices; with ``names``, only those states (and no raw state) are read."""
+        sources = [_StoredOperatorState(self, old, names) for old in range(len(self.handles))]
         return redistribute_cut(sources, subtask, new_parallelism)
 
 
 class _StoredOperatorState:
-    """One old subtask's checkpointed operator state as an ``OperatorStateSource``."""
+    """One old subtask's checkpointed operator state as an ``OperatorStateSource``
+    (only the states ``names``, without raw state, when given)."""
 
-    def __init__(self, reader: OperatorStateReader, subtask: int) -> None:
+    def __init__(
+        self, reader: OperatorStateReader, subtask: int, names: Collection[str] | None = None
+    ) -> None:
         self.reader = reader
         self.subtask = subtask
         self.handle = reader.handles[subtask]
+        self.names = names
 
     def _states(self) -> dict[str, OperatorStateInfo]:
-        return {} if self.handle is None else self.handle.states
+        states = {} if self.handle is None else self.handle.states
+        if self.names is None:
+            return states
+        return {name: info for name, info in states.items() if name in self.names}
 
     def state_layouts(self) -> Mapping[str, StateLayout]:
         return {n: StateLayout(i.mode, len(i.elements)) for n, i in self._states().items()}
@@ -193,7 +202,7 @@ class _StoredOperatorState:
         return {name: info.serializers for name, info in self._states().items()}
 
     def raw_count(self) -> int:
-        return 0 if self.handle is None else len(self.handle.raw)
+        return 0 if self.handle is None or self.names is not None else len(self.handle.raw)
 
     def read_elements(self, name: str, begin: int, end: int) -> Sequence[Entry]:
         info = self._states()[name]

@@ -6,16 +6,14 @@ only the values of small operator states are read to show them.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from statebackend.checkpoint.restore import SubtaskPlan, plan_restore
 from statebackend.checkpoint.writer import Written
+from statebackend.snapshot.operator_format import OperatorStateReader
 from statebackend.tools.location import CheckpointRef
-from statebackend.tools.reader import (
-    decode_operator_state,
-    operator_of,
-    restored_operator_states,
-)
+from statebackend.tools.reader import decode_operator_state, operator_of
 from statebackend.tools.report import key_group_bytes, split_key_groups
 
 MAX_SHOWN_VALUES = 64
@@ -30,18 +28,22 @@ def plan_operator(
     bytes it reads from which old subtasks, and its operator-state elements as slices
     ``[old subtask, first, end)`` (with their values where the state is small: records as
     ``statebackend.tools.reader.decode_operator_state`` gives them, read from the old
-    subtasks' files). ``planned`` hears (operator, subtask) as each new subtask's plan is
-    done."""
+    subtasks' files: only those states, each stored range once, however many new subtasks
+    get it). ``planned`` hears (operator, subtask) as each new subtask's plan is done."""
     snapshot = operator_of(ref, operator_id)
     totals: dict[str, int] = {}
     for handle in snapshot.operator_handles():
         for name, info in (handle.states if handle else {}).items():
             totals[name] = totals.get(name, 0) + len(info.elements)
     small = {name for name, total in totals.items() if total <= MAX_SHOWN_VALUES}
+    # A union state's ranges are the same for every new subtask: each is read once.
+    reader = OperatorStateReader(
+        snapshot.operator_handles(), ref.directory, cache(ref.fs.read_range)
+    )
     plans = []
     for plan in plan_restore(ref.metadata, operator_id, parallelism):
         restored = (
-            restored_operator_states(ref, snapshot, plan.subtask, parallelism) if small else {}
+            dict(reader.restore_cut(plan.subtask, parallelism, small).states) if small else {}
         )
         operator_state = {}
         for name, slices in sorted(plan.operator_elements.items()):

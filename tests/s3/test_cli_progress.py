@@ -138,8 +138,7 @@ def without_terminal(storage: Storage, *argv: str) -> tuple[int, str, str]:
 
 
 def test_plan_tells_each_new_subtask_planned(big: BigCheckpoint) -> None:
-    """``plan`` reads the small operator states of the old subtasks for every new
-    subtask (minutes on S3 for hundreds of subtasks): ``planned`` hears each one, and
+    """``plan`` plans one new subtask after the other: ``planned`` hears each one, and
     the plan is the same with it; every new subtask gets the five union elements."""
     ref = open_checkpoint(big.path, big.storage.storage_options)
     planned: list[tuple[str, int]] = []
@@ -157,3 +156,24 @@ def test_plan_shows_progress_on_a_terminal(big: BigCheckpoint) -> None:
     assert status == 0, shown
     assert "planning" in shown and "subtasks" in shown
     assert (status, out, "") == without_terminal(big.storage, *argv)
+
+
+def test_plan_reads_only_the_shown_states_each_stored_range_once(big: BigCheckpoint) -> None:
+    """``plan`` showed the small union state by restoring every operator state (the large
+    split ``offsets`` too) for every new subtask: 20 new subtasks read the five union
+    elements 20 times over and all 200 offsets. Now it reads each of the five union
+    elements' ranges once and no offsets."""
+    ref = open_checkpoint(big.path, big.storage.storage_options)
+    reads: list[tuple[str, int, int]] = []
+    read_range = ref.fs.read_range
+
+    def counted(path: str, start: int, length: int) -> bytes:
+        reads.append((path, start, length))
+        return read_range(path, start, length)
+
+    ref.fs.read_range = counted  # type: ignore[method-assign]
+    plans = plan_checkpoint(ref, 20)
+    config = [{"value": _element(i)} for i in range(UNION_SUBTASKS)]
+    assert all(sub["operator_state"]["config"]["values"] == config for sub in plans[OPERATOR])
+    assert len(reads) == len(set(reads)) == UNION_SUBTASKS
+    assert all(length == ELEMENT_BYTES for _, _, length in reads)
