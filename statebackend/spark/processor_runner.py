@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from operator import ne
-from typing import Any
+from operator import eq, ne
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -221,13 +221,37 @@ def _read_ahead_of(backend: KeyedStateBackend, key_columns: tuple[str, ...]) -> 
     return read_ahead
 
 
+class _Block(NamedTuple):
+    """Keys of one record batch that each have exactly one run of rows, an input run, in
+    that batch, and no rows elsewhere: the common case, run without a step per key of
+    ``_keys`` (``run_keyed_subtask``)."""
+
+    batch: pa.RecordBatch
+    keys: list[tuple[Any, ...]]
+    records: list[CurrentKey | None]
+    starts: list[int]
+    stops: list[int]
+
+
+KeyRuns = tuple[tuple[Any, ...], CurrentKey | None, list[Run], list[Run]]
+"""A key, its current-key record or None, its initial-state runs and its input runs."""
+
+
 def _keys(
-    batches: Iterable[pa.RecordBatch], key_columns: tuple[str, ...], read_ahead: ReadAhead
-) -> Iterator[tuple[tuple[Any, ...], CurrentKey | None, list[Run], list[Run]]]:
+    batches: Iterable[pa.RecordBatch],
+    key_columns: tuple[str, ...],
+    read_ahead: ReadAhead,
+    blocks: bool = False,
+) -> Iterator[KeyRuns | _Block]:
     """(key, its current-key record or None, its initial-state runs, its input runs) for
     each key with such rows, in order; a key's rows may span record batches, control rows
     are left out. The keys of each batch's initial-state and input runs go to
     ``read_ahead`` before its first key, which gives their records (or None).
+
+    With ``blocks``, the keys of a record batch that have one input run there and no
+    other rows (all but a batch's first and last input runs, when no control or
+    initial-state run follows them in the batch) come as one ``_Block`` instead, in
+    their place in the order.
 
     Runs (rows of one key and kind) are found by Arrow; only their first rows' keys
     become Python tuples. A key's record is the one read ahead for that very key object
@@ -248,18 +272,44 @@ def _keys(
         records = _run_records(firsts, keys, kinds, read_ahead)
         stops = starts[1:]
         stops.append(size)
-        runs = zip(keys, records, kinds, starts, stops, strict=True)
-        for run_key, run_record, kind, start, stop in runs:
+        count = len(keys)
+        # Runs [first, count - 1) form a block: input runs whose keys differ (by Python
+        # equality, as below) from the keys of the runs before and after them.
+        first = _first_of_inputs(firsts, kinds) + 1 if blocks else count
+        if first < count - 1 and not any(map(eq, keys[first:], keys[first - 1 : -1])):
+            general = range(first)
+        else:
+            general = range(count)
+        for at in general:
+            run_key, kind = keys[at], kinds[at]
             if run_key != key:
                 if initial or inputs:
                     yield key, record, initial, inputs
-                key, record, initial, inputs = run_key, run_record, [], []
+                key, record, initial, inputs = run_key, records[at], [], []
             if kind == INPUT:
-                inputs.append((batch, start, stop))
+                inputs.append((batch, starts[at], stops[at]))
             elif kind == INITIAL:
-                initial.append((batch, start, stop))
+                initial.append((batch, starts[at], stops[at]))
+        if len(general) < count:
+            if initial or inputs:  # the key of run first - 1 (an input run) ends there
+                yield key, record, initial, inputs
+            last = count - 1
+            yield _Block(
+                batch, keys[first:last], records[first:last], starts[first:last], stops[first:last]
+            )
+            key, record, initial = keys[last], records[last], []
+            inputs = [(batch, starts[last], stops[last])]
     if initial or inputs:
         yield key, record, initial, inputs
+
+
+def _first_of_inputs(firsts: pa.RecordBatch, kinds: list[int]) -> int:
+    """The first run (``firsts``: each run's first row) of the input runs that end a
+    batch: the run after its last control or initial-state run."""
+    if kinds.count(INPUT) == len(kinds):
+        return 0
+    other = pc.not_equal(firsts.column(KIND_COLUMN), INPUT).to_numpy(zero_copy_only=False)
+    return int(np.flatnonzero(other)[-1]) + 1
 
 
 _NAN = float("nan")
@@ -542,7 +592,7 @@ class _Inputs:
         piece = batch.slice(start, stop - start).select(names)
         return pa.Table.from_batches([piece]).rename_columns(as_names)
 
-    def _batch_rows(self, batch: pa.RecordBatch) -> list[Row]:
+    def batch_rows(self, batch: pa.RecordBatch) -> list[Row]:
         """Every row of ``batch`` as a Row of the input columns (the last batch's kept)."""
         if batch is not self._rows_of:
             columns = [batch.column(name).to_pylist() for name in self._input_names]
@@ -564,13 +614,13 @@ class _Inputs:
         rows (pandas mode)."""
         if self._spec.use_pandas:
             return self._frames(runs, self._input_names, self._input_names)
-        if len(runs) == 1:  # the common case, once per key: no _batch_rows frame
+        if len(runs) == 1:  # the common case, once per key: no batch_rows frame
             batch, start, stop = runs[0]
             if batch is self._rows_of:
                 return iter(self._rows[start:stop])
-            return iter(self._batch_rows(batch)[start:stop])
+            return iter(self.batch_rows(batch)[start:stop])
         return chain.from_iterable(
-            self._batch_rows(batch)[start:stop] for batch, start, stop in runs
+            self.batch_rows(batch)[start:stop] for batch, start, stop in runs
         )
 
     def initial_states(self, runs: list[Run]) -> Iterator[Any]:
@@ -665,8 +715,21 @@ def run_keyed_subtask(
             input_rows, ready = inputs.input_rows, output.ready
             read_ahead = _read_ahead_of(backend, spec.key_columns)
             shown_key = _shown_key(spec)
-            runs = _keys(batches, spec.key_columns, read_ahead)
-            for key, record, initial, input_runs in runs:
+            batch_rows = inputs.batch_rows
+            runs = _keys(batches, spec.key_columns, read_ahead, blocks=not spec.use_pandas)
+            for item in runs:
+                if isinstance(item, _Block):  # keys with one input run each (Row mode)
+                    rows = batch_rows(item.batch)
+                    counts.keys += len(item.keys)
+                    counts.method = "handleInputRows"
+                    block = zip(item.keys, item.records, item.starts, item.stops, strict=True)
+                    for key, record, start, stop in block:
+                        set_current_key(key, record)
+                        emit(handle_input_rows(key, iter(rows[start:stop]), timer_values) or ())
+                        if ready:
+                            yield from output.take_ready()
+                    continue
+                key, record, initial, input_runs = item
                 counts.keys += 1
                 set_current_key(key, record)
                 shown = shown_key(key)

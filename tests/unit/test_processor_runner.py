@@ -792,3 +792,48 @@ def test_pandas_mode_input_holds_nested_values_as_spark_hands_them() -> None:
     assert all(type(v) is int for a in frame["a"] for v in a if v is not None)
     assert frame["s"].tolist()[0] == {"i": 2} and type(frame["s"].tolist()[0]["i"]) is int
     assert str(frame["n"].dtype) == "float64"
+
+
+class CallRecorder(StatefulProcessor):
+    """Keeps every call it gets: (method, key, its rows as tuples)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.calls: list[tuple[str, Any, list[tuple[Any, ...]]]] = []
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        self.calls.append(("input", key, [tuple(row) for row in rows]))
+        return iter(())
+
+    def handleInitialState(self, key: Any, initialState: Any, timerValues: TimerValues) -> None:
+        self.calls.append(("initial", key, [tuple(initialState)]))
+
+
+@pytest.mark.parametrize("batch_rows", [1, 2, 3, 5, 8, 13, 1000])
+def test_each_key_gets_its_initial_rows_then_one_call_with_all_its_input_rows(
+    backend: KeyedStateBackend, batch_rows: int
+) -> None:
+    """Keys in runs of one or more rows, within and across record batches, with and
+    without initial-state rows: per key in (key group, key) order one
+    ``handleInitialState`` per initial row, then one ``handleInputRows`` with every
+    input row in arrival order, as a plain-Python grouping of the rows gives them."""
+    rng = random.Random(batch_rows)
+    users = [f"u{i}" for i in range(30)]
+    rows = [(rng.choice(users), amount) for amount in range(120)]
+    initial = [(rng.choice(users[:8]), 1000 + start) for start in range(6)]
+    processor = CallRecorder()
+    spec = _spec(processor, initial_columns=("user", "start"))
+    batches = _batches(rows, initial, batch_rows=batch_rows)
+    assert list(run_keyed_subtask(spec, backend, BatchTimes(0), batches))[0].num_rows == 0
+    serializer = RowTupleSerializer(KEY_SCHEMA.json())
+    expected = []
+    for user in sorted(
+        {user for user, _ in rows + initial},
+        key=lambda u: (assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM), u),
+    ):
+        expected += [("initial", (user,), [(u, s)]) for u, s in initial if u == user]
+        amounts = [(u, a) for u, a in rows if u == user]
+        if amounts:
+            expected.append(("input", (user,), amounts))
+    assert processor.calls == expected
