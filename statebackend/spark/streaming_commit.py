@@ -211,7 +211,12 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
     theirs = _read_json(spark_fs, spark_path)
     job_side = _read_json(storage.fs, storage.layout.spark_binding_path)
-    if theirs is not None and {k: theirs.get(k) for k in ours} != ours:
+    if theirs is not None and (
+        theirs.get("job_id") != storage.job_id
+        or not isinstance(theirs.get("checkpoint_dir"), str)
+        # A local directory is the same as a path or a file: URL (one spelling, as Spark's).
+        or spark_location(theirs["checkpoint_dir"]) != spark_location(ours["checkpoint_dir"])
+    ):
         raise ConfigurationError(
             f"checkpointLocation {location} belongs to state job {theirs.get('job_id')!r} in "
             f"{theirs.get('checkpoint_dir')}, not to job {storage.job_id!r} in "

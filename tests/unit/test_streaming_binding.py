@@ -59,3 +59,19 @@ def test_an_unbound_job_with_batches_is_not_bound_to_a_new_location(tmp_path: Pa
         bind(storage, location, {})
     assert not (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
     assert not storage.fs.exists(storage.layout.spark_binding_path)
+
+
+def test_the_job_is_found_bound_under_every_spelling_of_its_checkpoint_dir(
+    tmp_path: Path,
+) -> None:
+    """``spark.statebackend.checkpoint.dir`` may be a local path or a ``file://`` URL; a
+    restart that spells the same directory the other way (or with ``//`` or a trailing
+    ``/``) is the same job bound to the same checkpointLocation, not refused as
+    another job. A job in another directory still is."""
+    state = tmp_path / "state"
+    location = str(tmp_path / "spark")
+    binding = bind(CheckpointStorage(str(state), "job"), location, {})
+    for spelling in (state.as_uri(), f"{tmp_path}//state/", "file://" + f"{tmp_path}/state/"):
+        assert bind(CheckpointStorage(spelling, "job"), location, {}) == binding, spelling
+    with pytest.raises(ConfigurationError, match="belongs to state job 'job' in"):
+        bind(CheckpointStorage((tmp_path / "other").as_uri(), "job"), location, {})
