@@ -146,7 +146,11 @@ def check_same_query(manifest: BatchManifest, query: dict[str, Any], job_id: str
         committed = {}
     restart = "or start a new job_id with a new checkpointLocation"
     started = committed.get(RESTORED_FROM)
-    if query.get(RESTORED_FROM) not in (None, started):
+    requested = query.get(RESTORED_FROM)
+    # One directory is one location however it is spelled (a path or a file: URL).
+    if requested is not None and (
+        not isinstance(started, str) or spark_location(requested) != spark_location(started)
+    ):
         raise ConfigurationError(
             f"state job {job_id!r} has committed batches up to {manifest.batch_id}, started "
             f"from {started or 'empty state'}: restore_from={query[RESTORED_FROM]} applies "
