@@ -132,10 +132,11 @@ def _base_state(base: dict[str, Any]) -> str:
 
 
 def _base_name(base: dict[str, Any]) -> str:
-    """A manifest's base as ``inspect`` names it."""
+    """A manifest's base as ``inspect`` names it: its directory (a ``chk-N``, or the
+    savepoint a job restored), as ``list`` does."""
     if base["batch_id"] < 0:
         return "the savepoint the job started from (restore_from)"
-    return f"chk-{base['checkpoint_id']} (state of batch {base['batch_id']})"
+    return f"{posixpath.basename(base['path'])} (state of batch {base['batch_id']})"
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -120,6 +120,30 @@ def test_list_names_a_savepoint_base_by_its_directory(
     assert [c["materializes"] for c in listed["checkpoints"]] == [None]
 
 
+def test_inspect_names_a_savepoint_base_by_its_directory(
+    capsys: pytest.CaptureFixture[str], job: ChangelogJob, tmp_path: Path
+) -> None:
+    """A job restored from a savepoint builds its manifests on it: ``inspect`` of such a
+    manifest names the savepoint's directory, as ``list`` does, not a ``chk-N`` of the
+    job (the savepoint's checkpoint id), which does not exist."""
+    savepoint = join(tmp_path.as_uri(), "backup", "savepoint-rescale-x")
+    status, _, err = cli(
+        capsys, job.storage, "savepoint", "create", "--from", f"{job.job_dir}/chk-1",
+        "--to", savepoint,
+    )  # fmt: skip
+    assert status == 0, err
+    manifest = job.changelog.load_manifest(5)
+    assert manifest.base is not None and manifest.base.checkpoint_id == 1
+    base = dataclasses.replace(manifest.base, path=savepoint)
+    path = job.changelog.layout.manifest_path(5)
+    job.checkpoints.fs.write_atomic(path, dataclasses.replace(manifest, base=base).to_bytes())
+    status, out, err = cli(capsys, job.storage, "inspect", f"{job.job_dir}/manifests/5")
+    assert status == 0, err
+    [line] = [line for line in out.splitlines() if line.startswith("  base: ")]
+    assert line.startswith("  base: savepoint-rescale-x (state of batch 2), "), line
+    assert line.endswith(savepoint) and "chk-1" not in line
+
+
 @pytest.mark.parametrize("batch_id", [3, 5])
 def test_read_a_manifest_matches_the_model(
     capsys: pytest.CaptureFixture[str], job: ChangelogJob, batch_id: int
