@@ -118,11 +118,14 @@ class ProcessorSpec:
 
 class KeyedFunctionProcessor(StatefulProcessor):
     """Runs our ``KeyedFunction`` as a StatefulProcessor: ``open`` in ``init`` (on
-    executors), ``process(key, rows, ctx)`` per key with the key (a tuple of the key
-    columns) and its Rows as a list. ``ctx.subtask`` and ``ctx.batch_id`` are -1 here."""
+    executors), ``process(key, rows, ctx)`` per key with its Rows as a list and the key as
+    ``StatefulJob`` gives it: with ``single_key`` (``key_by`` named one column) the key
+    column's value, else the tuple of the key columns. ``ctx.subtask`` and
+    ``ctx.batch_id`` are -1 here."""
 
-    def __init__(self, function: KeyedFunction) -> None:
+    def __init__(self, function: KeyedFunction, single_key: bool = False) -> None:
         self.function = function
+        self.single_key = single_key
         self._ctx: KeyedContext | None = None
 
     def init(self, handle: Any) -> None:
@@ -135,7 +138,7 @@ class KeyedFunctionProcessor(StatefulProcessor):
     def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
         """All rows of ``key`` in this batch, through ``process``."""
         assert self._ctx is not None
-        yield from self.function.process(key, list(rows), self._ctx)
+        yield from self.function.process(key[0] if self.single_key else key, list(rows), self._ctx)
 
 
 KEYED_FUNCTION_METHODS = {"init": "open", "handleInputRows": "process"}

@@ -692,7 +692,8 @@ def transform_with_state(
             raise ConfigurationError(
                 "a KeyedFunction takes Rows: use use_pandas=False or a StatefulProcessor"
             )
-        processor = KeyedFunctionProcessor(processor)
+        # Its key as StatefulJob gives it: key_by="user" is the user, not ("user",).
+        processor = KeyedFunctionProcessor(processor, single_key=isinstance(key_by, str))
     if not isinstance(processor, StatefulProcessor):
         raise ConfigurationError(
             f"processor {processor!r} is a {type(processor).__name__}: give an instance of a "

@@ -26,7 +26,9 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 from statebackend.errors import ConfigurationError, IncompatibleStateError, ProcessorFailedError
+from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_path import KeyedBatches
+from statebackend.spark.example import CATEGORIES, UserTotals
 from statebackend.spark.processor_runner import SUBTASK_COLUMN
 from statebackend.spark.query_stop import stop_interruption
 from statebackend.spark.streaming import transform_with_state
@@ -646,3 +648,32 @@ def test_a_batch_interrupted_by_stop_reads_as_a_stop_to_spark(spark: SparkSessio
     assert len(sent) < 1000
     proxy_error = jvm.org.apache.spark.sql.execution.streaming.runtime.StreamExecution.PROXY_ERROR()
     assert proxy_error.findFirstIn(sent).isDefined()
+
+
+class KeysSeen(KeyedFunction):
+    """A KeyedFunction that outputs the key it was given, as its repr."""
+
+    def process(self, key: Any, values: list[Any], ctx: KeyedContext) -> Iterator[Any]:
+        yield {"key": repr(key), "rows": len(values)}
+
+
+def test_a_keyed_function_gets_its_key_as_stateful_job_gives_it(spark: SparkSession) -> None:
+    """The package's example KeyedFunction (``UserTotals``, written for StatefulJob) runs
+    unchanged: with ``key_by`` one column name its ``process`` gets the column's value, as
+    in StatefulJob (it got the tuple ``("u1",)`` and failed the ``user string`` column);
+    with a list of names it gets the tuple."""
+    events = [(f"u{n % 7}", n, CATEGORIES[n % len(CATEGORIES)]) for n in range(60)]
+    df = spark.createDataFrame(events, "user string, amount long, category string")
+    stateful = transform_with_state(
+        df, "user", UserTotals(), "user string, count long, total long", "example-function"
+    )
+    expected: dict[str, tuple[int, int]] = {}
+    for user, amount, _ in events:
+        count, total = expected.get(user, (0, 0))
+        expected[user] = (count + 1, total + amount)
+    found = {row.user: (row["count"], row.total) for row in stateful.toDF().collect()}
+    assert found == expected
+    by_list = transform_with_state(df, ["user"], KeysSeen(), "key string, rows long", "keys-list")
+    assert {row.key: row.rows for row in by_list.toDF().collect()} == {
+        repr((user,)): count for user, (count, _) in expected.items()
+    }
