@@ -17,6 +17,7 @@ Pickled keys and values are unpickled only with ``allow_pickle=True`` (otherwise
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from itertools import groupby
 from typing import Any
@@ -36,7 +37,7 @@ from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, open_filesystem
 from statebackend.checkpoint.signing import SigningKey, verified_reads
-from statebackend.errors import CheckpointNotFoundError, StateAccessError
+from statebackend.errors import CheckpointNotFoundError, ConfigurationError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.serializers import OpaqueValue, Serializer, reading_serializer
 from statebackend.snapshot.handles import HandleFiles, KeyedHandle
@@ -148,7 +149,7 @@ def _read_range(
 
 def read_state(
     spark: SparkSession,
-    checkpoint: str,
+    checkpoint: str | os.PathLike[str],
     operator_id: str,
     state_name: str,
     storage_options: dict[str, Any] | None = None,
@@ -171,9 +172,14 @@ def read_state(
     the action that reads it (e.g. ``count()``), with Spark's PythonException around our
     CheckpointCorruptedError.
     """
+    if not isinstance(checkpoint, (str, os.PathLike)):  # e.g. the None of a run without one
+        raise ConfigurationError(
+            f"checkpoint {checkpoint!r} is invalid: give the directory of a completed "
+            f"checkpoint or savepoint, or a batch manifest (e.g. <job dir>/latest)"
+        )
     if storage_options is None:
         storage_options = StateBackendConf.from_session(spark).storage_options
-    ref = open_state(checkpoint, storage_options, signing_key)
+    ref = open_state(os.fspath(checkpoint), storage_options, signing_key)
     if isinstance(ref, ManifestRef):
         return _read_manifest_state(spark, ref, operator_id, state_name, allow_pickle)
     directory, metadata = ref.directory, ref.metadata

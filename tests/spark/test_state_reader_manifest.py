@@ -12,7 +12,12 @@ from pyspark.sql import SparkSession
 
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.signing import SigningKey
-from statebackend.errors import CheckpointCorruptedError, StateAccessError
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    StateAccessError,
+)
 from statebackend.spark.state_reader import read_state
 from tests.conftest import Storage
 from tests.s3.changelog_jobs import changelog_job, expected_values
@@ -33,3 +38,14 @@ def test_read_state_of_a_manifest_equals_the_model(
             read_state(spark_local, manifest, OPERATOR, "nope")
         with pytest.raises(CheckpointCorruptedError, match="is not signed"):
             read_state(spark_local, manifest, OPERATOR, "count", signing_key=SigningKey(b"k" * 16))
+
+
+def test_a_location_that_is_no_path_is_one_clear_error(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """``RunSummary.last_checkpoint`` of a run that took none is None: read_state raised a
+    bare AttributeError from deep in path handling. A pathlib.Path is a location too."""
+    with pytest.raises(ConfigurationError, match=r"^checkpoint None is invalid: give the"):
+        read_state(spark_local, None, OPERATOR, "count")  # type: ignore[arg-type]
+    with pytest.raises(CheckpointNotFoundError, match="is not a completed checkpoint"):
+        read_state(spark_local, tmp_path, OPERATOR, "count")
