@@ -21,7 +21,18 @@ PROG = "statebackend"
 
 def out(line: str = "") -> None:
     """Print one line of the command's answer on stdout."""
-    print(line, file=sys.stdout)
+    print(encodable(line), file=sys.stdout)
+
+
+def encodable(text: str) -> str:
+    """``text`` with each lone surrogate (text read from storage may hold one: JSON's
+    ``\\udce9``, a message decoded with ``surrogateescape``) as its ``\\uXXXX`` escape,
+    which UTF-8 can encode; inside a JSON string the escape reads back as the same text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def size(n: int | None) -> str:
@@ -129,7 +140,7 @@ def write_file(path: str, text: str) -> None:
     temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(temporary, "x", encoding="utf-8") as f:
-            f.write(text)
+            f.write(encodable(text))
         os.replace(temporary, path)
     except BaseException as exc:
         with suppress(OSError):

@@ -4,6 +4,7 @@ job's records and a plain-Python computation of the key-group splits."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import signal
@@ -20,6 +21,7 @@ from statebackend.checkpoint.metrics import (
     BatchMetrics,
     CheckpointMetrics,
     FailureMetrics,
+    MetricsHistory,
     RestoreMetrics,
 )
 from statebackend.cli import main
@@ -208,6 +210,36 @@ def test_plan_prints_the_imbalance_of_the_parallelism_asked_for(
         assert header.endswith(f"keyed imbalance {imbalance:.2f} (max/mean)")
         source = next(line for line in out.splitlines() if line.startswith("operator source"))
         assert "imbalance" not in source
+
+
+def test_a_history_message_with_a_lone_surrogate_is_reported_escaped(
+    job: ReportJob, tmp_path: Path
+) -> None:
+    """A failure whose message holds a lone surrogate (a file name decoded with
+    ``surrogateescape``, a JVM message cut inside a UTF-16 pair): ``report`` failed with a
+    UnicodeEncodeError traceback writing the page, and ``--json`` wrote bytes that are not
+    UTF-8 (or failed the same way on a strict stdout). Both now write the character as
+    its ``\\uXXXX`` escape: the JSON reads back the message as recorded."""
+    error = "FileNotFoundError: /in/caf\udce9.json and \ud83d"
+    MetricsHistory(job.checkpoints.fs, job.job_dir, "surrogate").record(
+        FailureMetrics(BATCHES + 1, error, "none: the run failed")
+    )
+    options = [f"--storage-option={k}={v}" for k, v in job.storage.storage_options.items()]
+    output = tmp_path / "report.html"
+    for env in ({}, {"PYTHONIOENCODING": "utf-8"}):  # stdout: surrogateescape, then strict
+        done = subprocess.run(
+            [sys.executable, "-m", "statebackend", "report", job.job_dir, "--json", *options],
+            capture_output=True,
+            env={**os.environ, **env},
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+        failures = json.loads(done.stdout.decode("utf-8"))["failures"]
+        assert error in [f["error"] for f in failures]
+    status = main(["report", job.job_dir, "-o", str(output), *options])
+    assert status == 0
+    escaped = error.encode("utf-8", "backslashreplace").decode("ascii")
+    assert escaped in output.read_text(encoding="utf-8")
 
 
 def test_report_says_what_is_missing_without_a_history(
