@@ -343,9 +343,12 @@ class CheckpointStorage:
         return [n for n in self.checkpoint_ids() if self.is_completed(n)]
 
     def latest_completed(self) -> str | None:
-        """The directory of the newest completed checkpoint, or None."""
-        completed = self.completed_checkpoint_ids()
-        return self.layout.checkpoint_path(completed[-1]) if completed else None
+        """The directory of the newest completed checkpoint, or None. Looks at the
+        newest checkpoints first, down to the first completed one."""
+        for checkpoint_id in reversed(self.checkpoint_ids()):
+            if self.is_completed(checkpoint_id):
+                return self.layout.checkpoint_path(checkpoint_id)
+        return None
 
     def resolve(self, path_or_id: str | int) -> str:
         """The directory of a checkpoint given by id, by directory, or by ``_metadata``."""

@@ -1,0 +1,149 @@
+"""The requests the ``statebackend`` commands send to S3 (moto's server) for a job with
+many checkpoints, batch manifests and changelog records: each command asks for what it
+needs, not once per checkpoint or file more than that. Requests are counted by S3
+operation and key around s3fs's calls to the real server."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import s3fs.core
+from fsspec.asyn import sync_wrapper
+
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.operator import OperatorStateBackend
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.cli import main
+from statebackend.keygroups import (
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
+)
+from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.state.descriptors import ValueStateDescriptor
+from tests.conftest import S3Endpoint, Storage
+
+pytestmark = pytest.mark.s3
+
+OPERATOR = "counts"
+M = 32
+P = 2
+BATCHES = 24
+EVERY = 2
+"""A checkpoint (and materialization) after every second batch."""
+VALUE = ValueStateDescriptor("total", IntSerializer())
+
+
+@dataclass
+class Job:
+    storage: Storage
+    job_dir: str
+    checkpoints: list[str] = field(default_factory=list)
+    """The completed checkpoints' directories, oldest first."""
+    totals: dict[str, int] = field(default_factory=dict)
+    """The model: each key's total."""
+
+
+@pytest.fixture(scope="module")
+def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
+    """``BATCHES`` batches of keyed operator ``counts`` (P=2) with operator ``source``'s
+    offsets: each writes its changelog records and commits its manifest (all retained),
+    and every ``EVERY`` batches a checkpoint completes and becomes the manifests' base."""
+    storage = s3_endpoint.new_storage()
+    checkpoints = CheckpointStorage(storage.url, "job", storage_options=storage.storage_options)
+    made = Job(storage, checkpoints.layout.job_dir)
+    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=M, retained=1000)
+    changelog = ChangelogStorage(checkpoints, retained=1000)
+    backends = [
+        HeapKeyedStateBackend(
+            max_parallelism=M, key_group_range=compute_key_group_range_for_operator_index(M, P, i)
+        )
+        for i in range(P)
+    ]
+    for backend in backends:
+        backend.enable_changelog()
+    sources = [OperatorStateBackend() for _ in range(P)]
+    for batch in range(BATCHES):
+        for n in range(5):
+            key = f"user-{(batch * 5 + n) % 17}"
+            group = assign_to_key_group(StrSerializer().serialize(key), M)
+            backend = backends[compute_operator_index_for_key_group(M, P, group)]
+            backend.set_current_key(key)
+            state: Any = backend.get_state(VALUE)
+            state.update((state.value() or 0) + 1)
+            made.totals[key] = made.totals.get(key, 0) + 1
+        for i, source in enumerate(sources):
+            source.get_list_state("offsets", IntSerializer()).update([batch * 10 + i])
+        handles = [
+            changelog.write_record(batch, OPERATOR, i, f"a{batch}", b.drain_changelog())
+            for i, b in enumerate(backends)
+        ]
+        changelog.commit(batch, {OPERATOR: handles}, max_parallelism=M)
+        if batch % EVERY == EVERY - 1:
+            checkpoint_id = coordinator.trigger({OPERATOR: P, "source": P})
+            for i, backend in enumerate(backends):
+                keyed = backend.snapshot(
+                    checkpoint_id, checkpoints.snapshot_target(checkpoint_id, OPERATOR, i)
+                ).result()
+                ack = SubtaskAck(OPERATOR, i, P, keyed, None, coordinator.run_id)
+                checkpoints.write_ack(checkpoint_id, ack)
+            for i, source in enumerate(sources):
+                target = checkpoints.snapshot_target(checkpoint_id, "source", i)
+                handle = target.write_operator_snapshot(checkpoint_id, source.sync_cut()).result()
+                ack = SubtaskAck("source", i, P, None, handle, coordinator.run_id)
+                checkpoints.write_ack(checkpoint_id, ack)
+            path = coordinator.poll(checkpoint_id)
+            assert path is not None
+            changelog.materialized(checkpoint_id, batch)
+            made.checkpoints.append(path)
+    yield made
+    checkpoints.close()
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str]]:
+    """The S3 requests sent from now on: (operation, key) -> how many."""
+    sent: Counter[tuple[str, str]] = Counter()
+    call = s3fs.core.S3FileSystem._call_s3
+
+    async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        sent[method, str(kwargs.get("Key", kwargs.get("Prefix", "")))] += 1
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counted)
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "call_s3", sync_wrapper(counted))
+    return sent
+
+
+def cli(capsys: pytest.CaptureFixture[str], storage: Storage, *argv: str) -> str:
+    capsys.readouterr()
+    options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
+    status = main([*argv, *options])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    return out
+
+
+def of(requests: Counter[tuple[str, str]], operation: str) -> Counter[str]:
+    """The keys of ``operation``'s requests, with how many each."""
+    return Counter({key: n for (op, key), n in requests.items() if op == operation})
+
+
+def test_latest_looks_only_at_the_newest_checkpoint(
+    capsys: pytest.CaptureFixture[str], job: Job, requests: Counter[tuple[str, str]]
+) -> None:
+    """``<job>/latest`` looked for ``_metadata`` in every one of the job's checkpoints
+    (a HEAD each: 200 for 200 checkpoints) to take the newest; it now looks at the
+    newest first and stops there. Latest is manifest ``BATCHES - 1``, committed before
+    the newest checkpoint became the base: its base is the checkpoint before."""
+    out = cli(capsys, job.storage, "inspect", f"{job.job_dir}/latest")
+    assert out.startswith(f"manifest of batch {BATCHES - 1} ")
+    looked_at = {key.rsplit("/", 2)[-2] for key in of(requests, "head_object") if "/chk-" in key}
+    assert looked_at == {path.rsplit("/", 1)[1] for path in job.checkpoints[-2:]}
