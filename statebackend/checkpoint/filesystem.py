@@ -85,6 +85,14 @@ _CLIENT_RETRIES_OFF: dict[str, dict[str, Any]] = {
     "s3a": {"config_kwargs": {"retries": {"total_max_attempts": 1}}},
 }
 
+# Keywords of a whole-file read, per protocol: s3fs first asks a file's size (a HEAD) to
+# fetch a large one in concurrent ranges; the files read whole (``_metadata``, manifests,
+# acknowledgements) are small, and one GET reads them.
+_WHOLE_READ_OPTIONS: dict[str, dict[str, Any]] = {
+    "s3": {"max_concurrency": 1},
+    "s3a": {"max_concurrency": 1},
+}
+
 # Storage options that are text (credentials, an endpoint): given as text
 # (--storage-option, spark.statebackend.storage.*), digits stay text.
 _TEXT_OPTIONS = ("key", "secret", "token", "endpoint_url", "username", "password", "profile")
@@ -410,6 +418,9 @@ class CheckpointFileSystem:
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self._atomic_rename = bool(protocols & _ATOMIC_RENAME_PROTOCOLS)
         self._local = bool(protocols & _LOCAL_PROTOCOLS)
+        self._whole_read = next(
+            (_WHOLE_READ_OPTIONS[p] for p in sorted(protocols) if p in _WHOLE_READ_OPTIONS), {}
+        )
         self._no_endpoint = bool(protocols & _ENDPOINT_PROTOCOLS) and not _endpoint_given(
             fs.storage_options
         )
@@ -583,7 +594,9 @@ class CheckpointFileSystem:
 
     def read_file(self, path: str) -> bytes:
         """The whole content of the file at ``path``."""
-        data = self._retrying("read", path, lambda: bytes(self._fs.cat_file(path)))
+        data = self._retrying(
+            "read", path, lambda: bytes(self._fs.cat_file(path, **self._whole_read))
+        )
         self._count_read(len(data))
         return data
 

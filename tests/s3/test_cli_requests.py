@@ -147,3 +147,23 @@ def test_latest_looks_only_at_the_newest_checkpoint(
     assert out.startswith(f"manifest of batch {BATCHES - 1} ")
     looked_at = {key.rsplit("/", 2)[-2] for key in of(requests, "head_object") if "/chk-" in key}
     assert looked_at == {path.rsplit("/", 1)[1] for path in job.checkpoints[-2:]}
+
+
+def test_list_reads_each_file_with_one_get(
+    capsys: pytest.CaptureFixture[str], job: Job, requests: Counter[tuple[str, str]]
+) -> None:
+    """A whole-file read on S3 asked the file's size first (s3fs's concurrent download
+    of large files): ``list`` sent a HEAD for each ``_metadata`` besides its existence
+    check, and one for each manifest unless a listing had cached its size. Each file is
+    now read with one GET."""
+    out = cli(capsys, job.storage, "list", job.job_dir)
+    assert sum(line.startswith("  manifests/") for line in out.splitlines()) == BATCHES
+    prefix = job.job_dir.split("://", 1)[1].split("/", 1)[1] + "/manifests/"
+    manifests = {f"{prefix}{batch}" for batch in range(BATCHES)}
+    assert of(requests, "get_object") & Counter(manifests) == Counter(manifests)
+    assert not set(of(requests, "head_object")) & manifests
+    heads = of(requests, "head_object")
+    metadata = Counter({key: n for key, n in heads.items() if key.endswith("/_metadata")})
+    assert metadata == Counter(
+        f"{path.split('://', 1)[1].split('/', 1)[1]}/_metadata" for path in job.checkpoints
+    )  # one existence check each, no size
