@@ -47,7 +47,13 @@ from statebackend.checkpoint.layout import batch_ids, join, metadata_path
 from statebackend.checkpoint.manifest import BatchManifest, ManifestBase, next_manifest
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import checksum
-from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    ConfigurationError,
+    IncompatibleStateError,
+    StateBackendError,
+)
 from statebackend.snapshot.changelog_format import (
     ChangelogHandle,
     encode_changes,
@@ -323,8 +329,32 @@ class ChangelogStorage:
         cached = self._manifests.get(batch_id)
         if cached is not None:
             return cached
+        data = self.fs.read_file(self.layout.manifest_path(batch_id))
+        return self._parse_manifest(batch_id, data)
+
+    def load_manifests(self, ids: Sequence[int]) -> list[BatchManifest | StateBackendError]:
+        """Manifests ``ids``, read with several requests in flight, each as
+        ``load_manifest`` gives it or the error it raises (a CheckpointError, an
+        IncompatibleStateError), in order."""
+        paths = {b: self.layout.manifest_path(b) for b in ids if b not in self._manifests}
+        read = dict(zip(paths, self.fs.read_files(list(paths.values())), strict=True))
+        loaded: list[BatchManifest | StateBackendError] = []
+        for batch_id in ids:
+            data = read.get(batch_id)
+            try:
+                if isinstance(data, CheckpointError):
+                    raise data
+                loaded.append(
+                    self.load_manifest(batch_id)
+                    if data is None
+                    else self._parse_manifest(batch_id, data)
+                )
+            except (CheckpointError, IncompatibleStateError) as exc:
+                loaded.append(exc)
+        return loaded
+
+    def _parse_manifest(self, batch_id: int, data: bytes) -> BatchManifest:
         path = self.layout.manifest_path(batch_id)
-        data = self.fs.read_file(path)
         manifest = BatchManifest.from_bytes(data, path, self.storage.signing_key)
         if manifest.job_id != self.storage.job_id or manifest.batch_id != batch_id:
             raise CheckpointCorruptedError(

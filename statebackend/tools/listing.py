@@ -18,11 +18,16 @@ from statebackend.checkpoint.layout import (
     SAVEPOINTS_DIR,
     checkpoint_ids,
     join,
+    metadata_path,
 )
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import CheckpointError, CheckpointNotFoundError, IncompatibleStateError
+from statebackend.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.keyed_format import FullKeyedStateHandle
 from statebackend.state.timers import is_timer_state
@@ -152,20 +157,42 @@ def summarize(fs: CheckpointFileSystem, path: str, checkpoint_id: int | None) ->
         return CheckpointSummary(path, f"unreadable: {exc}", checkpoint_id)
 
 
+def _summaries(
+    fs: CheckpointFileSystem, directories: list[tuple[str, int | None]]
+) -> tuple[CheckpointSummary, ...]:
+    """``summarize`` of each (directory, checkpoint id), their ``_metadata`` read with
+    several requests in flight."""
+    summaries = []
+    paths = [metadata_path(directory) for directory, _ in directories]
+    for (directory, checkpoint_id), path, data in zip(
+        directories, paths, fs.read_files(paths), strict=True
+    ):
+        if isinstance(data, CheckpointCorruptedError):  # missing: what read_file raises
+            summaries.append(CheckpointSummary(directory, PENDING, checkpoint_id))
+            continue
+        try:
+            if isinstance(data, CheckpointError):
+                raise CheckpointError(f"cannot read {path}: {data}")  # as load_metadata says
+            metadata = CheckpointMetadata.from_bytes(data, path)
+        except CheckpointError as exc:
+            summaries.append(CheckpointSummary(directory, f"unreadable: {exc}", checkpoint_id))
+            continue
+        summaries.append(CheckpointSummary(directory, COMPLETED, checkpoint_id, metadata))
+    return tuple(summaries)
+
+
 def summarize_manifests(fs: CheckpointFileSystem, job_dir: str) -> tuple[ManifestSummary, ...]:
     """The batch manifests of the job in ``job_dir``, ascending; an unreadable one with
     its error as its status."""
     changelog = job_changelog(fs, job_dir)
-    summaries = []
-    for batch_id in changelog.manifest_ids():
-        path = changelog.layout.manifest_path(batch_id)
-        try:
-            summaries.append(
-                ManifestSummary(path, batch_id, COMMITTED, changelog.load_manifest(batch_id))
-            )
-        except (CheckpointError, IncompatibleStateError) as exc:
-            summaries.append(ManifestSummary(path, batch_id, f"unreadable: {exc}"))
-    return tuple(summaries)
+    ids = changelog.manifest_ids()
+    return tuple(
+        ManifestSummary(path, batch_id, COMMITTED, loaded)
+        if isinstance(loaded, BatchManifest)
+        else ManifestSummary(path, batch_id, f"unreadable: {loaded}")
+        for batch_id, loaded in zip(ids, changelog.load_manifests(ids), strict=True)
+        for path in [changelog.layout.manifest_path(batch_id)]
+    )
 
 
 def list_job(fs: CheckpointFileSystem, job_dir: str) -> JobSummary:
@@ -179,15 +206,16 @@ def list_job(fs: CheckpointFileSystem, job_dir: str) -> JobSummary:
         and m.manifest.base is not None
         and m.manifest.base.path == f"../chk-{m.manifest.base.checkpoint_id}"
     }
+    ids = checkpoint_ids(fs.list_dir(job_dir))
     checkpoints = tuple(
-        dataclasses.replace(
-            summarize(fs, join(job_dir, f"chk-{n}"), n), materializes=materialized.get(n)
+        dataclasses.replace(summary, materializes=materialized.get(n))
+        for n, summary in zip(
+            ids, _summaries(fs, [(join(job_dir, f"chk-{n}"), n) for n in ids]), strict=True
         )
-        for n in checkpoint_ids(fs.list_dir(job_dir))
     )
     savepoints_dir = join(job_dir, SAVEPOINTS_DIR)
-    savepoints = tuple(
-        summarize(fs, join(savepoints_dir, name), None) for name in fs.list_dir(savepoints_dir)
+    savepoints = _summaries(
+        fs, [(join(savepoints_dir, name), None) for name in fs.list_dir(savepoints_dir)]
     )
     return JobSummary(job_dir, checkpoints, savepoints, manifests)
 
