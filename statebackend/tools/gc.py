@@ -70,10 +70,10 @@ from statebackend.checkpoint.layout import (
     join,
     metadata_path,
 )
+from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.errors import (
-    CheckpointCorruptedError,
     CheckpointError,
     ConfigurationError,
     StateBackendError,
@@ -108,20 +108,40 @@ class _JobView:
     in_use: set[str]
     shared_before: float | None
     """Shared files modified at or after this may belong to a pending checkpoint."""
+    listing: _Listing
+    """The job's files, listed once."""
     newest_manifest: int | None = None
     """Changelog records of batches up to this one may be garbage (None: none are)."""
+
+
+class _Listing:
+    """The files below a job's directory (paths as ``join`` builds them) with their sizes
+    and modification times, from one listing; and the names in each directory."""
+
+    def __init__(self, fs: CheckpointFileSystem, job_dir: str) -> None:
+        self.files = {join(job_dir, path): info for path, info in fs.list_files(job_dir).items()}
+        self._names: dict[str, set[str]] = {}
+        for path in self.files:
+            parent, name = posixpath.split(path)
+            while len(parent) >= len(job_dir):
+                self._names.setdefault(parent, set()).add(name)
+                parent, name = posixpath.split(parent)
+
+    def names(self, directory: str) -> list[str]:
+        """The sorted names of the files and directories in ``directory``."""
+        return sorted(self._names.get(directory, ()))
 
 
 def _references(directory: str, files: list[StoredFile]) -> set[str]:
     return {resolve_path(directory, file.path) for file in files}
 
 
-def _files(fs: CheckpointFileSystem, directory: str) -> list[str]:
+def _files(listing: _Listing, directory: str) -> list[str]:
     """The files of a checkpoint directory: its entries, and those of its ``acks/``."""
     paths = []
-    for name in fs.list_dir(directory):
+    for name in listing.names(directory):
         path = join(directory, name)
-        paths += [join(path, a) for a in fs.list_dir(path)] if name == ACKS_DIR else [path]
+        paths += [join(path, a) for a in listing.names(path)] if name == ACKS_DIR else [path]
     return paths
 
 
@@ -156,10 +176,8 @@ def _read_manifests(changelog: ChangelogStorage, in_use: set[str]) -> int | None
     manifest's batch, or None if there is none or one cannot be read (then no record is
     garbage)."""
     ids = changelog.manifest_ids()
-    for batch_id in ids:
-        try:
-            manifest = changelog.load_manifest(batch_id)
-        except (StateBackendError, ValueError):
+    for batch_id, manifest in zip(ids, changelog.load_manifests(ids), strict=True):
+        if not isinstance(manifest, BatchManifest):
             if changelog.fs.exists(changelog.layout.manifest_path(batch_id)):
                 return None  # unknown references: keep every record
             continue  # retired by the job meanwhile: newer manifests hold what it needed
@@ -172,11 +190,12 @@ def _read_manifests(changelog: ChangelogStorage, in_use: set[str]) -> int | None
 def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     parent, _, job_id = job_dir.rpartition("/")
     storage = CheckpointStorage(parent or ".", job_id, filesystem=fs)
-    view = _JobView({}, [], set(), set(), None)
+    view = _JobView({}, [], set(), set(), None, _Listing(fs, job_dir))
+    listing = view.listing
     leader = max(storage.leader_epochs(), default=0)
-    for checkpoint_id in checkpoint_ids(fs.list_dir(job_dir)):
+    for checkpoint_id in checkpoint_ids(listing.names(job_dir)):
         directory = join(job_dir, f"chk-{checkpoint_id}")
-        names = fs.list_dir(directory)
+        names = listing.names(directory)
         if METADATA_FILE not in names:
             view.incomplete.append(checkpoint_id)
             if PENDING_FILE in names and _pending_epoch(storage, checkpoint_id) >= leader:
@@ -185,10 +204,10 @@ def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
             view.completed[checkpoint_id] = metadata
             view.in_use |= _references(directory, metadata.files())
     savepoints_dir = join(job_dir, SAVEPOINTS_DIR)
-    for name in fs.list_dir(savepoints_dir):
+    for name in listing.names(savepoints_dir):
         savepoint = join(savepoints_dir, name)
         metadata = (
-            _load_completed(fs, savepoint) if METADATA_FILE in fs.list_dir(savepoint) else None
+            _load_completed(fs, savepoint) if METADATA_FILE in listing.names(savepoint) else None
         )
         if metadata is not None:
             view.in_use |= _references(savepoint, metadata.files())
@@ -205,44 +224,45 @@ def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     if view.completed and acks_readable:
         newest = max(view.completed)
         metadata = view.completed[newest]
-        completed_at = fs.modified(metadata_path(join(job_dir, f"chk-{newest}")))
+        _, completed_at = listing.files[metadata_path(join(job_dir, f"chk-{newest}"))]
         duration = max(0.0, metadata.completed_at - metadata.triggered_at)
         view.shared_before = completed_at - duration
     return view
 
 
-def _candidates(fs: CheckpointFileSystem, job_dir: str, view: _JobView) -> list[tuple[str, str]]:
+def _candidates(job_dir: str, view: _JobView) -> list[tuple[str, str]]:
     """(path, reason) of the files rules 2 to 4 of the module docstring allow deleting,
     except the time limit of shared files, which needs their modification times."""
     newest = max(view.completed, default=0)
+    listing = view.listing
     candidates: list[tuple[str, str]] = []
     for checkpoint_id in view.completed:
         directory = join(job_dir, f"chk-{checkpoint_id}")
         candidates += [
             (path, f"not referenced by chk-{checkpoint_id}/{METADATA_FILE}")
-            for path in _files(fs, directory)
+            for path in _files(listing, directory)
             if posixpath.basename(path) != METADATA_FILE
         ]
     for checkpoint_id in view.incomplete:
         if checkpoint_id < newest and checkpoint_id not in view.live:
             candidates += [
                 (path, f"chk-{checkpoint_id} never completed and chk-{newest} is newer")
-                for path in _files(fs, join(job_dir, f"chk-{checkpoint_id}"))
+                for path in _files(listing, join(job_dir, f"chk-{checkpoint_id}"))
             ]
     if view.newest_manifest is not None:
         changelog_dir = join(job_dir, CHANGELOG_DIR)
-        for batch_id in batch_ids(fs.list_dir(changelog_dir)):
+        for batch_id in batch_ids(listing.names(changelog_dir)):
             if batch_id <= view.newest_manifest:
                 directory = join(changelog_dir, str(batch_id))
                 candidates += [
                     (join(directory, name), "changelog record no batch manifest references")
-                    for name in fs.list_dir(directory)
+                    for name in listing.names(directory)
                 ]
     if view.shared_before is not None:
         shared = join(job_dir, SHARED_DIR)
         candidates += [
             (join(shared, name), "shared file no checkpoint or savepoint uses")
-            for name in fs.list_dir(shared)
+            for name in listing.names(shared)
         ]
     return [(path, why) for path, why in candidates if normalize_path(path) not in view.in_use]
 
@@ -271,15 +291,11 @@ def find_garbage(
     oldest_young = (time.time() if now is None else now) - grace_seconds
     shared_prefix = join(job_dir, SHARED_DIR) + "/"
     garbage = []
-    candidates = _candidates(fs, job_dir, view)
+    candidates = _candidates(job_dir, view)
     for done, (path, reason) in enumerate(candidates, 1):
         if checked is not None:
             checked(done, len(candidates))
-        try:
-            modified = fs.modified(path)
-            size = fs.size(path)
-        except CheckpointCorruptedError:
-            continue  # deleted meanwhile
+        size, modified = view.listing.files[path]
         too_young = modified > oldest_young
         if path.startswith(shared_prefix):
             assert view.shared_before is not None
