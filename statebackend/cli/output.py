@@ -125,7 +125,11 @@ def _bar(description: str, unit: str) -> Iterator[Callable[..., None]]:
         TextColumn("" if unit == "bytes" else unit),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    # stdout in a file or pipe stays there; on the terminal, it goes above the bar
+    redirect = sys.stdout.isatty()
+    with Progress(
+        *columns, console=Console(stderr=True), transient=True, redirect_stdout=redirect
+    ) as bar:
         task = bar.add_task(description, total=None)
         yield lambda **fields: bar.update(task, **fields)
 

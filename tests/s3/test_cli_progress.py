@@ -4,6 +4,7 @@ bar on stderr when it is a terminal (a pseudo-terminal here), its answer on stdo
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import subprocess
@@ -155,6 +156,18 @@ def test_plan_shows_progress_on_a_terminal(big: BigCheckpoint) -> None:
     status, out, shown = on_terminal(big.storage, *argv)
     assert status == 0, shown
     assert "planning" in shown and "subtasks" in shown
+    assert (status, out, "") == without_terminal(big.storage, *argv)
+
+
+def test_read_on_a_terminal_writes_its_records_to_stdout(big: BigCheckpoint) -> None:
+    """``read`` with stderr on a terminal and stdout in a file (``read ... > out.jsonl``
+    in a terminal) wrote its records onto the terminal, above the progress bar, and
+    nothing into the file. They go to stdout, as without a terminal."""
+    argv = ("read", big.path, "--operator", OPERATOR, "--state", "value", "--format", "jsonl")
+    status, out, shown = on_terminal(big.storage, *argv)
+    assert status == 0, shown
+    assert "reading" in shown and '"value"' not in shown
+    assert sorted(json.loads(line)["value"] for line in out.splitlines()) == list(range(4 * OLD_P))
     assert (status, out, "") == without_terminal(big.storage, *argv)
 
 
