@@ -73,6 +73,7 @@ from statebackend.tools.reader import (
     no_such_operator,
     parse_selection_key,
     read_bytes,
+    read_elements,
     read_state,
     read_timers,
     select_state,
@@ -419,7 +420,12 @@ def _read(args: argparse.Namespace, ref: CheckpointRef) -> int:
         return 0
     selection = select_state(ref, args.operator, args.state)
     key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
-    with progress("reading", read_bytes(ref, selection, key)) as advance:
+    bar = (
+        progress("reading", read_bytes(ref, selection, key))
+        if selection.keyed is not None
+        else progress("reading", read_elements(selection), unit="elements")
+    )
+    with bar as advance:
         records = read_state(ref, selection, key, progress=advance, allow_pickle=args.allow_pickle)
         written = write_records(records, args.format, sys.stdout)
     _note_absent_key(args, written, f"state {args.state!r}")

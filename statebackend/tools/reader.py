@@ -34,7 +34,7 @@ from statebackend.checkpoint.metadata import OperatorSnapshot
 from statebackend.checkpoint.savepoints import Progress
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
-from statebackend.redistribution import DistributionMode
+from statebackend.redistribution import DistributionMode, StateLayout, plan_operator_state
 from statebackend.serializers import (
     OpaqueValue,
     RowTupleSerializer,
@@ -266,9 +266,24 @@ def keyed_read_plan(
 
 
 def read_bytes(ref: CheckpointRef, selection: StateSelection, key: Any = NO_KEY) -> int:
-    """How many bytes ``read_state`` reads (for a progress bar)."""
+    """How many bytes ``read_state`` reads of a keyed state, or ``read_timers`` (for a
+    progress bar)."""
     plan, _ = keyed_read_plan(ref, selection, key)
     return sum(handle.bytes_for(groups) for handle, groups in plan)
+
+
+def read_elements(selection: StateSelection) -> int:
+    """How many elements ``read_state`` reads of an operator state (for a progress bar):
+    every element of a split or union state, one copy of a broadcast state."""
+    name = selection.name
+    layouts = [
+        {name: StateLayout(handle.states[name].mode, len(handle.states[name].elements))}
+        if handle is not None and name in handle.states
+        else {}
+        for handle in selection.operator.operator_handles()
+    ]
+    share = plan_operator_state(layouts, 1)[0].get(name)
+    return 0 if share is None else sum(s.end - s.begin for s in share.slices)
 
 
 def _counting_reads(
@@ -383,12 +398,16 @@ def read_state(
 ) -> Iterator[Record]:
     """The records of the selected state (see ``read_keyed_state``); for operator state
     every element (broadcast: every entry of one copy), filtered by ``key`` for broadcast
-    state. Pickled keys and values are ``OpaqueValue``s unless ``allow_pickle``."""
+    state. ``progress`` hears the bytes read of a keyed state (``read_bytes``), each
+    element of an operator state (``read_elements``). Pickled keys and values are
+    ``OpaqueValue``s unless ``allow_pickle``."""
     if selection.keyed is not None:
         yield from read_keyed_state(ref, selection, key, progress, allow_pickle=allow_pickle)
         return
     states = restored_operator_states(ref, selection.operator, 0, 1)
     for record in decode_operator_state(states[selection.name], allow_pickle):
+        if progress is not None:
+            progress(1)  # an element: see read_elements
         if key is NO_KEY or record.get("key", NO_KEY) == key:
             yield record
 

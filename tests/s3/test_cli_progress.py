@@ -171,6 +171,20 @@ def test_read_on_a_terminal_writes_its_records_to_stdout(big: BigCheckpoint) -> 
     assert (status, out, "") == without_terminal(big.storage, *argv)
 
 
+def test_read_of_an_operator_state_counts_its_elements_on_a_terminal(big: BigCheckpoint) -> None:
+    """``read --state`` of an operator state showed a bar of the operator's keyed bytes
+    (or of 0 bytes) that never moved: its total came from the keyed state. It now counts
+    the elements read: the split ``offsets`` has one per old subtask."""
+    argv = ("read", big.path, "--operator", OPERATOR, "--state", "offsets", "--format", "jsonl")
+    status, out, shown = on_terminal(big.storage, *argv)
+    assert status == 0, shown
+    assert "elements" in shown and f"{OLD_P}/{OLD_P}" in shown and "kB" not in shown
+    assert sorted(json.loads(line)["value"] for line in out.splitlines()) == sorted(
+        _element(i) for i in range(OLD_P)
+    )
+    assert (status, out, "") == without_terminal(big.storage, *argv)
+
+
 def test_plan_reads_only_the_shown_states_each_stored_range_once(big: BigCheckpoint) -> None:
     """``plan`` showed the small union state by restoring every operator state (the large
     split ``offsets`` too) for every new subtask: 20 new subtasks read the five union
