@@ -20,7 +20,7 @@ import datetime
 import decimal
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -382,11 +382,16 @@ def decode_operator_state(state: NamedStateCut, allow_pickle: bool = False) -> l
 
 
 def restored_operator_states(
-    ref: CheckpointRef, operator: OperatorSnapshot, subtask: int, parallelism: int
+    ref: CheckpointRef,
+    operator: OperatorSnapshot,
+    subtask: int,
+    parallelism: int,
+    names: Collection[str] | None = None,
 ) -> dict[str, NamedStateCut]:
-    """The operator states new subtask ``subtask`` of ``parallelism`` would restore."""
+    """The operator states new subtask ``subtask`` of ``parallelism`` would restore
+    (only ``names``, when given: the others are not read)."""
     reader = OperatorStateReader(operator.operator_handles(), ref.directory, ref.fs.read_range)
-    return dict(reader.restore_cut(subtask, parallelism).states)
+    return dict(reader.restore_cut(subtask, parallelism, names).states)
 
 
 def read_state(
@@ -404,7 +409,7 @@ def read_state(
     if selection.keyed is not None:
         yield from read_keyed_state(ref, selection, key, progress, allow_pickle=allow_pickle)
         return
-    states = restored_operator_states(ref, selection.operator, 0, 1)
+    states = restored_operator_states(ref, selection.operator, 0, 1, {selection.name})
     for record in decode_operator_state(states[selection.name], allow_pickle):
         if progress is not None:
             progress(1)  # an element: see read_elements

@@ -29,6 +29,7 @@ from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.tools.location import open_checkpoint
 from statebackend.tools.plan import plan_checkpoint
+from statebackend.tools.reader import read_state, select_state
 from tests.conftest import Storage
 
 OPERATOR = "op"
@@ -202,5 +203,24 @@ def test_plan_reads_only_the_shown_states_each_stored_range_once(big: BigCheckpo
     plans = plan_checkpoint(ref, 20)
     config = [{"value": _element(i)} for i in range(UNION_SUBTASKS)]
     assert all(sub["operator_state"]["config"]["values"] == config for sub in plans[OPERATOR])
+    assert len(reads) == len(set(reads)) == UNION_SUBTASKS
+    assert all(length == ELEMENT_BYTES for _, _, length in reads)
+
+
+def test_read_of_an_operator_state_reads_only_that_state(big: BigCheckpoint) -> None:
+    """``read --state config`` (the union state of five elements) restored every operator
+    state of the operator: all 200 ``offsets`` elements were read too, one ranged read
+    each. It now reads the five ``config`` ranges only."""
+    ref = open_checkpoint(big.path, big.storage.storage_options)
+    reads: list[tuple[str, int, int]] = []
+    read_range = ref.fs.read_range
+
+    def counted(path: str, start: int, length: int) -> bytes:
+        reads.append((path, start, length))
+        return read_range(path, start, length)
+
+    ref.fs.read_range = counted  # type: ignore[method-assign]
+    records = list(read_state(ref, select_state(ref, OPERATOR, "config")))
+    assert records == [{"value": _element(i)} for i in range(UNION_SUBTASKS)]
     assert len(reads) == len(set(reads)) == UNION_SUBTASKS
     assert all(length == ELEMENT_BYTES for _, _, length in reads)
