@@ -586,6 +586,14 @@ class CheckpointFileSystem:
         self._fs.mv(source, target)
         _fsync(os.path.dirname(self._fs._strip_protocol(target)))
 
+    def same_storage(self, other: CheckpointFileSystem) -> bool:
+        """Whether ``other`` is opened on the same storage with the same options (so that
+        ``copy`` reaches both): the same fsspec class and storage options."""
+        return other is self or (
+            type(other._fs) is type(self._fs)
+            and other._fs.storage_options == self._fs.storage_options
+        )
+
     def same_path(self, first: str, second: str) -> bool:
         """Whether ``first`` and ``second`` name the same file or directory of this file
         system, however spelled (with or without its scheme, ``//``, ``.``, a trailing

@@ -75,8 +75,11 @@ def copy_checkpoint(
                     f"copying {source_dir} to {target_dir} would overwrite its own file "
                     f"{source}: choose another directory, e.g. <job dir>/savepoints/<name>"
                 )
+    # on one storage (also opened twice, as the command does) a copy is server-side: the
+    # bytes pass through this process only between storages
+    same_storage = source_fs.same_storage(target_fs)
     for source, target, size, checksum in copies:
-        if source_fs is target_fs:
+        if same_storage:
             source_fs.copy(source, target)
         else:
             target_fs.write_file(target, _chunks(source_fs, source))

@@ -230,3 +230,23 @@ def test_gc_lists_the_job_once_and_sends_no_request_per_candidate(
     out = cli(capsys, job.storage, "gc", job.job_dir, "--grace", "0", "--apply")
     assert {line.split()[1] for line in out.splitlines()[:-1]} == garbage
     assert not any(fs.exists(path) for path in garbage)
+
+
+def test_savepoint_create_on_the_same_storage_copies_server_side(
+    capsys: pytest.CaptureFixture[str], job: Job, requests: Requests
+) -> None:
+    """``savepoint create`` of a checkpoint into the same bucket downloaded every file
+    and uploaded it again (a GET and a PUT each): it opens the target as a second file
+    system, and only the same object copied server-side. Now a COPY each; the savepoint
+    holds the checkpoint's state."""
+    source = job.checkpoints[-1]
+    target = f"{job.storage.url}/savepoint-copy"
+    prefix = source.split("://", 1)[1].split("/", 1)[1] + "/"
+    assert cli(capsys, job.storage, "savepoint", "create", "--from", source, "--to", target)
+    source_files = [key for (op, key) in requests if op == "copy_object"]
+    downloaded = [key for key in of(requests, "get_object") if key.startswith(prefix)]
+    assert downloaded == [prefix + "_metadata"]
+    assert len(source_files) == P  # the keyed files (operator state is inline)
+    out = cli(capsys, job.storage, "read", target, "--operator", OPERATOR, "--state", "total")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {row["key"]: row["value"] for row in rows} == job.totals
