@@ -748,15 +748,18 @@ class CheckpointFileSystem:
 
     def verify(self, path: str, expected_size: int, expected_checksum: str) -> None:
         """Raise CheckpointCorruptedError naming ``path`` unless the file exists with that
-        size and checksum. Reads the whole file, streaming."""
-        actual_size = self.size(path)
-        if actual_size != expected_size:
-            raise CheckpointCorruptedError(
-                f"{path}: size {actual_size} != expected {expected_size}; "
-                "the file is truncated or corrupted"
-            )
+        size and checksum. Reads the whole file, streaming; its size is the opened
+        stream's (on s3 opening asks it: no request of its own)."""
+        self._fs.invalidate_cache(path)
         running = RunningChecksum(algorithm_of(expected_checksum) or CRC32)
         with self.open_read(path) as f:
+            actual_size = f.seek(0, io.SEEK_END)
+            if actual_size != expected_size:
+                raise CheckpointCorruptedError(
+                    f"{path}: size {actual_size} != expected {expected_size}; "
+                    "the file is truncated or corrupted"
+                )
+            f.seek(0)
             while chunk := f.read(_READ_CHUNK):
                 running.update(chunk)
         _compare_checksums(running.value(), expected_checksum, path)

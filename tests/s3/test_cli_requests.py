@@ -250,3 +250,19 @@ def test_savepoint_create_on_the_same_storage_copies_server_side(
     out = cli(capsys, job.storage, "read", target, "--operator", OPERATOR, "--state", "total")
     rows = [json.loads(line) for line in out.splitlines()]
     assert {row["key"]: row["value"] for row in rows} == job.totals
+
+
+def test_verify_asks_each_files_size_once(
+    capsys: pytest.CaptureFixture[str], job: Job, requests: Requests
+) -> None:
+    """``verify`` asked each file's size (a HEAD), then opened it, which asks again (a
+    HEAD), then read it: now the opened stream's size serves, one HEAD and one GET a
+    file."""
+    source = job.checkpoints[-1]
+    out = cli(capsys, job.storage, "verify", source)
+    assert out.startswith(f"OK {source}: {P} files")
+    prefix = source.split("://", 1)[1].split("/", 1)[1] + "/"
+    heads = {k: n for k, n in of(requests, "head_object").items() if "-keyed-" in k}
+    gets = {k: n for k, n in of(requests, "get_object").items() if "-keyed-" in k}
+    assert len(gets) == P and all(key.startswith(prefix) for key in gets)
+    assert heads == gets == dict.fromkeys(gets, 1)
