@@ -386,8 +386,11 @@ def read_history(fs: CheckpointFileSystem, job_dir: str) -> list[HistoryEntry]:
     know are skipped. A job without a history has none: [].
     """
     entries = []
-    for run, path in list_segments(fs, join(job_dir, METRICS_DIR)):
-        for number, line in enumerate(fs.read_file(path).splitlines(), 1):
+    segments = list_segments(fs, join(job_dir, METRICS_DIR))
+    for (run, path), data in zip(segments, fs.read_files([p for _, p in segments]), strict=True):
+        if isinstance(data, CheckpointError):
+            raise data
+        for number, line in enumerate(data.splitlines(), 1):
             try:
                 record = record_from_json(json.loads(line))
             except MALFORMED_DOCUMENT as exc:

@@ -19,7 +19,9 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.layout import METRICS_DIR
 from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.metrics import BatchMetrics, MetricsHistory
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
 from statebackend.keygroups import (
@@ -55,8 +57,9 @@ class Job:
 @pytest.fixture(scope="module")
 def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
     """``BATCHES`` batches of keyed operator ``counts`` (P=2) with operator ``source``'s
-    offsets: each writes its changelog records and commits its manifest (all retained),
-    and every ``EVERY`` batches a checkpoint completes and becomes the manifests' base."""
+    offsets: each writes its changelog records, commits its manifest (all retained) and
+    its metrics record (a history segment each), and every ``EVERY`` batches a
+    checkpoint completes and becomes the manifests' base."""
     storage = s3_endpoint.new_storage()
     checkpoints = CheckpointStorage(storage.url, "job", storage_options=storage.storage_options)
     made = Job(storage, checkpoints.layout.job_dir)
@@ -71,6 +74,7 @@ def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
     for backend in backends:
         backend.enable_changelog()
     sources = [OperatorStateBackend() for _ in range(P)]
+    history = MetricsHistory(checkpoints.fs, made.job_dir, "run", segment_bytes=1)
     for batch in range(BATCHES):
         for n in range(5):
             key = f"user-{(batch * 5 + n) % 17}"
@@ -87,6 +91,7 @@ def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
             for i, b in enumerate(backends)
         ]
         changelog.commit(batch, {OPERATOR: handles}, max_parallelism=M)
+        history.record(BatchMetrics(batch, records_in=5, records_out=5, keys_touched=5))
         if batch % EVERY == EVERY - 1:
             checkpoint_id = coordinator.trigger({OPERATOR: P, "source": P})
             for i, backend in enumerate(backends):
@@ -110,7 +115,8 @@ def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
 
 class Requests(Counter[tuple[str, str]]):
     """The S3 requests sent: (operation, key) -> how many, and the most requests of each
-    operation that were in flight at once."""
+    operation (and of each operation on the metrics history: ``"get_object metrics"``)
+    that were in flight at once."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,13 +131,17 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> Requests:
     call = s3fs.core.S3FileSystem._call_s3
 
     async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        sent[method, str(kwargs.get("Key", kwargs.get("Prefix", "")))] += 1
-        sent.in_flight[method] += 1
-        sent.most_in_flight[method] = max(sent.most_in_flight[method], sent.in_flight[method])
+        key = str(kwargs.get("Key", kwargs.get("Prefix", "")))
+        sent[method, key] += 1
+        kinds = [method] + [f"{method} {d}" for d in (METRICS_DIR,) if f"/{d}/" in key]
+        for kind in kinds:
+            sent.in_flight[kind] += 1
+            sent.most_in_flight[kind] = max(sent.most_in_flight[kind], sent.in_flight[kind])
         try:
             return await call(self, method, *args, **kwargs)
         finally:
-            sent.in_flight[method] -= 1
+            for kind in kinds:
+                sent.in_flight[kind] -= 1
 
     monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counted)
     monkeypatch.setattr(s3fs.core.S3FileSystem, "call_s3", sync_wrapper(counted))
@@ -266,3 +276,16 @@ def test_verify_asks_each_files_size_once(
     gets = {k: n for k, n in of(requests, "get_object").items() if "-keyed-" in k}
     assert len(gets) == P and all(key.startswith(prefix) for key in gets)
     assert heads == gets == dict.fromkeys(gets, 1)
+
+
+def test_report_reads_the_history_segments_several_at_once(
+    capsys: pytest.CaptureFixture[str], job: Job, requests: Requests
+) -> None:
+    """``report`` read the metrics history's segments one after the other (64 GETs in a
+    row for a full history); several are now in flight at once, and every batch is in
+    the report."""
+    report = json.loads(cli(capsys, job.storage, "report", job.job_dir, "--json"))
+    assert [b["batch_id"] for b in report["batches"]] == list(range(BATCHES))
+    segments = [key for key in of(requests, "get_object") if f"/{METRICS_DIR}/" in key]
+    assert len(segments) == BATCHES
+    assert requests.most_in_flight[f"get_object {METRICS_DIR}"] > 1
