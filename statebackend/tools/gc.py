@@ -160,6 +160,18 @@ def _load_completed(fs: CheckpointFileSystem, directory: str) -> CheckpointMetad
         return None
 
 
+def _load_all(fs: CheckpointFileSystem, directories: list[str]) -> list[CheckpointMetadata | None]:
+    """``_load_completed`` of each directory listed with a ``_metadata``, the files read
+    several at once (a read that failed is tried again alone)."""
+    paths = [metadata_path(directory) for directory in directories]
+    return [
+        _load_completed(fs, directory)
+        if isinstance(data, CheckpointError)
+        else CheckpointMetadata.from_bytes(data, path)
+        for directory, path, data in zip(directories, paths, fs.read_files(paths), strict=True)
+    ]
+
+
 def _pending_epoch(storage: CheckpointStorage, checkpoint_id: int) -> int:
     """The leader epoch of the coordinator that marked checkpoint N pending; -1 if the
     marker is gone or unreadable (N was aborted meanwhile). A checkpoint marked by the
@@ -193,24 +205,30 @@ def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     view = _JobView({}, [], set(), set(), None, _Listing(fs, job_dir))
     listing = view.listing
     leader = max(storage.leader_epochs(), default=0)
+    completed = []
     for checkpoint_id in checkpoint_ids(listing.names(job_dir)):
         directory = join(job_dir, f"chk-{checkpoint_id}")
         names = listing.names(directory)
-        if METADATA_FILE not in names:
-            view.incomplete.append(checkpoint_id)
-            if PENDING_FILE in names and _pending_epoch(storage, checkpoint_id) >= leader:
-                view.live.add(checkpoint_id)
-        elif (metadata := _load_completed(fs, directory)) is not None:
-            view.completed[checkpoint_id] = metadata
-            view.in_use |= _references(directory, metadata.files())
+        if METADATA_FILE in names:
+            completed.append((checkpoint_id, directory))
+            continue
+        view.incomplete.append(checkpoint_id)
+        if PENDING_FILE in names and _pending_epoch(storage, checkpoint_id) >= leader:
+            view.live.add(checkpoint_id)
     savepoints_dir = join(job_dir, SAVEPOINTS_DIR)
-    for name in listing.names(savepoints_dir):
-        savepoint = join(savepoints_dir, name)
-        metadata = (
-            _load_completed(fs, savepoint) if METADATA_FILE in listing.names(savepoint) else None
-        )
+    savepoints = [
+        join(savepoints_dir, name)
+        for name in listing.names(savepoints_dir)
+        if METADATA_FILE in listing.names(join(savepoints_dir, name))
+    ]
+    directories = [directory for _, directory in completed] + savepoints
+    loaded = _load_all(fs, directories)
+    for (checkpoint_id, _), metadata in zip(completed, loaded, strict=False):
         if metadata is not None:
-            view.in_use |= _references(savepoint, metadata.files())
+            view.completed[checkpoint_id] = metadata
+    for directory, metadata in zip(directories, loaded, strict=True):
+        if metadata is not None:
+            view.in_use |= _references(directory, metadata.files())
     acks_readable = True
     for checkpoint_id in view.incomplete:
         try:

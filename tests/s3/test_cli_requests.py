@@ -19,7 +19,7 @@ from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
-from statebackend.checkpoint.layout import METRICS_DIR
+from statebackend.checkpoint.layout import METADATA_FILE, METRICS_DIR
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.metrics import BatchMetrics, MetricsHistory
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -115,8 +115,8 @@ def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
 
 class Requests(Counter[tuple[str, str]]):
     """The S3 requests sent: (operation, key) -> how many, and the most requests of each
-    operation (and of each operation on the metrics history: ``"get_object metrics"``)
-    that were in flight at once."""
+    operation (and of each operation on the metrics history, ``"get_object metrics"``,
+    and on ``_metadata`` files, ``"get_object _metadata"``) that were in flight at once."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,6 +134,7 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> Requests:
         key = str(kwargs.get("Key", kwargs.get("Prefix", "")))
         sent[method, key] += 1
         kinds = [method] + [f"{method} {d}" for d in (METRICS_DIR,) if f"/{d}/" in key]
+        kinds += [f"{method} {METADATA_FILE}"] if key.endswith(f"/{METADATA_FILE}") else []
         for kind in kinds:
             sent.in_flight[kind] += 1
             sent.most_in_flight[kind] = max(sent.most_in_flight[kind], sent.in_flight[kind])
@@ -289,3 +290,18 @@ def test_report_reads_the_history_segments_several_at_once(
     segments = [key for key in of(requests, "get_object") if f"/{METRICS_DIR}/" in key]
     assert len(segments) == BATCHES
     assert requests.most_in_flight[f"get_object {METRICS_DIR}"] > 1
+
+
+def test_gc_reads_the_metadata_files_several_at_once(
+    capsys: pytest.CaptureFixture[str], job: Job, requests: Requests
+) -> None:
+    """``gc`` checked that each ``_metadata`` exists (a HEAD) and read it, one checkpoint
+    after the other (420 requests in a row for 200 checkpoints and 10 savepoints): its
+    listing says which exist, and they are now read several at once, each once."""
+    out = cli(capsys, job.storage, "gc", job.job_dir, "--grace", "0")
+    assert out.startswith("0 unreferenced files")
+    metadata = {f"{path.split('://', 1)[1].split('/', 1)[1]}/_metadata" for path in job.checkpoints}
+    assert not {key for key in of(requests, "head_object") if key.endswith("/_metadata")}
+    reads = of(requests, "get_object")
+    assert {key: reads[key] for key in metadata} == dict.fromkeys(metadata, 1)
+    assert requests.most_in_flight[f"get_object {METADATA_FILE}"] > 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.requests import request_savepoint
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.cli import main
-from statebackend.errors import CheckpointCorruptedError
+from statebackend.errors import CheckpointCorruptedError, CheckpointError
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.snapshot.handles import resolve_path
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS, delete_garbage, find_garbage
@@ -426,10 +426,18 @@ class RetentionRaceFileSystem(CheckpointFileSystem):
 
     def read_file(self, path: str) -> bytes:
         """``CheckpointFileSystem.read_file``, with the doomed checkpoint deleted first."""
-        if path == f"{self.doomed}/_metadata" and not self.raced:
+        self._race([path])
+        return super().read_file(path)
+
+    def read_files(self, paths: Sequence[str]) -> list[bytes | CheckpointError]:
+        """``CheckpointFileSystem.read_files``, with the doomed checkpoint deleted first."""
+        self._race(paths)
+        return super().read_files(paths)
+
+    def _race(self, paths: Sequence[str]) -> None:
+        if f"{self.doomed}/_metadata" in paths and not self.raced:
             self.raced = True
             self.delete(self.doomed, recursive=True)
-        return super().read_file(path)
 
 
 def test_a_checkpoint_deleted_while_gc_reads_it_is_skipped(
