@@ -29,6 +29,7 @@ while handles resolve their relative paths through ``posixpath.normpath``.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import logging
@@ -343,8 +344,9 @@ def _endpoint_given(options: dict[str, Any]) -> bool:
 
 def _with_defaults(options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """``options`` with ``defaults`` filled in, also inside options that are dicts
-    (``config_kwargs``): what the user gave wins."""
-    merged = {**defaults, **options}
+    (``config_kwargs``): what the user gave wins. The defaults are copied: a client may
+    change the options it is given (s3fs adds to ``retries``)."""
+    merged = {**copy.deepcopy(defaults), **options}
     for name, default in defaults.items():
         given = options.get(name)
         if isinstance(default, dict) and isinstance(given, dict):

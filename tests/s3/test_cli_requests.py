@@ -6,6 +6,8 @@ operation and key around s3fs's calls to the real server."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -305,3 +307,26 @@ def test_gc_reads_the_metadata_files_several_at_once(
     reads = of(requests, "get_object")
     assert {key: reads[key] for key in metadata} == dict.fromkeys(metadata, 1)
     assert requests.most_in_flight[f"get_object {METADATA_FILE}"] > 1
+
+
+def test_a_location_opened_twice_shares_one_client(job: Job) -> None:
+    """A command opens its storage more than once (``<job>/latest``: the job's directory,
+    then the checkpoint; ``savepoint create``: source and target). In a new process the
+    second opening made a new S3 client (~0.2 s here): the first had changed the default
+    options it was given (s3fs adds to ``retries``), so fsspec's instance cache missed.
+    Both now get the same one."""
+    program = (
+        "import json, sys\n"
+        "from statebackend.tools.location import open_location\n"
+        "url, options = sys.argv[1], json.loads(sys.argv[2])\n"
+        "first = open_location(url, options)\n"
+        "first.list_dir(url)\n"
+        "print(open_location(url + '/chk-1', options).fsspec is first.fsspec)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, job.job_dir, json.dumps(job.storage.storage_options)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
