@@ -21,6 +21,7 @@ import contextlib
 import io
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -155,7 +156,7 @@ def main_() -> None:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
-    with snapshot_bench.local_s3() as location:
+    with snapshot_bench.local_s3() as location, tempfile.TemporaryDirectory() as local:
         started = time.perf_counter()
         job = build(location.url, location.options, args.batches, args.every)
         print(f"built {job} in {time.perf_counter() - started:.0f} s", flush=True)
@@ -163,7 +164,7 @@ def main_() -> None:
         options = [f"--storage-option={k}={v}" for k, v in location.options.items()]
         commands = [
             ["list", job],
-            ["report", job, "-o", "/dev/null"],
+            ["report", job, "-o", str(Path(local, "report.html"))],
             ["report", job, "--json"],
             ["inspect", f"{job}/latest"],
             ["inspect", newest],

@@ -137,10 +137,16 @@ def _bar(description: str, unit: str) -> Iterator[Callable[..., None]]:
 def write_file(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to the local file ``path`` all or nothing: into a new file
     beside it, renamed over ``path`` once written, so a failure (a full disk, Ctrl-C)
-    leaves what ``path`` held. An OSError names ``path``."""
+    leaves what ``path`` held. A path that is not a regular file (``/dev/null``, a named
+    pipe, ``/dev/stdout``) is written as it is: a rename would replace it. An OSError
+    names ``path``."""
     directory, name = os.path.split(os.path.abspath(path))
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(encodable(text))
+        return
     temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(temporary, "x", encoding="utf-8") as f:

@@ -8,8 +8,10 @@ import os
 import re
 import resource
 import signal
+import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,25 @@ def test_plan_prints_the_imbalance_of_the_parallelism_asked_for(
         assert header.endswith(f"keyed imbalance {imbalance:.2f} (max/mean)")
         source = next(line for line in out.splitlines() if line.startswith("operator source"))
         assert "imbalance" not in source
+
+
+def test_a_report_into_a_named_pipe_leaves_the_pipe(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    """``report -o`` into a file that is not a regular one (a named pipe here; as root,
+    ``-o /dev/null`` replaced the device with a regular file) renamed its new file over
+    it. The page is now written into it, and it stays what it was."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(pipe.read_bytes()), daemon=True)
+    reader.start()
+    status, out, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(pipe))
+    reader.join(30)
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    assert (status, out.strip()) == (0, str(pipe)), err
+    page = b"".join(received).decode("utf-8")
+    assert page.startswith("<!DOCTYPE html") and set(PLOTS) <= set(figures(page))
 
 
 def test_a_history_message_with_a_lone_surrogate_is_reported_escaped(
