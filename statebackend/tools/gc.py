@@ -282,7 +282,12 @@ def _candidates(job_dir: str, view: _JobView) -> list[tuple[str, str]]:
             (join(shared, name), "shared file no checkpoint or savepoint uses")
             for name in listing.names(shared)
         ]
-    return [(path, why) for path, why in candidates if normalize_path(path) not in view.in_use]
+    # Only files: a directory someone put among a checkpoint's entries is not gc's.
+    return [
+        (path, why)
+        for path, why in candidates
+        if path in listing.files and normalize_path(path) not in view.in_use
+    ]
 
 
 def find_garbage(

@@ -453,3 +453,17 @@ def test_a_checkpoint_deleted_while_gc_reads_it_is_skipped(
     fs = RetentionRaceFileSystem(checkpoint_url, job.storage.resolve(older))
     assert find_garbage(fs, job_dir(job), grace_seconds=0) == []
     assert fs.raced
+
+
+def test_a_directory_someone_put_in_a_checkpoint_or_batch_is_left_alone(job: Job) -> None:
+    """Files in a directory of their own inside a completed ``chk-<N>`` or a changelog
+    batch directory (put there by hand or by another tool) are not gc's: the one listing
+    names the directory among the checkpoint's entries, and taking its size and time
+    from the listing failed with a KeyError."""
+    job.write(500)
+    job.checkpoint()
+    fs, layout = job.storage.fs, job.storage.layout
+    foreign = join(layout.checkpoint_path(1), "notes", "readme.txt")
+    fs.write_atomic(foreign, b"written by hand")
+    assert listed(job, grace_seconds=0, now=FAR_FUTURE) == set()
+    assert fs.exists(foreign)
