@@ -9,7 +9,9 @@ manifest (all retained) and a metrics record (8 KiB segments, at most 64 kept); 
 then 10 savepoints in ``savepoints/``, and garbage for gc (20 files no ``_metadata``
 references, 20 young shared files, a changelog record no manifest references). Each
 command runs in this process with stdout discarded; requests are counted per S3
-operation around s3fs's calls.
+operation around s3fs's calls; each time is printed beside the limit measured first in
+the same run: a plain s3fs client listing the job once and reading every ``_metadata`` and
+manifest (the reads ``list`` needs).
 
     .venv/bin/python scripts/bench/cli_job.py [--batches 2000] [--every 10]
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fsspec  # noqa: E402
 import s3fs.core  # noqa: E402
 import snapshot as snapshot_bench  # noqa: E402
 from fsspec.asyn import sync_wrapper  # noqa: E402
@@ -151,6 +154,17 @@ def count_requests() -> Counter[str]:
     return sent
 
 
+def raw_read_seconds(job: str, options: dict[str, Any]) -> float:
+    """Seconds a plain s3fs client takes to list the job's directory once and read every
+    ``_metadata`` and batch manifest in it (several at once): the reads ``list`` needs."""
+    raw = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+    started = time.perf_counter()
+    names = raw.find(job)
+    wanted = [n for n in names if n.endswith("/_metadata") or "/manifests/" in n]
+    raw.cat(wanted)
+    return time.perf_counter() - started
+
+
 def main_() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=2000)
@@ -181,6 +195,12 @@ def main_() -> None:
             ["gc", job, "--grace", "0", "--apply"],
         ]
         sent = count_requests()
+        raw = raw_read_seconds(job, location.options)
+        print(
+            f"limit: raw s3fs listing of the job + GET of every _metadata and manifest "
+            f"(what list must read): {raw:.2f} s, {sum(sent.values())} requests",
+            flush=True,
+        )
         for argv in commands:
             sent.clear()
             started = time.perf_counter()
@@ -188,7 +208,10 @@ def main_() -> None:
                 status = main([*argv, *options])
             seconds = time.perf_counter() - started
             shown = " ".join(a.replace(location.url, "s3://...") for a in argv)
-            print(f"{shown}: status {status}, {seconds:.2f} s, {sum(sent.values())} requests")
+            print(
+                f"{shown}: status {status}, {seconds:.2f} s ({seconds / raw:.1f}x the limit), "
+                f"{sum(sent.values())} requests"
+            )
             print(f"    {dict(sent.most_common())}", flush=True)
 
 
