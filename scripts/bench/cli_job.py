@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,32 +64,64 @@ M, P, OPERATOR = 128, 4, "counts"
 VALUE = ValueStateDescriptor("total", IntSerializer())
 
 
-def build(url: str, options: dict[str, Any], batches: int, every: int) -> str:
-    """Write the job (see the module docstring); its directory."""
-    storage = CheckpointStorage(url, "job", storage_options=options)
-    fs = storage.fs
-    coordinator = CheckpointCoordinator(storage, max_parallelism=M, retained=10**6)
+@dataclass
+class WrittenJob:
+    """A job ``write_job`` wrote."""
+
+    job_dir: str
+    checkpoints: list[str] = field(default_factory=list)
+    """The completed checkpoints' directories, oldest first."""
+    totals: dict[str, int] = field(default_factory=dict)
+    """The model: each key's total."""
+
+
+def write_job(
+    storage: CheckpointStorage,
+    batches: int,
+    every: int,
+    *,
+    parallelism: int = P,
+    max_parallelism: int = M,
+    keys: int = 500,
+    updates_per_batch: int = 20,
+    segment_bytes: int = 8 << 10,
+) -> WrittenJob:
+    """Write ``batches`` batches of keyed operator ``counts`` (``updates_per_batch``
+    updates of ``keys`` keys each) with operator ``source``'s offsets, as a
+    ``StatefulJob`` writes them: per batch its changelog records, its manifest (all
+    retained) and its metrics record (history segments of ``segment_bytes``); every
+    ``every`` batches a checkpoint (all retained, with its metrics record) that becomes
+    the manifests' base."""
+    coordinator = CheckpointCoordinator(storage, max_parallelism=max_parallelism, retained=10**6)
     changelog = ChangelogStorage(storage, retained=10**6)
-    history = MetricsHistory(fs, storage.layout.job_dir, coordinator.run_id, segment_bytes=8 << 10)
+    history = MetricsHistory(
+        storage.fs, storage.layout.job_dir, coordinator.run_id, segment_bytes=segment_bytes
+    )
     backends = [
         HeapKeyedStateBackend(
-            max_parallelism=M, key_group_range=compute_key_group_range_for_operator_index(M, P, i)
+            max_parallelism=max_parallelism,
+            key_group_range=compute_key_group_range_for_operator_index(
+                max_parallelism, parallelism, i
+            ),
         )
-        for i in range(P)
+        for i in range(parallelism)
     ]
     for backend in backends:
         backend.enable_changelog()
-    sources = [OperatorStateBackend() for _ in range(P)]
+    sources = [OperatorStateBackend() for _ in range(parallelism)]
     rng = random.Random(1)
-    checkpoints = []
+    job = WrittenJob(storage.layout.job_dir)
     for batch in range(batches):
-        for _ in range(20):
-            key = f"user-{rng.randrange(500)}"
-            group = assign_to_key_group(StrSerializer().serialize(key), M)
-            backend = backends[compute_operator_index_for_key_group(M, P, group)]
+        for _ in range(updates_per_batch):
+            key = f"user-{rng.randrange(keys)}"
+            group = assign_to_key_group(StrSerializer().serialize(key), max_parallelism)
+            backend = backends[
+                compute_operator_index_for_key_group(max_parallelism, parallelism, group)
+            ]
             backend.set_current_key(key)
             state: Any = backend.get_state(VALUE)
             state.update((state.value() or 0) + 1)
+            job.totals[key] = job.totals.get(key, 0) + 1
         for i, source in enumerate(sources):
             source.get_list_state("offsets", IntSerializer()).update([batch * 100 + i])
         handles = [
@@ -96,25 +129,32 @@ def build(url: str, options: dict[str, Any], batches: int, every: int) -> str:
             for i, b in enumerate(backends)
         ]
         # cleanup=False: with every manifest retained, cleanup's sweep grows with them
-        changelog.commit(batch, {OPERATOR: handles}, max_parallelism=M, cleanup=False)
-        history.record(BatchMetrics(batch, records_in=20, records_out=20, keys_touched=20))
+        changelog.commit(batch, {OPERATOR: handles}, max_parallelism=max_parallelism, cleanup=False)
+        history.record(
+            BatchMetrics(
+                batch,
+                records_in=updates_per_batch,
+                records_out=updates_per_batch,
+                keys_touched=updates_per_batch,
+            )
+        )
         if batch % every != every - 1:
             continue
-        checkpoint_id = coordinator.trigger({OPERATOR: P, "source": P})
+        checkpoint_id = coordinator.trigger({OPERATOR: parallelism, "source": parallelism})
         for i, backend in enumerate(backends):
             target = storage.snapshot_target(checkpoint_id, OPERATOR, i)
             keyed = backend.snapshot(checkpoint_id, target).result()
-            ack = SubtaskAck(OPERATOR, i, P, keyed, None, coordinator.run_id)
+            ack = SubtaskAck(OPERATOR, i, parallelism, keyed, None, coordinator.run_id)
             storage.write_ack(checkpoint_id, ack)
         for i, source in enumerate(sources):
             target = storage.snapshot_target(checkpoint_id, "source", i)
             handle = target.write_operator_snapshot(checkpoint_id, source.sync_cut()).result()
-            ack = SubtaskAck("source", i, P, None, handle, coordinator.run_id)
+            ack = SubtaskAck("source", i, parallelism, None, handle, coordinator.run_id)
             storage.write_ack(checkpoint_id, ack)
         path = coordinator.poll(checkpoint_id)
         assert path is not None
         changelog.materialized(checkpoint_id, batch)
-        checkpoints.append(path)
+        job.checkpoints.append(path)
         metadata = storage.load(path)
         history.record(
             CheckpointMetrics(
@@ -129,6 +169,14 @@ def build(url: str, options: dict[str, Any], batches: int, every: int) -> str:
                 subtasks=subtask_states(metadata),
             )
         )
+    return job
+
+
+def build(url: str, options: dict[str, Any], batches: int, every: int) -> str:
+    """Write the job (see the module docstring); its directory."""
+    storage = CheckpointStorage(url, "job", storage_options=options)
+    fs = storage.fs
+    checkpoints = write_job(storage, batches, every).checkpoints
     for n, path in enumerate(checkpoints[:: max(1, len(checkpoints) // 10)][:10]):
         copy_checkpoint(fs, path, fs, join(storage.layout.savepoints_dir, f"sp-{n}"))
     for n, path in enumerate(checkpoints[:20]):

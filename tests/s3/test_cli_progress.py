@@ -27,7 +27,7 @@ from statebackend.keygroups import (
 )
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.state.descriptors import ValueStateDescriptor
-from statebackend.tools.location import open_checkpoint
+from statebackend.tools.location import CheckpointRef, open_checkpoint
 from statebackend.tools.plan import plan_checkpoint
 from statebackend.tools.reader import read_state, select_state
 from tests.conftest import Storage
@@ -186,11 +186,9 @@ def test_read_of_an_operator_state_counts_its_elements_on_a_terminal(big: BigChe
     assert (status, out, "") == without_terminal(big.storage, *argv)
 
 
-def test_plan_reads_only_the_shown_states_each_stored_range_once(big: BigCheckpoint) -> None:
-    """``plan`` showed the small union state by restoring every operator state (the large
-    split ``offsets`` too) for every new subtask: 20 new subtasks read the five union
-    elements 20 times over and all 200 offsets. Now it reads each of the five union
-    elements' ranges once and no offsets."""
+def counting_reads(big: BigCheckpoint) -> tuple[CheckpointRef, list[tuple[str, int, int]]]:
+    """The checkpoint opened, and the (path, start, length) of each ranged read through it
+    from now on."""
     ref = open_checkpoint(big.path, big.storage.storage_options)
     reads: list[tuple[str, int, int]] = []
     read_range = ref.fs.read_range
@@ -200,6 +198,15 @@ def test_plan_reads_only_the_shown_states_each_stored_range_once(big: BigCheckpo
         return read_range(path, start, length)
 
     ref.fs.read_range = counted  # type: ignore[method-assign]
+    return ref, reads
+
+
+def test_plan_reads_only_the_shown_states_each_stored_range_once(big: BigCheckpoint) -> None:
+    """``plan`` showed the small union state by restoring every operator state (the large
+    split ``offsets`` too) for every new subtask: 20 new subtasks read the five union
+    elements 20 times over and all 200 offsets. Now it reads each of the five union
+    elements' ranges once and no offsets."""
+    ref, reads = counting_reads(big)
     plans = plan_checkpoint(ref, 20)
     config = [{"value": _element(i)} for i in range(UNION_SUBTASKS)]
     assert all(sub["operator_state"]["config"]["values"] == config for sub in plans[OPERATOR])
@@ -211,15 +218,7 @@ def test_read_of_an_operator_state_reads_only_that_state(big: BigCheckpoint) -> 
     """``read --state config`` (the union state of five elements) restored every operator
     state of the operator: all 200 ``offsets`` elements were read too, one ranged read
     each. It now reads the five ``config`` ranges only."""
-    ref = open_checkpoint(big.path, big.storage.storage_options)
-    reads: list[tuple[str, int, int]] = []
-    read_range = ref.fs.read_range
-
-    def counted(path: str, start: int, length: int) -> bytes:
-        reads.append((path, start, length))
-        return read_range(path, start, length)
-
-    ref.fs.read_range = counted  # type: ignore[method-assign]
+    ref, reads = counting_reads(big)
     records = list(read_state(ref, select_state(ref, OPERATOR, "config")))
     assert records == [{"value": _element(i)} for i in range(UNION_SUBTASKS)]
     assert len(reads) == len(set(reads)) == UNION_SUBTASKS

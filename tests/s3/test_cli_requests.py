@@ -10,30 +10,18 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import s3fs.core
 from fsspec.asyn import sync_wrapper
 
-from statebackend.backends.heap import HeapKeyedStateBackend
-from statebackend.backends.operator import OperatorStateBackend
-from statebackend.checkpoint.changelog_storage import ChangelogStorage
-from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.layout import METADATA_FILE, METRICS_DIR
-from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.metrics import BatchMetrics, MetricsHistory
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
-from statebackend.keygroups import (
-    assign_to_key_group,
-    compute_key_group_range_for_operator_index,
-    compute_operator_index_for_key_group,
-)
-from statebackend.serializers import IntSerializer, StrSerializer
-from statebackend.state.descriptors import ValueStateDescriptor
 from tests.conftest import S3Endpoint, Storage
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.s3
 
@@ -43,75 +31,39 @@ P = 2
 BATCHES = 24
 EVERY = 2
 """A checkpoint (and materialization) after every second batch."""
-VALUE = ValueStateDescriptor("total", IntSerializer())
+CLI_JOB = load_script("scripts/bench/cli_job.py", "cli_job")
 
 
 @dataclass
 class Job:
     storage: Storage
     job_dir: str
-    checkpoints: list[str] = field(default_factory=list)
+    checkpoints: list[str]
     """The completed checkpoints' directories, oldest first."""
-    totals: dict[str, int] = field(default_factory=dict)
+    totals: dict[str, int]
     """The model: each key's total."""
 
 
 @pytest.fixture(scope="module")
 def job(s3_endpoint: S3Endpoint) -> Iterator[Job]:
     """``BATCHES`` batches of keyed operator ``counts`` (P=2) with operator ``source``'s
-    offsets: each writes its changelog records, commits its manifest (all retained) and
-    its metrics record (a history segment each), and every ``EVERY`` batches a
-    checkpoint completes and becomes the manifests' base."""
+    offsets, as the command's benchmark writes them (``cli_job.write_job``): each writes
+    its changelog records, commits its manifest (all retained) and its metrics record (a
+    history segment each), and every ``EVERY`` batches a checkpoint completes and becomes
+    the manifests' base."""
     storage = s3_endpoint.new_storage()
     checkpoints = CheckpointStorage(storage.url, "job", storage_options=storage.storage_options)
-    made = Job(storage, checkpoints.layout.job_dir)
-    coordinator = CheckpointCoordinator(checkpoints, max_parallelism=M, retained=1000)
-    changelog = ChangelogStorage(checkpoints, retained=1000)
-    backends = [
-        HeapKeyedStateBackend(
-            max_parallelism=M, key_group_range=compute_key_group_range_for_operator_index(M, P, i)
-        )
-        for i in range(P)
-    ]
-    for backend in backends:
-        backend.enable_changelog()
-    sources = [OperatorStateBackend() for _ in range(P)]
-    history = MetricsHistory(checkpoints.fs, made.job_dir, "run", segment_bytes=1)
-    for batch in range(BATCHES):
-        for n in range(5):
-            key = f"user-{(batch * 5 + n) % 17}"
-            group = assign_to_key_group(StrSerializer().serialize(key), M)
-            backend = backends[compute_operator_index_for_key_group(M, P, group)]
-            backend.set_current_key(key)
-            state: Any = backend.get_state(VALUE)
-            state.update((state.value() or 0) + 1)
-            made.totals[key] = made.totals.get(key, 0) + 1
-        for i, source in enumerate(sources):
-            source.get_list_state("offsets", IntSerializer()).update([batch * 10 + i])
-        handles = [
-            changelog.write_record(batch, OPERATOR, i, f"a{batch}", b.drain_changelog())
-            for i, b in enumerate(backends)
-        ]
-        changelog.commit(batch, {OPERATOR: handles}, max_parallelism=M)
-        history.record(BatchMetrics(batch, records_in=5, records_out=5, keys_touched=5))
-        if batch % EVERY == EVERY - 1:
-            checkpoint_id = coordinator.trigger({OPERATOR: P, "source": P})
-            for i, backend in enumerate(backends):
-                keyed = backend.snapshot(
-                    checkpoint_id, checkpoints.snapshot_target(checkpoint_id, OPERATOR, i)
-                ).result()
-                ack = SubtaskAck(OPERATOR, i, P, keyed, None, coordinator.run_id)
-                checkpoints.write_ack(checkpoint_id, ack)
-            for i, source in enumerate(sources):
-                target = checkpoints.snapshot_target(checkpoint_id, "source", i)
-                handle = target.write_operator_snapshot(checkpoint_id, source.sync_cut()).result()
-                ack = SubtaskAck("source", i, P, None, handle, coordinator.run_id)
-                checkpoints.write_ack(checkpoint_id, ack)
-            path = coordinator.poll(checkpoint_id)
-            assert path is not None
-            changelog.materialized(checkpoint_id, batch)
-            made.checkpoints.append(path)
-    yield made
+    written = CLI_JOB.write_job(
+        checkpoints,
+        BATCHES,
+        EVERY,
+        parallelism=P,
+        max_parallelism=M,
+        keys=17,
+        updates_per_batch=5,
+        segment_bytes=1,
+    )
+    yield Job(storage, written.job_dir, written.checkpoints, written.totals)
     checkpoints.close()
 
 
@@ -290,7 +242,7 @@ def test_report_reads_the_history_segments_several_at_once(
     report = json.loads(cli(capsys, job.storage, "report", job.job_dir, "--json"))
     assert [b["batch_id"] for b in report["batches"]] == list(range(BATCHES))
     segments = [key for key in of(requests, "get_object") if f"/{METRICS_DIR}/" in key]
-    assert len(segments) == BATCHES
+    assert len(segments) == BATCHES + BATCHES // EVERY  # a record each: batches, checkpoints
     assert requests.most_in_flight[f"get_object {METRICS_DIR}"] > 1
 
 
