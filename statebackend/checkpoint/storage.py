@@ -378,14 +378,43 @@ def load_metadata(
     read (after the file system's retries)."""
     path = metadata_path(directory)
     if not fs.exists(path):
-        raise CheckpointNotFoundError(
-            f"{directory} is not a completed checkpoint or savepoint (no {METADATA_FILE}): "
-            f"give the directory of a completed one, e.g. from `statebackend list`"
-        )
+        raise _no_metadata(directory)
     try:
         data = fs.read_file(path)
     except CheckpointError as exc:
-        # Not "not found": what an existing _metadata references must never count as
-        # unreferenced (the registry, gc), nor the checkpoint as pending (list).
-        raise CheckpointUnreadableError(f"cannot read {path}: {exc}") from exc
+        raise _unreadable(path, exc) from exc
     return CheckpointMetadata.from_bytes(data, path, signing_key)
+
+
+def load_metadata_files(
+    fs: CheckpointFileSystem, directories: list[str], signing_key: SigningKey | None = None
+) -> list[CheckpointMetadata | CheckpointError]:
+    """``load_metadata`` of each of ``directories``, the ``_metadata`` files read several
+    at once (``CheckpointFileSystem.read_files``) without an existence check each: per
+    directory its metadata, or the error ``load_metadata`` would raise."""
+    paths = [metadata_path(directory) for directory in directories]
+    loaded: list[CheckpointMetadata | CheckpointError] = []
+    for directory, path, data in zip(directories, paths, fs.read_files(paths), strict=True):
+        if isinstance(data, CheckpointCorruptedError):  # what a read of a missing file raises
+            loaded.append(_no_metadata(directory))
+        elif isinstance(data, CheckpointError):
+            loaded.append(_unreadable(path, data))
+        else:
+            try:
+                loaded.append(CheckpointMetadata.from_bytes(data, path, signing_key))
+            except CheckpointError as exc:
+                loaded.append(exc)
+    return loaded
+
+
+def _no_metadata(directory: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{directory} is not a completed checkpoint or savepoint (no {METADATA_FILE}): "
+        f"give the directory of a completed one, e.g. from `statebackend list`"
+    )
+
+
+def _unreadable(path: str, exc: CheckpointError) -> CheckpointUnreadableError:
+    # Not "not found": what an existing _metadata references must never count as
+    # unreferenced (the registry, gc), nor the checkpoint as pending (list).
+    return CheckpointUnreadableError(f"cannot read {path}: {exc}")

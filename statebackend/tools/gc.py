@@ -72,9 +72,10 @@ from statebackend.checkpoint.layout import (
 )
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
+from statebackend.checkpoint.storage import CheckpointStorage, load_metadata_files
 from statebackend.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     ConfigurationError,
     StateBackendError,
 )
@@ -145,31 +146,22 @@ def _files(listing: _Listing, directory: str) -> list[str]:
     return paths
 
 
-def _load_completed(fs: CheckpointFileSystem, directory: str) -> CheckpointMetadata | None:
-    """The ``_metadata`` of a checkpoint or savepoint listed with one; None if it was
-    deleted since.
+def _load_all(fs: CheckpointFileSystem, directories: list[str]) -> list[CheckpointMetadata | None]:
+    """The ``_metadata`` of each checkpoint or savepoint listed with one, the files read
+    several at once; None for one deleted since the listing.
 
     A ``_metadata`` that exists but cannot be read is an error: what it references is
     unknown, so nothing may be deleted.
     """
-    try:
-        return load_metadata(fs, directory)
-    except CheckpointError:  # also one deleted between its existence check and its read
-        if fs.exists(metadata_path(directory)):
-            raise
-        return None
-
-
-def _load_all(fs: CheckpointFileSystem, directories: list[str]) -> list[CheckpointMetadata | None]:
-    """``_load_completed`` of each directory listed with a ``_metadata``, the files read
-    several at once (a read that failed is tried again alone)."""
-    paths = [metadata_path(directory) for directory in directories]
-    return [
-        _load_completed(fs, directory)
-        if isinstance(data, CheckpointError)
-        else CheckpointMetadata.from_bytes(data, path)
-        for directory, path, data in zip(directories, paths, fs.read_files(paths), strict=True)
-    ]
+    loaded: list[CheckpointMetadata | None] = []
+    for metadata in load_metadata_files(fs, directories):
+        if isinstance(metadata, CheckpointNotFoundError):
+            loaded.append(None)
+        elif isinstance(metadata, CheckpointError):
+            raise metadata
+        else:
+            loaded.append(metadata)
+    return loaded
 
 
 def _pending_epoch(storage: CheckpointStorage, checkpoint_id: int) -> int:

@@ -18,16 +18,11 @@ from statebackend.checkpoint.layout import (
     SAVEPOINTS_DIR,
     checkpoint_ids,
     join,
-    metadata_path,
 )
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    CheckpointNotFoundError,
-)
+from statebackend.checkpoint.storage import load_metadata_files
+from statebackend.errors import CheckpointNotFoundError
 from statebackend.serializers import SerializerConfig
 from statebackend.snapshot.keyed_format import FullKeyedStateHandle
 from statebackend.state.timers import is_timer_state
@@ -149,12 +144,8 @@ def find_job_dirs(fs: CheckpointFileSystem, directory: str) -> list[str]:
 
 def summarize(fs: CheckpointFileSystem, path: str, checkpoint_id: int | None) -> CheckpointSummary:
     """The summary of the checkpoint or savepoint directory ``path``."""
-    try:
-        return CheckpointSummary(path, COMPLETED, checkpoint_id, load_metadata(fs, path))
-    except CheckpointNotFoundError:
-        return CheckpointSummary(path, PENDING, checkpoint_id)
-    except CheckpointError as exc:
-        return CheckpointSummary(path, f"unreadable: {exc}", checkpoint_id)
+    (summary,) = _summaries(fs, [(path, checkpoint_id)])
+    return summary
 
 
 def _summaries(
@@ -162,23 +153,15 @@ def _summaries(
 ) -> tuple[CheckpointSummary, ...]:
     """``summarize`` of each (directory, checkpoint id), their ``_metadata`` read with
     several requests in flight."""
-    summaries = []
-    paths = [metadata_path(directory) for directory, _ in directories]
-    for (directory, checkpoint_id), path, data in zip(
-        directories, paths, fs.read_files(paths), strict=True
-    ):
-        if isinstance(data, CheckpointCorruptedError):  # missing: what read_file raises
-            summaries.append(CheckpointSummary(directory, PENDING, checkpoint_id))
-            continue
-        try:
-            if isinstance(data, CheckpointError):
-                raise CheckpointError(f"cannot read {path}: {data}")  # as load_metadata says
-            metadata = CheckpointMetadata.from_bytes(data, path)
-        except CheckpointError as exc:
-            summaries.append(CheckpointSummary(directory, f"unreadable: {exc}", checkpoint_id))
-            continue
-        summaries.append(CheckpointSummary(directory, COMPLETED, checkpoint_id, metadata))
-    return tuple(summaries)
+    loaded = load_metadata_files(fs, [directory for directory, _ in directories])
+    return tuple(
+        CheckpointSummary(directory, COMPLETED, checkpoint_id, metadata)
+        if isinstance(metadata, CheckpointMetadata)
+        else CheckpointSummary(directory, PENDING, checkpoint_id)
+        if isinstance(metadata, CheckpointNotFoundError)
+        else CheckpointSummary(directory, f"unreadable: {metadata}", checkpoint_id)
+        for (directory, checkpoint_id), metadata in zip(directories, loaded, strict=True)
+    )
 
 
 def summarize_manifests(fs: CheckpointFileSystem, job_dir: str) -> tuple[ManifestSummary, ...]:
