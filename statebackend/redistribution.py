@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 from statebackend.errors import ConfigurationError, IncompatibleStateError
 from statebackend.keygroups import (
@@ -30,8 +30,6 @@ from statebackend.keygroups import (
     check_parallelism,
     compute_key_group_range_for_operator_index,
 )
-
-E = TypeVar("E")
 
 
 class DistributionMode(Enum):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -27,8 +26,6 @@ from statebackend.serializers import (
 
 Clock = Callable[[], float]
 """Seconds since the epoch; ``time.time`` unless a test injects another."""
-
-SYSTEM_CLOCK: Clock = time.time
 
 
 class TtlUpdateType(Enum):
