@@ -25,13 +25,13 @@ from typing import Any
 from statebackend.checkpoint.layout import CHANGELOG_DIR
 from statebackend.checkpoint.metadata import index_problem
 from statebackend.checkpoint.signing import (
-    ALGORITHM,
-    FILE_CHECKSUM,
     SigningKey,
+    check_document,
     check_signable,
-    check_signature,
+    check_signed_files,
+    document_bytes,
 )
-from statebackend.checksums import algorithm_of, document_checksum_problem, with_document_checksum
+from statebackend.checksums import algorithm_of
 from statebackend.errors import (
     MALFORMED_DOCUMENT,
     CheckpointCorruptedError,
@@ -48,7 +48,6 @@ from statebackend.snapshot.handles import StoredFile
 MANIFEST_FORMAT_VERSION = 1
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _KIND = "batch-manifest"
-SIGNATURE = "signature"
 SOURCE_OPERATOR = "source"
 """The operator id of a ``StatefulJob``'s source, whose offsets its driver holds."""
 SOURCE_OFFSETS_STATE = "offsets"
@@ -61,7 +60,6 @@ FOLDED_FROM_PROPERTY = "folded_from_manifest"
 """Savepoint property: the batch of the manifest the savepoint was folded from. Such a
 savepoint holds no driver-held operator state: a job restoring it takes that state from
 the manifest's properties, which the savepoint carries."""
-"""The field of a signed manifest holding its signature (``{"algorithm", "value"}``)."""
 
 
 def source_offsets(properties: Mapping[str, Any], where: str) -> list[list[tuple[int, int]]] | None:
@@ -215,16 +213,13 @@ class BatchManifest:
         """The manifest file's bytes; with ``signing_key`` signed (HMAC-SHA256 over the
         bytes without the signature, as ``_metadata``). Raises CheckpointError if signing
         was asked for but a record has no SHA-256 checksum."""
-        document = with_document_checksum(self.to_json(), _compact)
-        if signing_key is None:
-            return _compact(document)
-        check_signable(
-            self.files(),
-            f"manifest {self.batch_id}",
-            "write the changelog with the signing key set",
-        )
-        signature = {"algorithm": ALGORITHM, "value": signing_key.sign(_compact(document))}
-        return _compact({**document, SIGNATURE: signature})
+        if signing_key is not None:
+            check_signable(
+                self.files(),
+                f"manifest {self.batch_id}",
+                "write the changelog with the signing key set",
+            )
+        return document_bytes(self.to_json(), _compact, signing_key)
 
     def accepted(self, records: Mapping[str, Sequence[ChangelogHandle]]) -> bool:
         """Whether this manifest accepted exactly ``records`` (per operator, by subtask)
@@ -257,14 +252,7 @@ class BatchManifest:
             raise CheckpointCorruptedError(f"{where}: not a batch manifest") from exc
         if kind != _KIND:
             raise CheckpointCorruptedError(f"{where}: not a batch manifest (kind {kind!r})")
-        signature = document.pop(SIGNATURE, None)
-        if signing_key is not None:
-            check_signature(_compact(document), signature, signing_key, where)
-        damage = document_checksum_problem(document, _compact)
-        if damage is not None:
-            raise CheckpointCorruptedError(
-                f"{where} is damaged: {damage}; restore from an earlier manifest or checkpoint"
-            )
+        check_document(document, _compact, signing_key, where, "manifest or checkpoint")
         if not isinstance(version, int) or not 1 <= version <= MANIFEST_FORMAT_VERSION:
             raise IncompatibleStateError(
                 f"{where} has manifest format version {version!r}; this statebackend reads up "
@@ -290,12 +278,8 @@ class BatchManifest:
         problem = manifest.inconsistency()
         if problem is not None:
             raise CheckpointCorruptedError(f"{where}: inconsistent batch manifest: {problem}")
-        weak = [f.path for f in manifest.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
-        if signing_key is not None and weak:
-            raise CheckpointCorruptedError(
-                f"{where} is signed but {', '.join(weak)} have no {FILE_CHECKSUM} checksum, "
-                f"so their content is not protected: do not restore it"
-            )
+        if signing_key is not None:
+            check_signed_files(manifest.files(), where)
         return manifest
 
     def inconsistency(self) -> str | None:

@@ -32,13 +32,13 @@ from typing import Any
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.checkpoint.layout import ACKS_DIR, METADATA_FILE, PENDING_FILE
 from statebackend.checkpoint.signing import (
-    ALGORITHM,
-    FILE_CHECKSUM,
     SigningKey,
+    check_document,
     check_signable,
-    check_signature,
+    check_signed_files,
+    document_bytes,
 )
-from statebackend.checksums import algorithm_of, document_checksum_problem, with_document_checksum
+from statebackend.checksums import algorithm_of
 from statebackend.errors import (
     MALFORMED_DOCUMENT,
     CheckpointCorruptedError,
@@ -55,7 +55,6 @@ from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 FORMAT_VERSION = 2
 """The newest format this release writes: 2 when signed, else 1 (which older releases read)."""
 _UNSIGNED_VERSION = 1
-SIGNATURE = "signature"
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -224,16 +223,13 @@ class CheckpointMetadata:
                 for operator_id, op in sorted(self.operators.items())
             },
         }
-        document = with_document_checksum(document, _canonical)
-        if signing_key is None:
-            return _canonical(document)
-        check_signable(
-            self.files(),
-            f"checkpoint {self.checkpoint_id}",
-            "write checkpoints with the signing key set",
-        )
-        signature = signing_key.sign(_canonical(document))
-        return _canonical({**document, SIGNATURE: {"algorithm": ALGORITHM, "value": signature}})
+        if signing_key is not None:
+            check_signable(
+                self.files(),
+                f"checkpoint {self.checkpoint_id}",
+                "write checkpoints with the signing key set",
+            )
+        return document_bytes(document, _canonical, signing_key)
 
     @classmethod
     def from_bytes(
@@ -251,16 +247,7 @@ class CheckpointMetadata:
             version = document["format_version"]
         except Exception as exc:
             raise CheckpointCorruptedError(f"{where}: not a checkpoint metadata file") from exc
-        signature = document.pop(SIGNATURE, None)
-        if signing_key is not None:
-            check_signature(_canonical(document), signature, signing_key, where)
-        # The checksum before the version: a damaged version number is damage, to fall
-        # back from, not a newer format.
-        damage = document_checksum_problem(document, _canonical)
-        if damage is not None:
-            raise CheckpointCorruptedError(
-                f"{where} is damaged: {damage}; restore from an earlier checkpoint"
-            )
+        check_document(document, _canonical, signing_key, where, "checkpoint")
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
             raise IncompatibleStateError(
                 f"{where} has metadata format version {version!r}; this statebackend reads "
@@ -291,12 +278,7 @@ class CheckpointMetadata:
         if problem is not None:
             raise CheckpointCorruptedError(f"{where} is invalid: {problem}")
         if signing_key is not None:
-            weak = [f.path for f in metadata.files() if algorithm_of(f.checksum) != FILE_CHECKSUM]
-            if weak:
-                raise CheckpointCorruptedError(
-                    f"{where} is signed but {', '.join(weak)} have no {FILE_CHECKSUM} "
-                    "checksum, so their content is not protected: do not restore it"
-                )
+            check_signed_files(metadata.files(), where)
         return metadata
 
     def problem(self) -> str | None:

@@ -30,18 +30,27 @@ import hashlib
 import hmac
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
-from statebackend.checksums import SHA256, RunningChecksum, algorithm_of
+from statebackend.checksums import (
+    SHA256,
+    RunningChecksum,
+    algorithm_of,
+    document_checksum_problem,
+    with_document_checksum,
+)
 from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
 from statebackend.snapshot.handles import StoredFile, normalize_path, resolve_path
 
 ALGORITHM = "hmac-sha256"
+SIGNATURE = "signature"
+"""The field of a signed JSON document (``_metadata``, a batch manifest) holding its
+signature (``{"algorithm", "value"}``)."""
 FILE_CHECKSUM = SHA256
 """The checksum algorithm of the files of a signed checkpoint."""
 
@@ -98,6 +107,52 @@ def check_signable(files: Iterable[StoredFile], what: str, remedy: str) -> None:
     if weak:
         raise CheckpointError(
             f"cannot sign {what}: {', '.join(weak)} have no {FILE_CHECKSUM} checksum; {remedy}"
+        )
+
+
+Encode = Callable[[dict[str, Any]], bytes]
+"""A JSON document's canonical bytes: the reader encodes what it parsed the same way."""
+
+
+def document_bytes(document: dict[str, Any], encode: Encode, key: SigningKey | None) -> bytes:
+    """The bytes (``encode``) of a checkpoint's or manifest's ``document`` with its checksum
+    field and, with ``key``, its ``SIGNATURE`` field: the key's signature of the bytes
+    without that field. The caller checks first that the files it names can be signed
+    (``check_signable``)."""
+    document = with_document_checksum(document, encode)
+    if key is None:
+        return encode(document)
+    signature = {"algorithm": ALGORITHM, "value": key.sign(encode(document))}
+    return encode({**document, SIGNATURE: signature})
+
+
+def check_document(
+    document: dict[str, Any], encode: Encode, key: SigningKey | None, where: str, earlier: str
+) -> None:
+    """Check a parsed ``document`` written by ``document_bytes`` before anything in it is
+    used, removing its signature and checksum fields: with ``key`` its signature
+    (``check_signature``), then its checksum, so that a damaged version number is damage
+    to fall back from, not a newer format. CheckpointCorruptedError naming ``where``,
+    telling to restore from an earlier ``earlier`` (e.g. "checkpoint")."""
+    signature = document.pop(SIGNATURE, None)
+    if key is not None:
+        check_signature(encode(document), signature, key, where)
+    damage = document_checksum_problem(document, encode)
+    if damage is not None:
+        raise CheckpointCorruptedError(
+            f"{where} is damaged: {damage}; restore from an earlier {earlier}"
+        )
+
+
+def check_signed_files(files: Iterable[StoredFile], where: str) -> None:
+    """CheckpointCorruptedError naming ``where`` (a document read with a signing key)
+    unless every one of ``files`` it names has a ``FILE_CHECKSUM`` checksum: the
+    signature covers a file's content only through that checksum."""
+    weak = [f.path for f in files if algorithm_of(f.checksum) != FILE_CHECKSUM]
+    if weak:
+        raise CheckpointCorruptedError(
+            f"{where} is signed but {', '.join(weak)} have no {FILE_CHECKSUM} checksum, "
+            f"so their content is not protected: do not restore it"
         )
 
 
