@@ -60,13 +60,16 @@ _ATTEMPT_PATTERN = re.compile(r"[A-Za-z0-9]+")
 _EPOCH_NAME = re.compile(r"epoch-([1-9][0-9]*)\.json")
 
 
-def validate_id(value: str, what: str) -> str:
-    """Return ``value`` if it is a valid ``what`` (a job id, operator id or file name).
+def is_plain_name(value: object) -> bool:
+    """Whether ``value`` is a valid id or file name: a non-empty string of only
+    ``[A-Za-z0-9._-]``, not made of dots only (so never ``.`` or ``..``)."""
+    return isinstance(value, str) and bool(_ID_PATTERN.fullmatch(value)) and bool(value.strip("."))
 
-    Valid: non-empty, only ``[A-Za-z0-9._-]``, not made of dots only. Otherwise raises
-    ConfigurationError naming the value.
-    """
-    if not isinstance(value, str) or not _ID_PATTERN.fullmatch(value) or not value.strip("."):
+
+def validate_id(value: str, what: str) -> str:
+    """Return ``value`` if it is a valid ``what`` (a job id, operator id or file name:
+    ``is_plain_name``); otherwise raises ConfigurationError naming the value."""
+    if not is_plain_name(value):
         raise ConfigurationError(
             f"{what} {value!r} is invalid: use a non-empty name of letters, digits, "
             "'.', '_' and '-' (and not only dots)"

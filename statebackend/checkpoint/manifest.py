@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from statebackend.checkpoint.layout import CHANGELOG_DIR
+from statebackend.checkpoint.layout import CHANGELOG_DIR, is_plain_name
 from statebackend.checkpoint.metadata import index_problem
 from statebackend.checkpoint.signing import (
     SigningKey,
@@ -46,7 +45,6 @@ from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.snapshot.handles import StoredFile
 
 MANIFEST_FORMAT_VERSION = 1
-_FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _KIND = "batch-manifest"
 SOURCE_OPERATOR = "source"
 """The operator id of a ``StatefulJob``'s source, whose offsets its driver holds."""
@@ -350,7 +348,7 @@ def _record_problem(handle: ChangelogHandle) -> str | None:
     directory = f"../{CHANGELOG_DIR}/{handle.batch_id}/"
     if handle.path is not None:
         name = handle.path.removeprefix(directory)
-        if name == handle.path or not _FILE_NAME.fullmatch(name) or not name.strip("."):
+        if name == handle.path or not is_plain_name(name):
             return f"record path {handle.path!r} is not a file of {directory}"
     if handle.size < 0 or algorithm_of(handle.checksum) is None:
         return f"record {handle.path} has a negative size or a malformed checksum"

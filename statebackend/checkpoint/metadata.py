@@ -24,13 +24,12 @@ import dataclasses
 import json
 import math
 import posixpath
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.backends.keyed import StateMetaInfo
-from statebackend.checkpoint.layout import ACKS_DIR, METADATA_FILE, PENDING_FILE
+from statebackend.checkpoint.layout import ACKS_DIR, METADATA_FILE, PENDING_FILE, is_plain_name
 from statebackend.checkpoint.signing import (
     SigningKey,
     check_document,
@@ -55,7 +54,6 @@ from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 FORMAT_VERSION = 2
 """The newest format this release writes: 2 when signed, else 1 (which older releases read)."""
 _UNSIGNED_VERSION = 1
-_FILE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
@@ -365,7 +363,7 @@ def _path_problem(path: str) -> str | None:
     parts = posixpath.normpath(path).split("/")
     if parts[:2] == ["..", "shared"] and len(parts) == 3:
         parts = parts[2:]
-    if ".." in parts or not all(_FILE_NAME.fullmatch(part) and part.strip(".") for part in parts):
+    if not all(map(is_plain_name, parts)):
         return f"file path {path!r} leads outside the checkpoint"
     if parts[0] in (METADATA_FILE, PENDING_FILE, ACKS_DIR):
         return f"file path {path!r} names the checkpoint's own {parts[0]}"
@@ -418,7 +416,7 @@ def ack_problem(ack: SubtaskAck) -> str | None:
                 return problem
     if isinstance(keyed, IncrementalKeyedStateHandle):
         names = [f.name for f in (*keyed.shared, *keyed.private)]
-        bad = [n for n in names if not _FILE_NAME.fullmatch(n) or not n.strip(".")]
+        bad = [n for n in names if not is_plain_name(n)]
         if bad or len(set(names)) != len(names):
             return f"incremental handle has invalid or repeated file names {bad or names}"
         for native in (*keyed.shared, *keyed.private):
