@@ -20,7 +20,7 @@ import datetime
 import decimal
 import json
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -286,10 +286,17 @@ def read_elements(selection: StateSelection) -> int:
     return 0 if share is None else sum(s.end - s.begin for s in share.slices)
 
 
-def _counting_reads(
-    ref: CheckpointRef, progress: Progress | None
-) -> Callable[[str, int, int], bytes]:
-    """Ranged reads of the checkpoint's files that report the bytes read to ``progress``."""
+def _keyed_entries(
+    ref: CheckpointRef,
+    selection: StateSelection,
+    key: Any,
+    progress: Progress | None,
+    allow_pickle: bool,
+) -> Iterator[tuple[Serializer[Any], bytes | None, Iterator[tuple[str, int, Entry]]]]:
+    """Per keyed handle of the selection's operator that ``keyed_read_plan`` reads: its
+    key deserializer (pickled keys opaque unless ``allow_pickle``), ``key`` serialized
+    (None if no key is asked) and the handle's (state name, key group, entry) of the
+    planned key groups, by ranged reads that report the bytes read to ``progress``."""
 
     def read_range(path: str, start: int, length: int) -> bytes:
         data = ref.fs.read_range(path, start, length)
@@ -297,7 +304,11 @@ def _counting_reads(
             progress(len(data))
         return data
 
-    return read_range
+    files = HandleFiles(ref.fs, ref.directory, read_range)
+    plan, key_bytes = keyed_read_plan(ref, selection, key)
+    for handle, groups in plan:
+        keys = reading_serializer(handle.key_serializer, allow_pickle)
+        yield keys, key_bytes, handle.read_entries(files, groups)
 
 
 def read_keyed_state(
@@ -322,15 +333,10 @@ def read_keyed_state(
         if meta.kind is StateKind.MAP
         else None
     )
-    read_range = _counting_reads(ref, progress)
-    plan, key_bytes = keyed_read_plan(ref, selection, key)
-    for handle, groups in plan:
-        keys = reading_serializer(handle.key_serializer, allow_pickle)
+    for keys, key_bytes, read in _keyed_entries(ref, selection, key, progress, allow_pickle):
         entries = (
             entry
-            for name, _, entry in handle.read_entries(
-                HandleFiles(ref.fs, ref.directory, read_range), groups
-            )
+            for name, _, entry in read
             if name == meta.name and (key_bytes is None or entry[0] == key_bytes)
         )
         for key_data, run in groupby(entries, key=lambda entry: entry[0]):
@@ -351,13 +357,8 @@ def read_timers(
     time, by (timestamp, serialized key). Pickled keys are ``OpaqueValue``s unless
     ``allow_pickle``."""
     names = {by_time_name(domain): domain for domain in TIME_DOMAINS}
-    read_range = _counting_reads(ref, progress)
-    plan, key_bytes = keyed_read_plan(ref, selection, key)
-    for handle, groups in plan:
-        keys = reading_serializer(handle.key_serializer, allow_pickle)
-        for name, _, (ts8, timer_key, _) in handle.read_entries(
-            HandleFiles(ref.fs, ref.directory, read_range), groups
-        ):
+    for keys, key_bytes, read in _keyed_entries(ref, selection, key, progress, allow_pickle):
+        for name, _, (ts8, timer_key, _) in read:
             domain = names.get(name)
             if domain is not None and (key_bytes is None or timer_key == key_bytes):
                 yield {
