@@ -167,6 +167,8 @@ def _decode_entries(payload: bytes, where: str) -> Iterator[tuple[int, Entry]]:
                 position += LENGTH.size
                 parts.append(bytes(view[position : position + length]))
                 position += length
+            if position > len(view):  # a slice past the end is short, not an error
+                raise ValueError("entry runs past the frame")
             yield state, (key, parts[0], parts[1])
     except Exception as exc:
         raise CheckpointCorruptedError(f"{where}: malformed entry at byte {position}") from exc
