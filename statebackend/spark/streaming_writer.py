@@ -100,8 +100,15 @@ class StatefulStreamWriter:
         self._cluster_by = _column_names(cols, "clusterBy")
         return self
 
-    def trigger(self, **trigger: Any) -> StatefulStreamWriter:
-        """The query's trigger, as ``DataStreamWriter.trigger`` takes it."""
+    def trigger(self, **given: Any) -> StatefulStreamWriter:
+        """The query's trigger, as ``DataStreamWriter.trigger`` takes it: exactly one
+        kind, a keyword given as None counting as not given."""
+        trigger = {kind: value for kind, value in given.items() if value is not None}
+        if len(trigger) != 1:
+            raise ConfigurationError(
+                f"trigger({', '.join(f'{k}={v!r}' for k, v in given.items())}) is invalid: "
+                f"give exactly one of processingTime, once or availableNow"
+            )
         if "continuous" in trigger or "realTime" in trigger:
             raise ConfigurationError(
                 f"trigger {trigger} is not supported: use processingTime, once or availableNow"

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from py4j.protocol import Py4JJavaError
 from pyspark import TaskContext, cloudpickle
+from pyspark.errors import PySparkValueError
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.stateful_processor import (
@@ -316,6 +317,46 @@ def test_write_stream_to_parquet(spark: SparkSession, tmp_path: Path) -> None:
     query.awaitTermination()
     written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
     assert written == [("a", 1), ("a", 6), ("b", 2)]
+
+
+def test_trigger_takes_one_kind_as_sparks_writer_does(spark: SparkSession, tmp_path: Path) -> None:
+    """trigger() takes exactly one kind, a keyword given as None not counting, as Spark's
+    own DataStreamWriter.trigger: none or two is one clear error; once=True beside
+    continuous=None runs once; availableNow=True beside processingTime=None ends the
+    query, so it cannot tick."""
+    batches = [
+        [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}],
+        [{"user": "a", "amount": 5}],
+    ]
+    write_batches(tmp_path / "input", batches)
+    source = batch_files(spark, tmp_path / "input")
+
+    def writer(job_id: str) -> Any:
+        stateful = transform_with_state(source, "user", Totals(), OUTPUT, job_id)
+        return stateful.writeStream.format("parquet").options(
+            path=str(tmp_path / job_id), checkpointLocation=str(tmp_path / f"ckpt-{job_id}")
+        )
+
+    for kinds in ({}, {"once": True, "availableNow": True}, {"processingTime": None}):
+        with pytest.raises(PySparkValueError, match="ONLY_ALLOW_SINGLE_TRIGGER"):
+            source.writeStream.trigger(**kinds)
+        with pytest.raises(ConfigurationError, match=r"is invalid: give exactly one of"):
+            writer("none").trigger(**kinds)
+
+    source.writeStream.trigger(continuous=None, once=True)  # Spark's: a trigger once
+    query = writer("once").trigger(continuous=None, once=True).start()
+    query.awaitTermination()
+    written = sorted(tuple(row) for row in spark.read.parquet(str(tmp_path / "once")).collect())
+    assert written == expected_totals([[row for batch in batches for row in batch]])
+
+    tick_interval = "spark.statebackend.streaming.tick-interval"
+    spark.conf.set(tick_interval, "1")
+    try:
+        ticking = writer("ticking").trigger(processingTime=None, availableNow=True)
+        with pytest.raises(ConfigurationError, match=r"ends the query, so .*tick-interval"):
+            ticking.start()
+    finally:
+        spark.conf.unset(tick_interval)
 
 
 def expected_totals(batches: list[list[dict[str, Any]]]) -> list[tuple[str, int]]:
