@@ -432,6 +432,7 @@ def _keyed_task(
                 backend.drain_changelog(),
                 operator_state,
             )
+            changelog_seconds = time.perf_counter() - started - keyed_seconds
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
             staged = _parquet_bytes(output, output_arrow_schema(plan.spec.output_schema))
             storage.fs.write_atomic(path, staged)
@@ -460,6 +461,7 @@ def _keyed_task(
             keyed_seconds=keyed_seconds,
             sync_cut_seconds=sync_seconds,
             changelog_bytes=handle.size,
+            changelog_seconds=changelog_seconds,
         )
         yield _metadata_batch(
             subtask,

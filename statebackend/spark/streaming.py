@@ -43,6 +43,7 @@ retention keeps every checkpoint a retained manifest builds on.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -256,6 +257,27 @@ def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
         "time_mode 'EventTime' needs an event-time column: call df.withWatermark(column, "
         "delay) before transform_with_state"
     )
+
+
+def _batch_metrics(
+    batch_id: int, rows: list[Row], parts: Sequence[object], seconds: float
+) -> BatchMetrics:
+    """Batch ``batch_id``'s metrics from its subtasks' rows and ``parts`` (their metrics):
+    the Spark job's ``seconds`` beyond its slowest subtask count as source and shuffle."""
+    subtasks = [
+        (part, float(row.restore_seconds or 0.0))
+        for part, row in zip(parts, rows, strict=True)
+        if isinstance(part, BatchMetrics)
+    ]
+    slowest = max(
+        (
+            restore + p.keyed_seconds + p.changelog_seconds + p.sync_cut_seconds
+            for p, restore in subtasks
+        ),
+        default=0.0,
+    )
+    batch = combine_batches(batch_id, [p for p, _ in subtasks])
+    return dataclasses.replace(batch, shuffle_seconds=max(0.0, seconds - slowest))
 
 
 class StatefulStream:
@@ -484,14 +506,18 @@ class StatefulStream:
         )
         sc = self.df.sparkSession.sparkContext
         try:
+            started = time.perf_counter()
             with job_group(sc, self.job_id, OPERATOR_ID, "keyed subtasks", batch_id):
                 combined = combined_input(batch_df, self.spec, initial, self.with_key_groups)
                 rows = self._keyed_batches.run(combined, plan)
+            seconds = time.perf_counter() - started
             parts = [record_from_json(json.loads(row.metrics)) for row in rows]
-            batch = combine_batches(batch_id, [p for p in parts if isinstance(p, BatchMetrics)])
+            batch = _batch_metrics(batch_id, rows, parts, seconds)
+            started = time.perf_counter()
             manifest = self.committer.commit(
                 batch_id, rows, self.parallelism, self.max_parallelism, times, self.query, batch
             )
+            batch = dataclasses.replace(batch, manifest_seconds=time.perf_counter() - started)
         except BaseException as exc:
             if checkpoint_id is not None:  # it would cut no committed state
                 tracker.abort(f"batch {batch_id} failed: {exc}")

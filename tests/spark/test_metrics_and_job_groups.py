@@ -22,7 +22,8 @@ from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import OPERATOR_ID, generate_events
 from statebackend.spark.job_groups import job_group_id
 from statebackend.spark.streaming import transform_with_state
-from tests.spark.jobs import run_user_totals
+from tests.spark.jobs import run_user_totals, streaming_session
+from tests.spark.streaming_parity import write_batches
 from tests.spark.test_streaming_api import OUTPUT, Totals
 
 EVENTS = 400
@@ -97,3 +98,41 @@ def test_a_streaming_batch_records_its_metrics_and_labels_its_spark_jobs(
     assert records_of(_history(url, "observed-stream"), BatchMetrics) == [latest]
     group = job_group_id("observed-stream", STREAM_OPERATOR_ID, 0)
     assert spark_local.sparkContext.statusTracker().getJobIdsForGroup(group)
+
+
+def test_a_streaming_querys_batches_record_where_their_time_went(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Each batch of a transform_with_state query records, as a StatefulJob's does, the
+    seconds of its changelog write, of the manifest's commit and of the Spark job beyond
+    its slowest subtask (source and shuffle), within the batch's duration Spark reports."""
+    batches = [
+        [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}, {"user": "a", "amount": 3}],
+        [{"user": "c", "amount": 4}],
+    ]
+    write_batches(tmp_path / "input", batches)
+    url = (tmp_path / "ours").as_uri()
+    with streaming_session(spark_local, tmp_path) as spark:
+        source = (
+            spark.readStream.schema("user string, amount long")
+            .option("maxFilesPerTrigger", 1)
+            .json(str(tmp_path / "input"))
+        )
+        query = (
+            transform_with_state(source, "user", Totals(), OUTPUT, "timed-stream")
+            .writeStream.foreachBatch(lambda df, batch_id: None)
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+    durations = {p["batchId"]: p["batchDuration"] / 1000 for p in query.recentProgress}
+
+    recorded = records_of(_history(url, "timed-stream"), BatchMetrics)
+    assert [(b.batch_id, b.records_in) for b in recorded] == [
+        (batch_id, len(rows)) for batch_id, rows in enumerate(batches)
+    ]
+    for b in recorded:
+        assert b.changelog_seconds > 0 and b.manifest_seconds > 0 and b.shuffle_seconds > 0
+        subtask = b.keyed_seconds + b.changelog_seconds + b.sync_cut_seconds
+        assert b.shuffle_seconds + subtask + b.manifest_seconds <= durations[b.batch_id]
