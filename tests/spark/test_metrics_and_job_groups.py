@@ -136,3 +136,8 @@ def test_a_streaming_querys_batches_record_where_their_time_went(
         assert b.changelog_seconds > 0 and b.manifest_seconds > 0 and b.shuffle_seconds > 0
         subtask = b.keyed_seconds + b.changelog_seconds + b.sync_cut_seconds
         assert b.shuffle_seconds + subtask + b.manifest_seconds <= durations[b.batch_id]
+
+    # The keyed jobs ran in the query's job group (its runId, which stop() cancels).
+    tracker = spark_local.sparkContext.statusTracker()
+    assert tracker.getJobIdsForGroup(str(query.runId))
+    assert not tracker.getJobIdsForGroup(job_group_id("timed-stream", STREAM_OPERATOR_ID, 0))
