@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
@@ -202,6 +203,11 @@ def is_bound(storage: CheckpointStorage, checkpoint_location: str, options: dict
     return spark_fs.exists(spark_path)
 
 
+_BINDING = threading.Lock()
+"""Held by ``bind``: its checks and writes are not one atomic step on storage, so two
+queries of one job started at once in this process would both find it unbound."""
+
+
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
     """Bind the Spark ``checkpointLocation`` to the job of ``storage`` (first start) or
     check that they are bound to each other; the binding's id.
@@ -210,7 +216,13 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     if the job has a partner location whose binding file is gone, or if an unbound job
     holds batches already (``toDF()`` ran them): a new Spark checkpoint would take the
     job's committed batches for its own re-runs and skip its own first batches.
+    One binds at a time in this process (``_BINDING``).
     """
+    with _BINDING:
+        return _bind(storage, checkpoint_location, options)
+
+
+def _bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
     location, spark_fs, spark_path = _spark_side(storage, checkpoint_location, options)
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
     theirs = _read_json(spark_fs, spark_path)

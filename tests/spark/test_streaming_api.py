@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -202,6 +203,72 @@ def test_a_setting_changed_after_transform_with_state_is_refused_at_start(
     assert sorted(tuple(row) for row in stateful.toDF().collect()) == [
         ("a", 4), ("b", 2), ("c", 4)
     ]  # fmt: skip
+
+
+def test_two_queries_of_one_job_started_at_once_one_is_refused(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Two queries with the same job_id and their own checkpointLocations, started at
+    the same moment from two threads of one session: one starts, the other is refused
+    (the job belongs to the first's checkpointLocation), in each of a few tries; the one
+    that started writes every total exactly once. Unrefused, the two commit over each
+    other's batches and leave a manifest naming a changelog record the other deleted."""
+    batches = [
+        [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}],
+        [{"user": "a", "amount": 3}],
+        [{"user": "b", "amount": 4}],
+    ]
+    write_batches(tmp_path / "input", batches)
+
+    def writer(job_id: str, i: int) -> Any:
+        source = batch_files(spark, tmp_path / "input")
+        return (
+            transform_with_state(source, "user", Totals(), OUTPUT, job_id)
+            .writeStream.format("parquet")
+            .options(
+                path=str(tmp_path / f"out-{job_id}-{i}"),
+                checkpointLocation=str(tmp_path / f"ckpt-{job_id}-{i}"),
+            )
+        )
+
+    def start_at_once(writers: list[Any]) -> dict[int, Any]:
+        """Each writer's query, or the ConfigurationError its start raised."""
+        barrier = threading.Barrier(len(writers))
+        started: dict[int, Any] = {}
+
+        def start(i: int) -> None:
+            barrier.wait()
+            try:
+                started[i] = writers[i].start()
+            except ConfigurationError as exc:
+                started[i] = exc
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(len(writers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return started
+
+    winners = []
+    for attempt in range(4):
+        started = start_at_once([writer(f"one-{attempt}", i) for i in range(2)])
+        queries = {i: q for i, q in started.items() if not isinstance(q, ConfigurationError)}
+        for query in queries.values():
+            query.stop()
+        assert len(queries) == 1, f"try {attempt}: {started}"
+        ((winner, _),) = queries.items()
+        assert "belongs to checkpointLocation" in str(started[1 - winner])
+        winners.append(winner)
+
+    query = writer("one-0", winners[0]).start()
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    out = tmp_path / f"out-one-0-{winners[0]}"
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == expected_totals(batches)
 
 
 class CountsByX(StatefulProcessor):
