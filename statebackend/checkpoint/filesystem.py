@@ -577,6 +577,45 @@ class CheckpointFileSystem:
         self._retrying("write", path, write)
         self._count_written(len(data))
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Write ``data`` to ``path`` unless a file is there: True if it was written, False
+        if ``path`` existed. Readers see nothing or all of it.
+
+        Of writers racing for one path exactly one gets True where the storage decides:
+        on a local disk (a hard link of a complete temp file) and on S3 (a conditional
+        PUT); other storages check, then write. After a retried try False can also mean
+        that an earlier try of this call wrote it: read the file to know whose it is.
+        """
+
+        def create() -> bool:
+            try:
+                if self._local:
+                    self._link_new(path, data)
+                else:
+                    self._fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        created = self._retrying("create", path, create)
+        if created:
+            self._count_written(len(data))
+        return created
+
+    def _link_new(self, path: str, data: bytes) -> None:
+        """Create the local file ``path`` holding ``data`` by hard-linking a flushed temp
+        file to it, which fails with FileExistsError if ``path`` exists."""
+        target = self._fs._strip_protocol(path)
+        temp = f"{target}.{uuid.uuid4().hex}.tmp"
+        self._fs.pipe_file(temp, data)
+        try:
+            _fsync(temp)
+            os.link(temp, target)
+        finally:
+            with suppress(OSError):
+                os.remove(temp)
+        _fsync(os.path.dirname(target))
+
     def _rename(self, source: str, target: str) -> None:
         """Rename ``source`` over ``target``; on a local disk with the file flushed before
         (fsync) and its directory after, so that a power loss leaves ``target`` with its old

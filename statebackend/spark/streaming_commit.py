@@ -106,8 +106,8 @@ def _read_json(fs: CheckpointFileSystem, path: str) -> dict[str, Any] | None:
     return dict(json.loads(fs.read_file(path)))
 
 
-def _write_json(fs: CheckpointFileSystem, path: str, document: dict[str, Any]) -> None:
-    fs.write_atomic(path, json.dumps(document, sort_keys=True).encode("utf-8"))
+def _create_json(fs: CheckpointFileSystem, path: str, document: dict[str, Any]) -> bool:
+    return fs.create_exclusive(path, json.dumps(document, sort_keys=True).encode("utf-8"))
 
 
 def _options_for(url: str, storage: CheckpointStorage, options: dict[str, Any]) -> dict[str, Any]:
@@ -206,6 +206,9 @@ def is_bound(storage: CheckpointStorage, checkpoint_location: str, options: dict
 _BINDING = threading.Lock()
 """Held by ``bind``: its checks and writes are not one atomic step on storage, so two
 queries of one job started at once in this process would both find it unbound."""
+_BIND_TRIES = 3
+"""A start that lost the race for a binding file reads both sides again; a race is lost
+at most once per side."""
 
 
 def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
@@ -216,13 +219,25 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     if the job has a partner location whose binding file is gone, or if an unbound job
     holds batches already (``toDF()`` ran them): a new Spark checkpoint would take the
     job's committed batches for its own re-runs and skip its own first batches.
-    One binds at a time in this process (``_BINDING``).
+    One binds at a time in this process (``_BINDING``); drivers in other processes
+    race for each binding file, which is created only if absent (``create_exclusive``).
     """
     with _BINDING:
-        return _bind(storage, checkpoint_location, options)
+        for _ in range(_BIND_TRIES):
+            binding_id = _bind(storage, checkpoint_location, options)
+            if binding_id is not None:
+                return binding_id
+    raise ConfigurationError(
+        f"could not bind checkpointLocation {checkpoint_location} to state job "
+        f"{storage.job_id!r}: other drivers keep binding them; run one query per job"
+    )
 
 
-def _bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
+def _bind(
+    storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]
+) -> str | None:
+    """``bind``'s one try: the binding's id, or None if another driver wrote a binding
+    file between this try's read and its write."""
     location, spark_fs, spark_path = _spark_side(storage, checkpoint_location, options)
     ours = {"checkpoint_dir": storage.layout.checkpoint_dir, "job_id": storage.job_id}
     theirs = _read_json(spark_fs, spark_path)
@@ -264,22 +279,27 @@ def _bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[st
     created = theirs is None
     if theirs is None:
         theirs = {**ours, "binding_id": uuid.uuid4().hex}
-        _write_json(spark_fs, spark_path, theirs)  # first: a crash here leaves it alone
+        # First: a crash here leaves the job alone.
+        if not _create_json(spark_fs, spark_path, theirs):
+            return None
     binding_id = str(theirs["binding_id"])
     if job_side is None:
+        won = False
         try:
-            _write_json(
+            won = _create_json(
                 storage.fs,
                 storage.layout.spark_binding_path,
                 {"checkpoint_location": location, "binding_id": binding_id},
             )
-        except Exception:
-            # The job's storage cannot be written (a missing bucket, no access): unbind, so
-            # that a start with the storage corrected is not refused.
-            if created:
+        finally:
+            # Unbind if the job's storage cannot be written (a missing bucket, no access),
+            # so that a start with the storage corrected is not refused, or if another
+            # driver bound the job first.
+            if created and not won:
                 with suppress(Exception):
                     spark_fs.delete(spark_path)
-            raise
+        if not won:
+            return None
     elif job_side.get("binding_id") != binding_id:
         raise ConfigurationError(
             f"checkpointLocation {location} and state job {storage.job_id!r} were bound in "

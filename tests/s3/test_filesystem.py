@@ -6,7 +6,9 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -493,3 +495,23 @@ def test_a_url_fsspec_would_take_for_a_relative_local_path_is_refused(
     assert capsys.readouterr().err.startswith(f"statebackend: error: checkpoint storage {says}")
     assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]
     assert open_filesystem("file:" + str(tmp_path)).exists(str(rows))  # Hadoop's file:/path
+
+
+def test_create_exclusive_writes_once_among_racing_writers(
+    fs: CheckpointFileSystem, root: str
+) -> None:
+    """Of eight writers creating one file at once exactly one writes it, whole; the
+    others are told it exists; and no temp file is left beside it."""
+    path = f"{root}/dir/claim.json"
+    barrier = threading.Barrier(8)
+
+    def create(i: int) -> bool:
+        barrier.wait()
+        return fs.create_exclusive(path, pattern(1000 + i))
+
+    with ThreadPoolExecutor(8) as pool:
+        created = list(pool.map(create, range(8)))
+    assert created.count(True) == 1
+    assert fs.read_file(path) == pattern(1000 + created.index(True))
+    assert fs.create_exclusive(path, b"later") is False
+    assert fs.list_dir(f"{root}/dir") == ["claim.json"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +77,37 @@ def test_the_job_is_found_bound_under_every_spelling_of_its_checkpoint_dir(
         assert bind(CheckpointStorage(spelling, "job"), location, {}) == binding, spelling
     with pytest.raises(ConfigurationError, match="belongs to state job 'job' in"):
         bind(CheckpointStorage((tmp_path / "other").as_uri(), "job"), location, {})
+
+
+def _bind_after(barrier: Any, storage: CheckpointStorage, location: str, results: Any) -> None:
+    barrier.wait()
+    try:
+        results.put((location, bind(storage, location, {})))
+    except ConfigurationError as exc:
+        results.put((location, exc))
+
+
+def test_two_drivers_binding_one_new_job_at_once_bind_it_once(tmp_path: Path) -> None:
+    """Two processes start queries of one new job with their own checkpointLocations at
+    the same moment: one binds the job, the other is refused and leaves its location
+    unbound (each binding file is created only if absent)."""
+    context = multiprocessing.get_context("fork")
+    for trial in range(12):
+        storage = CheckpointStorage((tmp_path / f"ckpt{trial}").as_uri(), "job")
+        locations = [str(tmp_path / f"spark{trial}-{side}") for side in "ab"]
+        barrier, results = context.Barrier(2), context.Queue()
+        drivers = [
+            context.Process(target=_bind_after, args=(barrier, storage, location, results))
+            for location in locations
+        ]
+        for driver in drivers:
+            driver.start()
+        outcomes = dict(results.get(timeout=60) for _ in drivers)
+        for driver in drivers:
+            driver.join(timeout=60)
+        bound = [loc for loc, outcome in outcomes.items() if isinstance(outcome, str)]
+        assert len(bound) == 1, (trial, outcomes)
+        (loser,) = set(locations) - set(bound)
+        assert "belongs to checkpointLocation" in str(outcomes[loser])
+        assert not (Path(loser) / LOCATION_BINDING_FILE).exists()
+        assert bind(storage, bound[0], {}) == outcomes[bound[0]]
