@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
+from fsspec.utils import get_protocol
 
 _BUCKET = "statebackend-test"
 _AWS_TEST_ENV = {
@@ -54,6 +56,14 @@ class S3Endpoint:
     def new_storage(self) -> Storage:
         """A fresh, empty prefix in the bucket."""
         return Storage(f"s3://{self.bucket}/{uuid.uuid4().hex}", self.storage_options)
+
+
+def raw_fs(location: Storage) -> fsspec.AbstractFileSystem:
+    """A plain fsspec file system on ``location``'s storage, for the test's own I/O."""
+    protocol = get_protocol(location.url)
+    return fsspec.filesystem(
+        protocol, **({"auto_mkdir": True} if protocol == "file" else location.storage_options)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
-import fsspec
 import pytest
-from fsspec.utils import get_protocol
 
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
@@ -35,7 +33,7 @@ from statebackend.errors import (
 from statebackend.keygroups import KeyGroupRange
 from statebackend.state.interfaces import ValueState
 from statebackend.tools.gc import find_garbage
-from tests.conftest import Storage
+from tests.conftest import Storage, raw_fs
 from tests.s3 import test_checkpoint_storage as heap_jobs
 from tests.s3 import test_incremental_checkpoints as incremental_jobs
 
@@ -50,9 +48,7 @@ class FlakyFileSystem(CheckpointFileSystem):
     """A checkpoint file system whose deletes and copies fail while ``failing(path)``."""
 
     def __init__(self, location: Storage) -> None:
-        protocol = get_protocol(location.url)
-        options = {"auto_mkdir": True} if protocol == "file" else dict(location.storage_options)
-        super().__init__(fsspec.filesystem(protocol, **options))
+        super().__init__(raw_fs(location))
         self.failing: Callable[[str], bool] = lambda path: False
 
     def delete(self, path: str, recursive: bool = False) -> None:

@@ -37,8 +37,7 @@ from statebackend.snapshot.handles import resolve_path
 from statebackend.spark.conf import StateBackendConf
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
-from tests.conftest import Storage
-from tests.s3.test_checkpoint_storage import raw_fs
+from tests.conftest import Storage, raw_fs
 
 M = 128
 OPERATOR = "op"

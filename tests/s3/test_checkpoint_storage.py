@@ -14,9 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import fsspec
 import pytest
-from fsspec.utils import get_protocol
 
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
@@ -53,7 +51,7 @@ from statebackend.snapshot.keyed_format import FullKeyedStateHandle, read_keyed_
 from statebackend.state.descriptors import ListStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import ListState, ValueState
 from statebackend.tools.listing import summarize
-from tests.conftest import S3Endpoint, Storage
+from tests.conftest import S3Endpoint, Storage, raw_fs
 
 M = 128
 P = 2
@@ -203,14 +201,6 @@ def assert_restores(job: Job, checkpoint_id: int, directory: str | None = None) 
     keyed, offsets = restore_all(job.storage.fs, where)
     assert keyed == job.models[checkpoint_id]
     assert offsets == [o for subtask in job.offsets[checkpoint_id] for o in subtask]
-
-
-def raw_fs(location: Storage) -> fsspec.AbstractFileSystem:
-    """A plain fsspec file system on ``location``'s storage, for the test's own I/O."""
-    protocol = get_protocol(location.url)
-    return fsspec.filesystem(
-        protocol, **({"auto_mkdir": True} if protocol == "file" else location.storage_options)
-    )
 
 
 def files_under(location: Storage, directory: str) -> dict[str, bytes]:

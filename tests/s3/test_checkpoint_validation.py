@@ -18,14 +18,13 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
 from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, CheckpointError
-from tests.conftest import Storage
+from tests.conftest import Storage, raw_fs
 from tests.s3.test_checkpoint_storage import (
     OPERATOR,
     Job,
     P,
     assert_restores,
     new_job,
-    raw_fs,
     restore_all,
 )
 

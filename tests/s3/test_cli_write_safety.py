@@ -21,9 +21,9 @@ from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.requests import pending_savepoint_requests
 from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter
 from statebackend.errors import CheckpointError
-from tests.conftest import Storage
+from tests.conftest import Storage, raw_fs
 from tests.s3.test_cli import assert_one_error_line
-from tests.s3.test_incremental_checkpoints import OPERATOR, Job, M, new_job, raw_fs, restore
+from tests.s3.test_incremental_checkpoints import OPERATOR, Job, M, new_job, restore
 
 
 @pytest.fixture

@@ -35,13 +35,12 @@ from statebackend.snapshot.handles import resolve_path
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS, delete_garbage, find_garbage
 from statebackend.tools.location import CheckpointRef
 from statebackend.tools.verify import verify_checkpoint
-from tests.conftest import Storage
+from tests.conftest import Storage, raw_fs
 from tests.s3.test_incremental_checkpoints import (
     OPERATOR,
     WAIT,
     Job,
     M,
-    raw_fs,
     restore,
 )
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import fsspec
 import pytest
 from fsspec.utils import get_protocol
 
@@ -52,7 +51,7 @@ from statebackend.tools.gc import find_garbage
 from statebackend.tools.listing import inspect_checkpoint
 from statebackend.tools.location import CheckpointRef
 from statebackend.tools.verify import verify_checkpoint
-from tests.conftest import S3Endpoint, Storage
+from tests.conftest import S3Endpoint, Storage, raw_fs
 
 M = 128
 OPERATOR = "op"
@@ -73,9 +72,7 @@ class SharedGateFileSystem(CheckpointFileSystem):
     holds the next shared write at ``gate`` (``holding`` set) or fails it (``fail``)."""
 
     def __init__(self, location: Storage) -> None:
-        protocol = get_protocol(location.url)
-        options = {"auto_mkdir": True} if protocol == "file" else dict(location.storage_options)
-        super().__init__(fsspec.filesystem(protocol, **options))
+        super().__init__(raw_fs(location))
         self.shared_allowed: int | None = None
         self.fail = False
         self.shared_writes = 0
@@ -264,14 +261,6 @@ def referenced_shared(job: Job, checkpoint_ids: Iterable[int]) -> set[str]:
         for handle in handles(job, checkpoint_id)
         for f in handle.shared
     }
-
-
-def raw_fs(location: Storage) -> fsspec.AbstractFileSystem:
-    """A plain fsspec file system on ``location``'s storage, for the test's own I/O."""
-    protocol = get_protocol(location.url)
-    return fsspec.filesystem(
-        protocol, **({"auto_mkdir": True} if protocol == "file" else location.storage_options)
-    )
 
 
 def compact(backend: RocksDBKeyedStateBackend) -> None:

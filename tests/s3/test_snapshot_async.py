@@ -18,9 +18,7 @@ from typing import Any, cast
 from unittest.mock import ANY
 
 import boto3
-import fsspec
 import pytest
-from fsspec.utils import get_protocol
 
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
@@ -46,7 +44,7 @@ from statebackend.state.descriptors import (
     ValueStateDescriptor,
 )
 from statebackend.state.interfaces import ListState, MapState, ValueState
-from tests.conftest import Storage
+from tests.conftest import Storage, raw_fs
 
 M = 128
 OPERATOR = "agg"
@@ -79,9 +77,7 @@ class GatedFileSystem(CheckpointFileSystem):
         fail_after: int | None = None,
         delay: float = 0.0,
     ) -> None:
-        protocol = get_protocol(url)
-        options = {"auto_mkdir": True} if protocol == "file" else dict(storage_options)
-        super().__init__(fsspec.filesystem(protocol, **options))
+        super().__init__(raw_fs(Storage(url, storage_options)))
         self.hold_after = hold_after
         self.fail_after = fail_after
         self.delay = delay

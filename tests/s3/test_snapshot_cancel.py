@@ -14,9 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
-from fsspec.utils import get_protocol
 
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.backends.raw_keyed import RawKeyedState
@@ -26,7 +24,7 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCancelledError
 from statebackend.serializers import IntSerializer
 from statebackend.snapshot.handles import INLINE_LIMIT
-from tests.conftest import Storage
+from tests.conftest import Storage, raw_fs
 from tests.s3.test_snapshot_async import OPERATOR, WAIT, cut_dirs, make_backend, write_state
 
 
@@ -35,9 +33,7 @@ class CommitGateFileSystem(CheckpointFileSystem):
     no write starts before ``start`` is set."""
 
     def __init__(self, location: Storage) -> None:
-        protocol = get_protocol(location.url)
-        options = {"auto_mkdir": True} if protocol == "file" else location.storage_options
-        super().__init__(fsspec.filesystem(protocol, **options))
+        super().__init__(raw_fs(location))
         self.hold_at = 1
         self.completed = 0
         self.start = threading.Event()
@@ -65,9 +61,7 @@ class CommitGateFileSystem(CheckpointFileSystem):
 
 def stored_files(location: Storage, directory: str) -> list[str]:
     """Every file stored below ``directory`` of the location."""
-    protocol = get_protocol(location.url)
-    options = {} if protocol == "file" else location.storage_options
-    fs = fsspec.filesystem(protocol, **options)
+    fs = raw_fs(location)
     fs.invalidate_cache()
     return sorted(fs.find(fs._strip_protocol(directory)))
 
