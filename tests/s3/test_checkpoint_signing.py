@@ -29,7 +29,6 @@ from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state, restore_operator_state
 from statebackend.checkpoint.signing import SigningKey, verified_reads
 from statebackend.checkpoint.storage import CheckpointStorage
-from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, ConfigurationError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import IntSerializer, PickleSerializer
@@ -38,6 +37,7 @@ from statebackend.spark.conf import StateBackendConf
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 from tests.conftest import Storage, raw_fs
+from tests.s3.test_cli import cli
 
 M = 128
 OPERATOR = "op"
@@ -54,14 +54,6 @@ class Payload:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.system, (f"touch {self.marker}",))
-
-
-def cli(capsys: pytest.CaptureFixture[str], location: Storage, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    options = [f"--storage-option={k}={v}" for k, v in location.storage_options.items()]
-    status = main([*argv, *options])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def take_checkpoint(

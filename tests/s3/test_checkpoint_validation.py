@@ -16,7 +16,6 @@ import pytest
 from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
-from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, CheckpointError
 from tests.conftest import Storage, raw_fs
 from tests.s3.test_checkpoint_storage import (
@@ -27,15 +26,7 @@ from tests.s3.test_checkpoint_storage import (
     new_job,
     restore_all,
 )
-
-
-def cli(capsys: pytest.CaptureFixture[str], location: Storage, *argv: str) -> tuple[int, str, str]:
-    """Run the command with the location's storage options; (status, stdout, stderr)."""
-    capsys.readouterr()
-    options = [f"--storage-option={k}={v}" for k, v in location.storage_options.items()]
-    status = main([*argv, *options])
-    out, err = capsys.readouterr()
-    return status, out, err
+from tests.s3.test_cli import cli
 
 
 @pytest.fixture

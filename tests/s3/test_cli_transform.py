@@ -27,7 +27,6 @@ from statebackend.checkpoint.restore import (
 )
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
-from statebackend.cli import main
 from statebackend.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index
 from statebackend.serializers import IntSerializer, PickleSerializer, StrSerializer
 from statebackend.snapshot.frames import CODECS, FRAME_HEADER
@@ -42,6 +41,7 @@ from statebackend.state.ttl import StateTtlConfig
 from statebackend.tools.location import open_checkpoint
 from statebackend.tools.transform import plan_transform, transform_savepoint
 from tests.conftest import Storage
+from tests.s3.test_cli import cli
 
 M = 32
 KEYS = [f"k{n}" for n in range(60)]
@@ -158,14 +158,6 @@ def restore(
     return found
 
 
-def cli(storage: Storage, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
-    capsys.readouterr()
-    status = main([*argv, *options])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
 def target_of(storage: Storage, name: str) -> str:
     return f"{storage.url}/savepoints/{name}"
 
@@ -179,7 +171,7 @@ def transform(
 ) -> tuple[int, str, str]:
     """``statebackend savepoint transform --from source --to target *options``."""
     return cli(
-        storage, capsys, "savepoint", "transform", "--from", source, "--to", target, *options
+        capsys, storage, "savepoint", "transform", "--from", source, "--to", target, *options
     )
 
 
@@ -211,10 +203,10 @@ def test_transform_round_trip(
     assert status == 0, err
     assert out.strip() == target
     assert checkpoints.fs.read_file(f"{source}/_metadata") == before
-    assert cli(checkpoint_url, capsys, "verify", source)[0] == 0
-    assert cli(checkpoint_url, capsys, "verify", target)[0] == 0
+    assert cli(capsys, checkpoint_url, "verify", source)[0] == 0
+    assert cli(capsys, checkpoint_url, "verify", target)[0] == 0
 
-    status, out, _ = cli(checkpoint_url, capsys, "inspect", target, "--json")
+    status, out, _ = cli(capsys, checkpoint_url, "inspect", target, "--json")
     info = json.loads(out)
     assert info["kind"] == "savepoint"
     assert list(info["operators"]) == ["enrich"]
@@ -282,8 +274,8 @@ def test_bootstrap_from_files(
     )
     target = target_of(checkpoint_url, "boot")
     status, out, err = cli(
-        checkpoint_url,
         capsys,
+        checkpoint_url,
         "savepoint",
         "bootstrap",
         "--to",
@@ -303,7 +295,7 @@ def test_bootstrap_from_files(
     )
     assert status == 0, err
     assert out.strip() == target
-    assert cli(checkpoint_url, capsys, "verify", target)[0] == 0
+    assert cli(capsys, checkpoint_url, "verify", target)[0] == 0
     plain_attrs = MapStateDescriptor("attrs", StrSerializer(), IntSerializer())
     for parallelism in (1, 2, 5):
         found = restore(checkpoint_url, target, parallelism, [COUNT, plain_attrs])
@@ -331,8 +323,8 @@ def test_bootstrap_rejects_bad_rows(
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     status, _, err = cli(
-        storage,
         capsys,
+        storage,
         "savepoint",
         "bootstrap",
         "--to",
@@ -367,7 +359,7 @@ def test_a_parallelism_of_zero_is_refused_not_taken_for_the_default(
     rows = write_jsonl(tmp_path / "rows.jsonl", [{"key": "a", "value": 1}])
     bootstrap = ["savepoint", "bootstrap", "--to", target, "--operator", "op"]
     status, _, err = cli(
-        storage, capsys, *bootstrap, "--state", f"count:value={rows}", "-p", "2",
+        capsys, storage, *bootstrap, "--state", f"count:value={rows}", "-p", "2",
         "--max-parallelism", "0",
     )  # fmt: skip
     assert (status, err) == (
@@ -388,8 +380,8 @@ def test_bootstrap_refuses_an_operator_id_that_is_no_file_name(
     rows = write_jsonl(tmp_path / "rows.jsonl", [{"key": "a", "value": 1}])
     before = sorted(tmp_path.rglob("*"))
     status, _, err = cli(
-        Storage(tmp_path.as_uri()),
         capsys,
+        Storage(tmp_path.as_uri()),
         "savepoint",
         "bootstrap",
         "--to",
@@ -460,7 +452,7 @@ def test_savepoints_the_command_writes_are_lz4_by_default(
     state = f"count:value={write_jsonl(tmp_path / 'c.jsonl', rows)}"
     storage = Storage(tmp_path.as_uri())
     boot = ("savepoint", "bootstrap", "--operator", "op", "--state", state, "-p", "2")
-    assert cli(storage, capsys, *boot, "--to", str(tmp_path / "boot"))[0] == 0
+    assert cli(capsys, storage, *boot, "--to", str(tmp_path / "boot"))[0] == 0
     assert frame_codecs(tmp_path / "boot") == {"lz4"}
     assert transform(storage, capsys, str(tmp_path / "boot"), str(tmp_path / "lz4"))[0] == 0
     assert frame_codecs(tmp_path / "lz4") == {"lz4"}

@@ -24,11 +24,11 @@ from statebackend.checkpoint.restore import restore_raw_keyed_state
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import DOCUMENT_CHECKSUM
-from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, SerializationError, StateAccessError
 from statebackend.keygroups import KeyGroupRange, compute_key_group_range_for_operator_index
 from statebackend.snapshot.keyed_format import FRAME_BYTES
 from tests.conftest import Storage
+from tests.s3.test_cli import cli
 
 MAX_PARALLELISM = 64
 PARALLELISMS = (1, 2, 3, 4, 7)
@@ -174,13 +174,6 @@ def test_ack_without_raw_keyed_state_keeps_its_old_json() -> None:
     assert ack.to_json() == old
 
 
-def cli(storage: Storage, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
-    capsys.readouterr()
-    status = main([*argv, *options])
-    return status, capsys.readouterr().out
-
-
 def test_inspect_verify_and_savepoint(
     checkpoint_url: Storage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -188,16 +181,16 @@ def test_inspect_verify_and_savepoint(
     checkpoints = CheckpointStorage(storage.url, "job", storage_options=storage.storage_options)
     directory = checkpoints.resolve(checkpoint_id)
 
-    status, out = cli(storage, capsys, "inspect", directory, "--json")
+    status, out, _ = cli(capsys, storage, "inspect", directory, "--json")
     assert status == 0
     info = json.loads(out)["operators"][OPERATOR]
     assert info["raw_keyed_bytes"] > sum(map(len, streams.values()))
     assert [sub["raw_keyed_key_groups"] for sub in info["subtasks"]] == [
         sum(1 for g in streams if g in key_group_range(3, i)) for i in range(3)
     ]
-    status, out = cli(storage, capsys, "inspect", directory)
+    status, out, _ = cli(capsys, storage, "inspect", directory)
     assert "raw keyed state: " in out and f"in {len(streams)} key groups" in out
-    assert cli(storage, capsys, "verify", directory)[0] == 0
+    assert cli(capsys, storage, "verify", directory)[0] == 0
 
     savepoint = str(tmp_path / "savepoint")
     copy_checkpoint(checkpoints.fs, directory, CheckpointStorage(savepoint, "x").fs, savepoint)
@@ -213,7 +206,7 @@ def test_inspect_verify_and_savepoint(
     data = bytearray(checkpoints.fs.read_file(raw_file))
     data[20] ^= 0xFF
     checkpoints.fs.write_atomic(raw_file, bytes(data))
-    status, out = cli(storage, capsys, "verify", directory)
+    status, out, _ = cli(capsys, storage, "verify", directory)
     assert status == 1
     assert f"FAILED {raw_file}" in out
 

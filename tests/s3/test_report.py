@@ -39,6 +39,7 @@ from tests.report_job import (
     figures,
     marks,
 )
+from tests.s3.test_cli import cli
 
 
 @pytest.fixture(scope="module", params=["file", pytest.param("s3", marks=pytest.mark.s3)])
@@ -53,14 +54,6 @@ def job(
     made = build_report_job(storage)
     yield made
     made.checkpoints.close()
-
-
-def cli(capsys: pytest.CaptureFixture[str], storage: Storage, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
-    status = main([*argv, *options])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def expected_split(per_group: list[int], parallelism: int) -> list[int]:
