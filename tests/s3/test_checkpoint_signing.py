@@ -37,7 +37,7 @@ from statebackend.spark.conf import StateBackendConf
 from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 from tests.conftest import Storage, raw_fs
-from tests.s3.test_cli import cli
+from tests.s3.test_cli import cli, read_cmd
 
 M = 128
 OPERATOR = "op"
@@ -93,18 +93,16 @@ def test_the_cli_never_unpickles_by_default(
     payload = base64.b64encode(pickle.dumps(Payload(marker), protocol=5)).decode()
     opaque = {"serializer": "pickle", "base64": payload}
 
-    status, out, err = cli(
-        capsys, checkpoint_url, "read", directory, "--operator", OPERATOR, "--state", "value"
-    )
+    status, out, err = cli(capsys, checkpoint_url, *read_cmd(directory, OPERATOR, "value"))
     assert status == 0, err
     assert sorted(map(json.loads, out.splitlines()), key=str) == [
         {"key": "alice", "value": opaque},
         {"key": "bob", "value": opaque},
     ]
     for argv in (
-        ("read", directory, "--operator", OPERATOR, "--state", "evil"),
-        ("read", directory, "--operator", OPERATOR, "--state", "value", "--format", "table"),
-        ("read", directory, "--operator", OPERATOR, "--state", "value", "--key", "alice"),
+        read_cmd(directory, OPERATOR, "evil"),
+        read_cmd(directory, OPERATOR, "value", "--format", "table"),
+        read_cmd(directory, OPERATOR, "value", "--key", "alice"),
         ("plan", directory, "-p", "2", "--json"),
         ("inspect", directory),
         ("verify", directory),
@@ -114,15 +112,7 @@ def test_the_cli_never_unpickles_by_default(
     assert not marker.exists()
     # The payload is real: asking to unpickle it runs it.
     status, _, err = cli(
-        capsys,
-        checkpoint_url,
-        "read",
-        directory,
-        "--operator",
-        OPERATOR,
-        "--state",
-        "evil",
-        "--allow-pickle",
+        capsys, checkpoint_url, *read_cmd(directory, OPERATOR, "evil", "--allow-pickle")
     )
     assert status == 0, err
     assert marker.exists()
@@ -207,9 +197,7 @@ def signed(
 def read_count(
     capsys: pytest.CaptureFixture[str], job: SignedJob, directory: str, *more: str
 ) -> tuple[int, dict[str, int], str]:
-    status, out, err = cli(
-        capsys, job.location, "read", directory, "--operator", OPERATOR, "--state", "count", *more
-    )
+    status, out, err = cli(capsys, job.location, *read_cmd(directory, OPERATOR, "count", *more))
     return status, {r["key"]: r["value"] for r in map(json.loads, out.splitlines())}, err
 
 
@@ -295,14 +283,7 @@ def test_an_unsigned_or_foreign_checkpoint_is_refused_with_a_key(
     status, _, err = cli(
         capsys,
         checkpoint_url,
-        "read",
-        directory,
-        "--operator",
-        OPERATOR,
-        "--state",
-        "count",
-        "--signing-key-file",
-        key_file,
+        *read_cmd(directory, OPERATOR, "count", "--signing-key-file", key_file),
     )
     assert status == 1 and "is not signed" in err and metadata_path(directory) in err
     other = SigningKey(b"another key of 16+ bytes")
