@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 from fsspec.utils import get_protocol
 
-from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
-from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
@@ -30,7 +28,6 @@ from statebackend.checkpoint.requests import request_savepoint
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, CheckpointError
-from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.snapshot.handles import resolve_path
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS, delete_garbage, find_garbage
 from statebackend.tools.location import CheckpointRef
@@ -40,7 +37,7 @@ from tests.s3.test_incremental_checkpoints import (
     OPERATOR,
     WAIT,
     Job,
-    M,
+    new_job,
     restore,
 )
 
@@ -83,33 +80,10 @@ class PrivateGateFileSystem(CheckpointFileSystem):
         return written
 
 
-def make_job(
-    location: Storage,
-    local: Path,
-    fs: CheckpointFileSystem | None = None,
-    max_concurrent: int = 1,
-) -> Job:
-    """One RocksDB subtask checkpointing incrementally through ``fs``."""
-    storage = CheckpointStorage(
-        location.url,
-        "job",
-        storage_options=location.storage_options,
-        incremental=True,
-        filesystem=fs,
-    )
-    coordinator = CheckpointCoordinator(storage, max_parallelism=M, max_concurrent=max_concurrent)
-    backend = RocksDBKeyedStateBackend(
-        local / "subtask-0",
-        max_parallelism=M,
-        key_group_range=compute_key_group_range_for_operator_index(M, 1, 0),
-    )
-    return Job(location, storage, coordinator, [backend])
-
-
 @pytest.fixture
 def job(checkpoint_url: Storage, tmp_path: Path) -> Iterator[Job]:
     """The one-subtask job on file:// and on s3://."""
-    created = make_job(checkpoint_url, tmp_path / "local")
+    created = new_job(checkpoint_url, tmp_path / "local")
     yield created
     created.close()
 
@@ -244,7 +218,7 @@ def test_shared_files_of_a_pending_checkpoint_are_kept_before_its_directory_exis
     and still deletes an older unreferenced one; the checkpoint completes, verifies and
     restores, and so does the next one, which reuses the file."""
     fs = PrivateGateFileSystem(checkpoint_url)
-    job = make_job(checkpoint_url, tmp_path / "local", fs)
+    job = new_job(checkpoint_url, tmp_path / "local", fs=fs)
     try:
         orphan = shared_file(job, "op-0-orphan-000001.sst")
         settle(checkpoint_url)
@@ -299,7 +273,7 @@ def test_shared_files_a_pending_acknowledgement_references_are_kept(
     epoch, so it may still complete: nothing of it is garbage. Once another driver claims
     a newer epoch, 2 can never complete: its acknowledgements go first, then the files
     they referenced."""
-    job = make_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
+    job = new_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
     try:
         job.write(2000)
         job.checkpoint()
@@ -348,7 +322,7 @@ def test_deleting_decides_again_from_a_fresh_listing(
     newer 3 completed; its pending marker is the newest leader's, so none of its files is
     listed) completes and a stray file is written again: nothing is deleted, and both
     checkpoints verify and restore."""
-    job = make_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
+    job = new_job(checkpoint_url, tmp_path / "local", max_concurrent=2)
     try:
         job.write(2000)
         job.checkpoint()

@@ -174,6 +174,7 @@ def new_job(
     parallelism: int = 1,
     retained: int = 3,
     fs: CheckpointFileSystem | None = None,
+    max_concurrent: int = 1,
 ) -> Job:
     """A job of ``parallelism`` RocksDB subtasks writing incremental checkpoints."""
     storage = CheckpointStorage(
@@ -183,7 +184,9 @@ def new_job(
         incremental=True,
         filesystem=fs,
     )
-    coordinator = CheckpointCoordinator(storage, max_parallelism=M, retained=retained)
+    coordinator = CheckpointCoordinator(
+        storage, max_parallelism=M, retained=retained, max_concurrent=max_concurrent
+    )
     backends = [
         RocksDBKeyedStateBackend(
             local / f"subtask-{i}",
