@@ -41,7 +41,6 @@ from statebackend.keygroups import (
 )
 from statebackend.serializers import IntSerializer, StrSerializer, TupleSerializer
 from statebackend.state.descriptors import (
-    AggregateFunction,
     AggregatingStateDescriptor,
     ListStateDescriptor,
     MapStateDescriptor,
@@ -49,28 +48,13 @@ from statebackend.state.descriptors import (
     ValueStateDescriptor,
 )
 from tests.conftest import Storage
+from tests.unit.test_writer_inputs import Average
 
 MAX_PARALLELISM = 128
 PARALLELISMS = (1, 2, 3, 4, 7)
 KEYS = [f"user-{n}" for n in range(200)]
 OPERATOR = "enrich"
 CODECS = ("none", "lz4", "zstd")
-
-
-class Average(AggregateFunction[int, tuple[int, int], float]):
-    """Average of the added integers; the accumulator is (sum, count)."""
-
-    def create_accumulator(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def add(self, value: int, accumulator: tuple[int, int]) -> tuple[int, int]:
-        return (accumulator[0] + value, accumulator[1] + 1)
-
-    def get_result(self, accumulator: tuple[int, int]) -> float:
-        return accumulator[0] / accumulator[1]
-
-    def merge(self, a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-        return (a[0] + b[0], a[1] + b[1])
 
 
 def _add(a: int, b: int) -> int:
