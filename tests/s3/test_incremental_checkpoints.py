@@ -41,26 +41,21 @@ from statebackend.keygroups import (
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
 )
-from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.serializers import StrSerializer
 from statebackend.snapshot import incremental
 from statebackend.snapshot.handles import resolve_path
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
-from statebackend.state.descriptors import MapStateDescriptor, ValueStateDescriptor
 from statebackend.state.interfaces import MapState, ValueState
 from statebackend.tools.gc import find_garbage
 from statebackend.tools.listing import inspect_checkpoint
 from statebackend.tools.location import CheckpointRef
 from statebackend.tools.verify import verify_checkpoint
 from tests.conftest import S3Endpoint, Storage, raw_fs
+from tests.unit.test_bulk_restore import COUNT, TAGS, Model, read_model
 
 M = 128
 OPERATOR = "op"
 WAIT = 20.0
-COUNT = ValueStateDescriptor("count", IntSerializer())
-TAGS = MapStateDescriptor("tags", StrSerializer(), IntSerializer())
-
-Model = dict[str, tuple[int | None, dict[str, int]]]
-"""key -> (count, tags); keys holding nothing are absent."""
 
 
 class InjectedFailure(OSError):
@@ -204,17 +199,6 @@ def job(checkpoint_url: Storage, tmp_path: Path) -> Iterator[Job]:
     created = new_job(checkpoint_url, tmp_path / "local")
     yield created
     created.close()
-
-
-def read_model(backend: KeyedStateBackend) -> Model:
-    """What a backend holds, in the model's shape."""
-    count = cast(ValueState, backend.get_state(COUNT))
-    tags = cast(MapState, backend.get_state(TAGS))
-    out: Model = {}
-    for key in set(backend.keys("count")) | set(backend.keys("tags")):
-        backend.set_current_key(key)
-        out[key] = (count.value(), dict(tags.items()))
-    return out
 
 
 def restore(

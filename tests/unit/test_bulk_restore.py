@@ -40,7 +40,7 @@ COUNT = ValueStateDescriptor("count", IntSerializer())
 TAGS = MapStateDescriptor("tags", StrSerializer(), IntSerializer())
 
 Model = dict[str, tuple[int | None, dict[str, int]]]
-"""key -> (count, tags)."""
+"""key -> (count, tags); keys holding nothing are absent."""
 
 
 def key_group(key: str) -> int:
@@ -67,6 +67,7 @@ def fill(backends: list[RocksDBKeyedStateBackend], keys: int, seed: int) -> Mode
 
 
 def read_model(backend: KeyedStateBackend) -> Model:
+    """What a backend holds, in the model's shape."""
     count = cast(ValueState, backend.get_state(COUNT))
     tags = cast(MapState, backend.get_state(TAGS))
     out: Model = {}
