@@ -14,27 +14,23 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
-from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.cli import main
 from statebackend.keygroups import (
-    assign_to_key_group,
-    compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
 )
 from statebackend.state.timers import MAX_TIMESTAMP, MIN_TIMESTAMP
 from tests.conftest import Storage
+from tests.s3.test_checkpoint_matrix import MAX_PARALLELISM, make_backend, subtask_of
 
-M = 128
+M = MAX_PARALLELISM
 PARALLELISMS = (1, 2, 3, 4, 7)
 KEYS = [f"user-{n}" for n in range(300)]
 OPERATOR = "sessions"
@@ -42,22 +38,6 @@ SOURCES = [("heap", False), ("rocksdb", False), ("rocksdb", True)]
 """(backend kind, incremental) of the checkpoint at P, chosen by P % 3."""
 
 Timer = tuple[int, bytes]
-
-
-def key_group(key: str) -> int:
-    return assign_to_key_group(key.encode("utf-8"), M)  # StrSerializer's bytes
-
-
-def subtask_of(key: str, parallelism: int) -> int:
-    return compute_operator_index_for_key_group(M, parallelism, key_group(key))
-
-
-def make_backend(kind: str, local_dir: Path, parallelism: int, index: int) -> KeyedStateBackend:
-    key_groups = compute_key_group_range_for_operator_index(M, parallelism, index)
-    options: dict[str, Any] = {"max_parallelism": M, "key_group_range": key_groups}
-    if kind == "rocksdb":
-        return RocksDBKeyedStateBackend(local_dir, **options)
-    return HeapKeyedStateBackend(**options)
 
 
 @dataclass
