@@ -218,6 +218,17 @@ def assert_one_error_line(err: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("statebackend: error: "), err
 
 
+def assert_copy_onto_itself_refused(
+    capsys: pytest.CaptureFixture[str], storage: Storage, savepoint: str
+) -> None:
+    """``savepoint create`` from ``savepoint`` onto itself fails with one error line."""
+    status, _, err = cli(
+        capsys, storage, "savepoint", "create", "--from", savepoint, "--to", savepoint
+    )
+    assert status == 1
+    assert_one_error_line(err)
+
+
 def assert_reads_model(capsys: pytest.CaptureFixture[str], job: Job, checkpoint: str) -> None:
     def read(state: str, *more: str) -> dict[str, Any]:
         status, out, err = cli(
@@ -407,11 +418,7 @@ def test_savepoint_create_restores_without_the_checkpoint(
     restore_keyed_state(backend, savepoint.fs, target, savepoint.load(target), "user-totals")
     backend.set_current_key("user-3")
     assert backend.get_state(TOTAL).value() == job.model.totals["user-3"]  # type: ignore[attr-defined]
-    status, _, err = cli(
-        capsys, job.storage, "savepoint", "create", "--from", target, "--to", target
-    )
-    assert status == 1
-    assert_one_error_line(err)
+    assert_copy_onto_itself_refused(capsys, job.storage, target)
 
 
 def test_savepoint_trigger_round_trip(

@@ -43,7 +43,12 @@ from tests.s3.test_checkpoint_matrix import (
     read_keyed,
     subtask_of,
 )
-from tests.s3.test_cli import assert_one_error_line, cli, jsonl
+from tests.s3.test_cli import (
+    assert_copy_onto_itself_refused,
+    assert_one_error_line,
+    cli,
+    jsonl,
+)
 
 STATES = ("count", "events", "attrs", "total", "average")
 
@@ -358,11 +363,7 @@ def test_savepoint_folds_a_manifest_and_restores_at_any_parallelism(
             found.update(mine)
         assert found == job.states[5]
     assert read_records(capsys, job, target, "total") == expected_values(job, 5, "total")
-    status, _, err = cli(
-        capsys, job.storage, "savepoint", "create", "--from", target, "--to", target
-    )
-    assert status == 1
-    assert_one_error_line(err)
+    assert_copy_onto_itself_refused(capsys, job.storage, target)
 
 
 def test_folding_a_manifest_at_parallelism_zero_is_refused(
