@@ -149,6 +149,20 @@ def checkpoint(
     return coordinator.acknowledge(checkpoint_id, ack)
 
 
+def checkpointed(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, seed: int
+) -> tuple[CheckpointStorage, str, dict[str, int]]:
+    """A completed checkpoint, through the proxy, of a backend given ``seed``'s updates;
+    its storage, directory and model."""
+    storage = CheckpointStorage(prefix(s3_endpoint), "job", filesystem=fragile_fs(proxy))
+    coordinator = CheckpointCoordinator(storage, max_parallelism=MAX_PARALLELISM)
+    backend, model = new_backend(), {}  # type: ignore[var-annotated]
+    update(backend, model, random.Random(seed))
+    directory = checkpoint(coordinator, storage, backend)
+    assert directory is not None
+    return storage, directory, model
+
+
 @pytest.mark.parametrize("fault", [Fault.RESET, Fault.STALL, Fault.TRUNCATE])
 def test_a_checkpoint_meeting_a_fault_fails_and_the_next_one_completes(
     proxy: FaultProxy, s3_endpoint: S3Endpoint, fault: Fault
@@ -178,12 +192,7 @@ def test_a_checkpoint_meeting_a_fault_fails_and_the_next_one_completes(
 def test_a_restore_through_faults_is_exact(
     proxy: FaultProxy, s3_endpoint: S3Endpoint, fault: Fault, count: int | None
 ) -> None:
-    storage = CheckpointStorage(prefix(s3_endpoint), "job", filesystem=fragile_fs(proxy))
-    coordinator = CheckpointCoordinator(storage, max_parallelism=MAX_PARALLELISM)
-    backend, model = new_backend(), {}  # type: ignore[var-annotated]
-    update(backend, model, random.Random(3))
-    directory = checkpoint(coordinator, storage, backend)
-    assert directory is not None
+    storage, directory, model = checkpointed(proxy, s3_endpoint, seed=3)
 
     proxy.inject(fault, count)
     assert restored(storage.fs, directory) == model
@@ -193,12 +202,7 @@ def test_a_restore_through_faults_is_exact(
 def test_a_failed_restore_leaves_no_local_state(
     proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path: Path
 ) -> None:
-    storage = CheckpointStorage(prefix(s3_endpoint), "job", filesystem=fragile_fs(proxy))
-    coordinator = CheckpointCoordinator(storage, max_parallelism=MAX_PARALLELISM)
-    backend, model = new_backend(), {}  # type: ignore[var-annotated]
-    update(backend, model, random.Random(4))
-    directory = checkpoint(coordinator, storage, backend)
-    assert directory is not None
+    storage, directory, model = checkpointed(proxy, s3_endpoint, seed=4)
 
     def local(generation: str, previous: int | None, restore: str | None) -> LocalKeyedState:
         version = LocalVersion(generation, previous, restore, 1, MAX_PARALLELISM, accepted=("a",))
