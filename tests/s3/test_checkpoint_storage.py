@@ -441,16 +441,22 @@ def assert_untouched_and_fallback(
     assert_restores(job, fallback)
 
 
+def assert_restore_refused(job: Job, fallback: int, damaged: int, match: str) -> None:
+    """Restoring the damaged checkpoint raises CheckpointCorruptedError matching ``match``
+    and changes none of its files; the previous checkpoint still restores."""
+    before = files_under(job.location, job.storage.resolve(damaged))
+    with pytest.raises(CheckpointCorruptedError, match=match):
+        restore_all(job.storage.fs, job.storage.resolve(damaged))
+    assert_untouched_and_fallback(job, damaged, before, fallback)
+
+
 def test_missing_keyed_file(two_checkpoints: tuple[Job, int, int]) -> None:
     """A deleted keyed file: CheckpointCorruptedError naming it."""
     job, first, second = two_checkpoints
     handle = keyed_handle(job, second)
     path = join(job.storage.resolve(second), handle.path)
     job.storage.fs.delete(path)
-    before = files_under(job.location, job.storage.resolve(second))
-    with pytest.raises(CheckpointCorruptedError, match=f"{handle.path}.*missing"):
-        restore_all(job.storage.fs, job.storage.resolve(second))
-    assert_untouched_and_fallback(job, second, before, first)
+    assert_restore_refused(job, first, second, f"{handle.path}.*missing")
 
 
 def test_truncated_keyed_file(two_checkpoints: tuple[Job, int, int]) -> None:
@@ -460,10 +466,7 @@ def test_truncated_keyed_file(two_checkpoints: tuple[Job, int, int]) -> None:
     path = join(job.storage.resolve(second), handle.path)
     data = job.storage.fs.read_file(path)
     job.storage.fs.write_atomic(path, data[: len(data) * 2 // 3])
-    before = files_under(job.location, job.storage.resolve(second))
-    with pytest.raises(CheckpointCorruptedError, match=f"{handle.path}.*truncated"):
-        restore_all(job.storage.fs, job.storage.resolve(second))
-    assert_untouched_and_fallback(job, second, before, first)
+    assert_restore_refused(job, first, second, f"{handle.path}.*truncated")
 
 
 def test_flipped_byte_in_keyed_file(two_checkpoints: tuple[Job, int, int]) -> None:
@@ -476,10 +479,7 @@ def test_flipped_byte_in_keyed_file(two_checkpoints: tuple[Job, int, int]) -> No
     _, offset, length = handle.key_groups[0]
     data[offset + 13 + (length - 13) // 2] ^= 0x40
     job.storage.fs.write_atomic(path, bytes(data))
-    before = files_under(job.location, job.storage.resolve(second))
-    with pytest.raises(CheckpointCorruptedError, match=f"{handle.path}.*checksum mismatch"):
-        restore_all(job.storage.fs, job.storage.resolve(second))
-    assert_untouched_and_fallback(job, second, before, first)
+    assert_restore_refused(job, first, second, f"{handle.path}.*checksum mismatch")
 
 
 @pytest.mark.parametrize("compression", ["none", "lz4", "zstd"])
