@@ -1007,6 +1007,18 @@ def collect(cut: KeyedStateCut) -> list[tuple[str, int, Entry]]:
     ]
 
 
+def cut_data(
+    backend: KeyedStateBackend,
+) -> tuple[dict[str, Any], list[StateMetaInfo], list[tuple[str, int, Entry]]]:
+    """What a cut of ``backend`` carries (key serializer config, state meta infos and
+    entries), the cut released: the arguments of ``restore``."""
+    cut = backend.sync_cut()
+    try:
+        return cut.key_serializer, list(cut.states), collect(cut)
+    finally:
+        cut.release()
+
+
 class CutData:
     """What a snapshot carries: key serializer config, state meta infos and entries."""
 
@@ -1109,9 +1121,7 @@ def test_heap_and_rocksdb_cuts_are_identical(backends: Backends, clock: FakeCloc
         for i, key in enumerate(KEYS):
             backend.set_current_key(key)
             ttl.put(f"u{i % 3}", i)
-        cut = backend.sync_cut()
-        cuts.append((cut.key_serializer, cut.states, collect(cut)))
-        cut.release()
+        cuts.append(cut_data(backend))
     heap, rocksdb = cuts
     assert heap[0] == rocksdb[0]
     assert heap[1] == rocksdb[1]
@@ -1145,9 +1155,7 @@ def test_restore_migrates_int_to_float(backends: Backends, kind: str, target_kin
         value.update(i * 3)
         items.add_all([i, -i, 2**40])
         entries.put_all({"a": i, "b": -i})
-    cut = source.sync_cut()
-    data = (cut.key_serializer, cut.states, collect(cut))
-    cut.release()
+    data = cut_data(source)
 
     target = backends.make(target_kind)
     target.restore(*data)
@@ -1185,9 +1193,7 @@ def test_restore_rejects_incompatible_serializers_and_kinds(
     source.set_current_key("a")
     words.update("hello")
     entries.put("x", 1)
-    cut = source.sync_cut()
-    data = (cut.key_serializer, cut.states, collect(cut))
-    cut.release()
+    data = cut_data(source)
 
     target = backends.make(target_kind)
     target.restore(*data)
@@ -1216,9 +1222,7 @@ def test_restore_rejects_a_different_key_serializer(backends: Backends, kind: st
     assert isinstance(state, ValueState)
     source.set_current_key("a")
     state.update(1)
-    cut = source.sync_cut()
-    data = (cut.key_serializer, cut.states, collect(cut))
-    cut.release()
+    data = cut_data(source)
     for target_kind in KINDS:
         target = backends.make(target_kind, key_serializer=PickleSerializer())
         with pytest.raises(IncompatibleStateError, match="key serializer"):
@@ -1236,9 +1240,7 @@ def test_restore_with_ttl_keeps_expiry(backends: Backends, kind: str, clock: Fak
     clock.at(5)
     source.set_current_key("b")
     state.update(2)
-    cut = source.sync_cut()
-    data = (cut.key_serializer, cut.states, collect(cut))
-    cut.release()
+    data = cut_data(source)
     for target_kind in KINDS:
         target = backends.make(target_kind)
         target.restore(*data)
