@@ -1034,9 +1034,14 @@ class CutData:
 
 
 def take_cut(
-    backend: KeyedStateBackend, states: dict[str, Any], model: Model, seed: int
-) -> tuple[Model, CutData]:
-    """Cut, modify the backend afterwards, then read the cut: it must not see the changes."""
+    backend: KeyedStateBackend, seed: int, count: int
+) -> tuple[dict[str, Any], Model, Model, CutData]:
+    """Register every state kind and run ``count`` random operations; cut, modify the
+    backend afterwards, then read the cut: it must not see the changes. The states, the
+    model now and at the cut, and the cut's data."""
+    states = register(backend)
+    model = Model()
+    run_ops(backend, states, model, random_ops(seed, count))
     at_cut = model.copy()
     cut = backend.sync_cut()
     # Modify everything after the cut: new values, clears, new keys.
@@ -1048,7 +1053,7 @@ def take_cut(
         model_clear(model, key)
     data = CutData(cut.key_serializer, list(cut.states), collect(cut))
     cut.release()
-    return at_cut, data
+    return states, model, at_cut, data
 
 
 def model_clear(model: Model, key: str) -> None:
@@ -1059,10 +1064,7 @@ def model_clear(model: Model, key: str) -> None:
 @pytest.mark.parametrize("target_kind", KINDS)
 def test_snapshot_round_trip(backends: Backends, kind: str, target_kind: str) -> None:
     source = backends.make(kind)
-    states = register(source)
-    model = Model()
-    run_ops(source, states, model, random_ops(7, 2000))
-    at_cut, data = take_cut(source, states, model, 7)
+    states, model, at_cut, data = take_cut(source, 7, 2000)
     assert {name for name, _, _ in data.entries} == set(states)
     assert [kg for _, kg, _ in data.entries] == sorted(kg for _, kg, _ in data.entries)
     for name, kg, (key, _, _) in data.entries:
@@ -1081,11 +1083,7 @@ def test_snapshot_round_trip(backends: Backends, kind: str, target_kind: str) ->
 
 @pytest.mark.parametrize("target_kind", KINDS)
 def test_restore_into_two_halves(backends: Backends, kind: str, target_kind: str) -> None:
-    source = backends.make(kind)
-    states = register(source)
-    model = Model()
-    run_ops(source, states, model, random_ops(21, 1500))
-    at_cut, data = take_cut(source, states, model, 21)
+    states, _, at_cut, data = take_cut(backends.make(kind), 21, 1500)
     halves = [KeyGroupRange(0, M // 2 - 1), KeyGroupRange(M // 2, M - 1)]
     seen: dict[str, set[str]] = {name: set() for name in states}
     for half in halves:
