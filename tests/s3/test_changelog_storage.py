@@ -63,6 +63,7 @@ from tests.s3.test_checkpoint_matrix import (
     descriptors,
     make_backend,
     read_keyed,
+    restore_kind,
     subtask_of,
 )
 
@@ -145,7 +146,7 @@ def test_rescale_from_a_manifest(
     if cache_key not in _CACHE:
         _CACHE[cache_key] = build_history(kind, checkpoint_url, parallelism, local_root / scheme)
     history = _CACHE[cache_key]
-    target_kind = kind if new_parallelism % 2 == 0 else {"heap": "rocksdb", "rocksdb": "heap"}[kind]
+    target_kind = restore_kind(kind, new_parallelism)
     changelog = ChangelogStorage(open_storage(history.storage))
     manifest = changelog.latest_manifest()
     assert manifest is not None and manifest.batch_id == 6

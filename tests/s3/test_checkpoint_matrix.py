@@ -119,6 +119,12 @@ def make_backend(kind: str, local_dir: Path, parallelism: int, index: int) -> Ke
     return HeapKeyedStateBackend(max_parallelism=MAX_PARALLELISM, key_group_range=key_groups)
 
 
+def restore_kind(kind: str, new_parallelism: int) -> str:
+    """The backend kind a checkpoint of ``kind`` restores into at P': the other kind when
+    P' is odd, so that both directions are covered."""
+    return kind if new_parallelism % 2 == 0 else {"heap": "rocksdb", "rocksdb": "heap"}[kind]
+
+
 def subtask_of(key: str, parallelism: int) -> int:
     """The subtask that owns ``key`` (Flink's formulas, computed here independently)."""
     group = assign_to_key_group(key.encode(), MAX_PARALLELISM)
@@ -306,7 +312,7 @@ def test_rescale(
             kind, checkpoint_url, parallelism, local_root / scheme, seed
         )
     built = _CACHE[cache_key]
-    target_kind = kind if new_parallelism % 2 == 0 else {"heap": "rocksdb", "rocksdb": "heap"}[kind]
+    target_kind = restore_kind(kind, new_parallelism)
 
     checkpoints = CheckpointStorage(
         built.storage.url, "job", storage_options=built.storage.storage_options
