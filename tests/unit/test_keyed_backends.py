@@ -1140,14 +1140,23 @@ def test_empty_backend_cut(backend: KeyedStateBackend) -> None:
     cut.release()
 
 
+def value_list_map(
+    backend: KeyedStateBackend, serializer: Serializer[Any]
+) -> tuple[ValueState, ListState, MapState]:
+    """States ``v``, ``l`` and ``m`` (str keys) of ``backend``, their values in
+    ``serializer``."""
+    value = backend.get_state(ValueStateDescriptor("v", serializer))
+    items = backend.get_state(ListStateDescriptor("l", serializer))
+    entries = backend.get_state(MapStateDescriptor("m", StrSerializer(), serializer))
+    assert isinstance(value, ValueState) and isinstance(items, ListState)
+    assert isinstance(entries, MapState)
+    return value, items, entries
+
+
 @pytest.mark.parametrize("target_kind", KINDS)
 def test_restore_migrates_int_to_float(backends: Backends, kind: str, target_kind: str) -> None:
     source = backends.make(kind)
-    value = source.get_state(ValueStateDescriptor("v", IntSerializer()))
-    items = source.get_state(ListStateDescriptor("l", IntSerializer()))
-    entries = source.get_state(MapStateDescriptor("m", StrSerializer(), IntSerializer()))
-    assert isinstance(value, ValueState) and isinstance(items, ListState)
-    assert isinstance(entries, MapState)
+    value, items, entries = value_list_map(source, IntSerializer())
     for i, key in enumerate(KEYS):
         source.set_current_key(key)
         value.update(i * 3)
@@ -1157,11 +1166,7 @@ def test_restore_migrates_int_to_float(backends: Backends, kind: str, target_kin
 
     target = backends.make(target_kind)
     target.restore(*data)
-    new_value = target.get_state(ValueStateDescriptor("v", FloatSerializer()))
-    new_items = target.get_state(ListStateDescriptor("l", FloatSerializer()))
-    new_entries = target.get_state(MapStateDescriptor("m", StrSerializer(), FloatSerializer()))
-    assert isinstance(new_value, ValueState) and isinstance(new_items, ListState)
-    assert isinstance(new_entries, MapState)
+    new_value, new_items, new_entries = value_list_map(target, FloatSerializer())
     for i, key in enumerate(KEYS):
         target.set_current_key(key)
         restored_value = new_value.value()
