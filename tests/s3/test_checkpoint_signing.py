@@ -56,6 +56,15 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def job_storage(
+    location: Storage, key: SigningKey | None = None, **options: Any
+) -> CheckpointStorage:
+    """The checkpoint storage of job ``job`` at ``location``, signing with ``key``."""
+    return CheckpointStorage(
+        location.url, "job", storage_options=location.storage_options, signing_key=key, **options
+    )
+
+
 def take_checkpoint(
     storage: CheckpointStorage,
     backend: KeyedStateBackend,
@@ -78,9 +87,7 @@ def test_the_cli_never_unpickles_by_default(
     checkpoint_url: Storage, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     marker = tmp_path / "pwned"
-    storage = CheckpointStorage(
-        checkpoint_url.url, "job", storage_options=checkpoint_url.storage_options
-    )
+    storage = job_storage(checkpoint_url)
     backend = HeapKeyedStateBackend(max_parallelism=M, key_group_range=KeyGroupRange(0, M - 1))
     values = cast(ValueState, backend.get_state(VALUES))
     for key in ("alice", "bob"):
@@ -131,13 +138,7 @@ class SignedJob:
 
     def __init__(self, location: Storage, local_dir: Path, incremental: bool) -> None:
         self.location = location
-        self.storage = CheckpointStorage(
-            location.url,
-            "job",
-            storage_options=location.storage_options,
-            signing_key=KEY,
-            incremental=incremental,
-        )
+        self.storage = job_storage(location, KEY, incremental=incremental)
         options: dict[str, Any] = {"max_parallelism": M, "key_group_range": KeyGroupRange(0, M - 1)}
         self.backend: KeyedStateBackend = (
             RocksDBKeyedStateBackend(local_dir, **options)
@@ -160,12 +161,7 @@ class SignedJob:
 
     def restore(self, directory: str, key: SigningKey | None = KEY) -> dict[str, int]:
         """The keyed state of ``directory`` restored with ``key``, and its offsets checked."""
-        storage = CheckpointStorage(
-            self.location.url,
-            "job",
-            storage_options=self.location.storage_options,
-            signing_key=key,
-        )
+        storage = job_storage(self.location, key)
         metadata = storage.load(directory)
         backend = HeapKeyedStateBackend(max_parallelism=M, key_group_range=KeyGroupRange(0, M - 1))
         with verified_reads(storage.fs, directory, metadata.files(), key) as reads:
@@ -273,9 +269,7 @@ def test_a_tampered_data_file_is_refused(
 def test_an_unsigned_or_foreign_checkpoint_is_refused_with_a_key(
     checkpoint_url: Storage, key_file: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    unsigned = CheckpointStorage(
-        checkpoint_url.url, "job", storage_options=checkpoint_url.storage_options
-    )
+    unsigned = job_storage(checkpoint_url)
     backend = HeapKeyedStateBackend(max_parallelism=M, key_group_range=KeyGroupRange(0, M - 1))
     backend.set_current_key("a")
     cast(ValueState, backend.get_state(COUNT)).update(1)
@@ -287,21 +281,11 @@ def test_an_unsigned_or_foreign_checkpoint_is_refused_with_a_key(
     )
     assert status == 1 and "is not signed" in err and metadata_path(directory) in err
     other = SigningKey(b"another key of 16+ bytes")
-    signed = CheckpointStorage(
-        checkpoint_url.url,
-        "job",
-        storage_options=checkpoint_url.storage_options,
-        signing_key=other,
-    )
+    signed = job_storage(checkpoint_url, other)
     with pytest.raises(CheckpointCorruptedError, match="is not signed"):
         signed.load(directory)
     directory = take_checkpoint(signed, backend, OperatorStateBackend())
-    checked = CheckpointStorage(
-        checkpoint_url.url,
-        "job",
-        storage_options=checkpoint_url.storage_options,
-        signing_key=KEY,
-    )
+    checked = job_storage(checkpoint_url, KEY)
     with pytest.raises(CheckpointCorruptedError, match="signature does not match"):
         checked.load(directory)
     assert unsigned.load(directory).checkpoint_id == 2  # readable without a key
@@ -316,7 +300,7 @@ def test_an_empty_signing_key_file_is_refused_not_taken_for_none(
     """``--signing-key-file "$KEY_FILE"`` with the variable unset: verify said OK for an
     unsigned checkpoint, as if no key had been asked for."""
     location = Storage(tmp_path.as_uri())
-    unsigned = CheckpointStorage(location.url, "job")
+    unsigned = job_storage(location)
     backend = HeapKeyedStateBackend(max_parallelism=M, key_group_range=KeyGroupRange(0, M - 1))
     directory = take_checkpoint(unsigned, backend, OperatorStateBackend())
     for command in (["verify", directory], ["inspect", directory]):
