@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import operator
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,6 +27,7 @@ from statebackend.errors import (
     IncompatibleStateError,
     SerializationError,
     StateAccessError,
+    StateBackendError,
 )
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import (
@@ -719,7 +721,9 @@ def test_backend_range_must_fit_max_parallelism(tmp_path: Path) -> None:
 
 def test_rocksdb_local_dir_must_be_empty(tmp_path: Path) -> None:
     (tmp_path / "leftover").write_text("x")
-    with pytest.raises(Exception, match="not empty"):
+    with pytest.raises(
+        StateBackendError, match=re.escape(f"directory {tmp_path} is not empty: give")
+    ):
         RocksDBKeyedStateBackend(tmp_path, max_parallelism=M, key_group_range=FULL_RANGE)
 
 
