@@ -535,6 +535,35 @@ def _schema_identity(schema: dict[str, Any]) -> list[Any]:
     ]
 
 
+def _fields_read_as(stored: Any, new: list[Any]) -> bool:
+    """Whether values stored with the ``_schema_identity`` ``stored`` read as ``new``'s: the
+    same types field by field, whatever the names, and no field nullable that was stored not
+    null. Spark checks a state's schema so on restart, as its rows are positional; the bytes
+    hold neither names nor nullability."""
+    if not isinstance(stored, list) or len(stored) != len(new):
+        return False
+    for old_field, (_, new_type, new_nullable) in zip(stored, new, strict=True):
+        if not isinstance(old_field, list) or len(old_field) != 3:
+            return False
+        _, old_type, old_nullable = old_field
+        if (new_nullable and not old_nullable) or not _type_reads_as(old_type, new_type):
+            return False
+    return True
+
+
+def _type_reads_as(stored: Any, new: Any) -> bool:
+    """``_fields_read_as`` for one field's type (nested structs by the same rule)."""
+    if isinstance(stored, dict) and isinstance(new, dict) and stored.keys() == new.keys():
+        if "struct" in new:
+            return _fields_read_as(stored["struct"], new["struct"])
+        if "array" in new:
+            return _type_reads_as(stored["array"], new["array"])
+        if "map" in new:
+            pairs = stored["map"], new["map"]
+            return len(pairs[0]) == 2 and all(map(_type_reads_as, *pairs))
+    return bool(stored == new)
+
+
 def _fields_text(identity: list[Any]) -> str:
     """A ``_schema_identity`` as DDL-like text: ``count long, totals struct<sum long>``."""
 
@@ -577,7 +606,8 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
     that they can be dict keys), maps as dicts. A tuple, list, ``Row`` or dict (by field
     name) is accepted; decoding gives a tuple (nested structs through ``struct_of``, if
     given). The schema (names, types, nullability) is part of ``config()``: state written
-    with another schema is incompatible, never silently reinterpreted.
+    with other types is incompatible, never silently reinterpreted; as in Spark, other field
+    names and a field made not nullable read it as it is (``_fields_read_as``).
     """
 
     identity = "row-tuple"
@@ -624,8 +654,8 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         return {**super().config(), "schema": self._schema, "schema_json": self.schema_json}
 
     def compatibility_with(self, stored: SerializerConfig) -> Compatibility:
-        same = (stored.get("identity"), stored.get("version"), stored.get("schema"))
-        if same == (self.identity, self.version, self._schema):
+        same = (stored.get("identity"), stored.get("version")) == (self.identity, self.version)
+        if same and _fields_read_as(stored.get("schema"), self._schema):
             return Compatibility.COMPATIBLE_AS_IS
         return Compatibility.INCOMPATIBLE
 

@@ -661,6 +661,65 @@ def test_a_restart_with_a_changed_state_schema_is_refused_before_any_batch(
     assert written == [("a", 1), ("a", 3), ("a", 7)]
 
 
+class AmountsSeen(Totals):
+    """``Totals`` and how many distinct amounts each user paid (a map state keyed by the
+    amount), declared with ``total_schema`` and the user-key schema ``amount_schema``."""
+
+    def __init__(self, total_schema: str, amount_schema: str) -> None:
+        self.total_schema, self.amount_schema = total_schema, amount_schema
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.total = handle.getValueState("total", self.total_schema)
+        self.seen = handle.getMapState("seen", self.amount_schema, "times long")
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        amounts = [row.amount for row in rows]
+        for amount in amounts:
+            times = self.seen.getValue((amount,)) if self.seen.containsKey((amount,)) else None
+            self.seen.updateValue((amount,), ((times[0] if times else 0) + 1,))
+        total = self._add(sum(amounts))
+        yield Row(user=key[0], total=total, amounts=len(list(self.seen.keys())))
+
+
+def test_a_restart_with_renamed_or_not_null_state_fields_keeps_the_state(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """As Spark's check of a state's schema on restart (its rows are positional): a value
+    field or a map's user-key field renamed, or a field made not nullable, reads the
+    stored state as it is."""
+    batches = [[{"user": "a", "amount": 1}], [{"user": "a", "amount": 2}]]
+    later = [[{"user": "a", "amount": 2}], [{"user": "a", "amount": 4}]]
+    write_batches(tmp_path / "input", batches)
+    source = batch_files(spark, tmp_path / "input")
+    out = tmp_path / "out"
+
+    def run(processor: StatefulProcessor) -> None:
+        stateful = transform_with_state(
+            source, "user", processor, "user string, total long, amounts long", "renamed"
+        )
+        query = (
+            stateful.writeStream.format("parquet")
+            .options(path=str(out), checkpointLocation=str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run(AmountsSeen("total long", "amount long"))
+    write_batches(tmp_path / "input", later, first=len(batches))
+    run(AmountsSeen("sum long not null", "paid long"))
+    expected, total, seen = [], 0, set()
+    for batch in batches + later:
+        for row in batch:
+            total += row["amount"]
+            seen.add(row["amount"])
+            expected.append((row["user"], total, len(seen)))
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == sorted(expected)
+
+
 def test_non_replayable_source_is_one_clear_error(spark: SparkSession) -> None:
     socket = spark.readStream.format("socket").option("host", "127.0.0.1").option("port", 9).load()
     with pytest.raises(ConfigurationError, match="source 'socket' cannot replay a batch"):

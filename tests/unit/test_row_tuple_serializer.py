@@ -198,17 +198,36 @@ def test_schema_is_part_of_the_identity() -> None:
     with_metadata = RowTupleSerializer(
         StructType([StructField("n", LongType(), metadata={"comment": "x"})]).json()
     )
+    not_null = RowTupleSerializer(StructType([StructField("n", LongType(), False)]).json())
     assert longs.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
     assert with_metadata.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
-    for other, written in ((strings, "n string"), (renamed, "m long")):
-        assert longs.compatibility_with(other.config()) is Compatibility.INCOMPATIBLE
+    # As Spark checks a state's schema on restart: names aside, none made nullable.
+    assert longs.compatibility_with(renamed.config()) is Compatibility.COMPATIBLE_AS_IS
+    assert not_null.compatibility_with(longs.config()) is Compatibility.COMPATIBLE_AS_IS
+    for new, other, written in ((longs, strings, "n string"), (longs, not_null, "n long not null")):
+        assert new.compatibility_with(other.config()) is Compatibility.INCOMPATIBLE
         # The message shows both schemas, as a StatefulProcessor declares them.
         expected = rf"'count' was written as RowTupleSerializer\({written}\), which "
         with pytest.raises(
             IncompatibleStateError, match=expected + r"RowTupleSerializer\(n long\)"
         ):
-            resolve_serializer("count", longs, other.config())
+            resolve_serializer("count", new, other.config())
     assert longs.compatibility_with(PickleSerializer().config()) is Compatibility.INCOMPATIBLE
+
+    def nested(name: str = "a", inner: Any = None, nullable: bool = True) -> str:
+        """s struct<a>, l array<struct<a>>, m map<string, struct<a>> (a: ``inner``, int)."""
+        row = StructType([StructField(name, inner or IntegerType(), nullable)])
+        fields = [("s", row), ("l", ArrayType(row)), ("m", MapType(StringType(), row))]
+        return StructType([StructField(n, t) for n, t in fields]).json()
+
+    stored = RowTupleSerializer(nested()).config()
+    for changed, verdict in (
+        (nested(name="b"), Compatibility.COMPATIBLE_AS_IS),
+        (nested(nullable=False), Compatibility.COMPATIBLE_AS_IS),
+        (nested(inner=LongType()), Compatibility.INCOMPATIBLE),
+        (longs.schema_json, Compatibility.INCOMPATIBLE),
+    ):
+        assert RowTupleSerializer(changed).compatibility_with(stored) is verdict
     rebuilt = serializer_from_config(longs.config())
     assert rebuilt == longs
     assert rebuilt.deserialize(longs.serialize((3,))) == (3,)
