@@ -140,8 +140,9 @@ def check_same_query(manifest: BatchManifest, query: dict[str, Any], job_id: str
     ``output_mode``, ``key``: the key columns' [name, type] pairs) differs from the query
     that committed ``manifest``, or if ``query`` names a ``restored_from`` the job did
     not start from. Spark refuses another time or output mode on restart, state keyed by
-    other columns cannot be read, and a job that has committed batches has its state. A
-    manifest of an older release, without the property, passes the first checks."""
+    other column types cannot be read (as in Spark, key columns renamed read it), and a
+    job that has committed batches has its state. A manifest of an older release,
+    without the property, passes the first checks."""
     committed = manifest.properties.get(QUERY_PROPERTY)
     if committed is None:
         committed = {}
@@ -168,7 +169,7 @@ def check_same_query(manifest: BatchManifest, query: dict[str, Any], job_id: str
                 f"{job_id!r} (committed up to batch {manifest.batch_id}): set {name}="
                 f"{committed[name]!r}, {restart}"
             )
-    if committed["key"] != query["key"]:
+    if [kind for _, kind in committed["key"]] != [kind for _, kind in query["key"]]:
         before, now = (", ".join(" ".join(pair) for pair in q["key"]) for q in (committed, query))
         raise ConfigurationError(
             f"state job {job_id!r} is keyed by ({before}), this query by ({now}): its state "

@@ -720,6 +720,40 @@ def test_a_restart_with_renamed_or_not_null_state_fields_keeps_the_state(
     assert written == sorted(expected)
 
 
+def test_a_restart_with_the_key_column_renamed_keeps_the_state(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """As in Spark, a key column renamed (same type) keys the stored state as before; a key
+    of another type is still refused (test_a_restart_keeps_time_mode_output_mode_and_key)."""
+    batches = [[{"user": "a", "amount": 1}, {"user": "b", "amount": 5}]]
+    batches.append([{"user": "a", "amount": 2}])
+    later = [[{"user": "a", "amount": 4}, {"user": "b", "amount": 1}]]
+    write_batches(tmp_path / "input", batches)
+    out = tmp_path / "out"
+
+    def run(key: str) -> None:
+        source = batch_files(spark, tmp_path / "input").withColumnRenamed("user", key)
+        query = (
+            transform_with_state(source, key, Totals(), OUTPUT, "renamed-key")
+            .writeStream.format("parquet")
+            .options(path=str(out), checkpointLocation=str(tmp_path / "ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    run("user")
+    write_batches(tmp_path / "input", later, first=len(batches))
+    run("customer")
+    expected, totals = [], Counter[str]()
+    for batch in batches + later:
+        for row in batch:
+            totals[row["user"]] += row["amount"]
+            expected.append((row["user"], totals[row["user"]]))
+    written = sorted(tuple(row) for row in spark.read.parquet(str(out)).collect())
+    assert written == sorted(expected)
+
+
 def test_non_replayable_source_is_one_clear_error(spark: SparkSession) -> None:
     socket = spark.readStream.format("socket").option("host", "127.0.0.1").option("port", 9).load()
     with pytest.raises(ConfigurationError, match="source 'socket' cannot replay a batch"):
