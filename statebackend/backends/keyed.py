@@ -893,8 +893,11 @@ def _reconcile(
     serializers: a subtask takes a serializer change when it registers the state, and
     one that had no key for it since has not. When the serializer restored so far
     (``previous``) reads ``meta``'s values, it stays and they are converted as they are
-    loaded; otherwise what ``store`` holds so far is migrated to ``meta``'s, which must
-    read it. IncompatibleStateError when neither reads the other, or the kinds differ.
+    loaded; otherwise, or if that would drop part of them (``migration_loses``: a field
+    ``meta``'s has and ``previous``'s lacks) and ``meta``'s reads it, what ``store`` holds
+    so far is migrated to ``meta``'s. The state's declaration migrates the result once
+    more as it asks. IncompatibleStateError when neither reads the other, or the kinds
+    differ.
     """
     if previous.kind is not meta.kind:
         raise IncompatibleStateError(
@@ -904,12 +907,18 @@ def _reconcile(
     if previous.serializers.get("value") == meta.serializers.get("value"):
         return meta, None  # timers have no value serializer
     kept = serializer_from_config(previous.serializers["value"])
-    try:
-        old = resolve_serializer(meta.name, kept, meta.serializers["value"])
-    except IncompatibleStateError:
-        new = serializer_from_config(meta.serializers["value"])
-        stored = resolve_serializer(meta.name, new, previous.serializers["value"])
-        if stored is not None:
-            migrate_values(store, meta.kind, stored, new)
-        return meta, None
-    return previous, None if old is None else _value_converter(meta.kind, old, kept)
+    new = serializer_from_config(meta.serializers["value"])
+    lossy = kept.migration_loses(meta.serializers["value"]) and (
+        new.compatibility_with(previous.serializers["value"]) is not Compatibility.INCOMPATIBLE
+    )
+    if not lossy:
+        try:
+            old = resolve_serializer(meta.name, kept, meta.serializers["value"])
+        except IncompatibleStateError:
+            pass
+        else:
+            return previous, None if old is None else _value_converter(meta.kind, old, kept)
+    stored = resolve_serializer(meta.name, new, previous.serializers["value"])
+    if stored is not None:
+        migrate_values(store, meta.kind, stored, new)
+    return meta, None

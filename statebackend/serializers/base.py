@@ -112,6 +112,17 @@ class Serializer(ABC, Generic[T]):
         """Rebuild this kind of serializer from its ``config()``."""
         return cls()
 
+    def migration_loses(self, stored: SerializerConfig) -> bool:
+        """Whether migrating what ``stored`` wrote to this serializer drops part of it
+        (``RowTupleSerializer``: a field this one lacks)."""
+        return False
+
+    def migration_reader(self, stored: SerializerConfig) -> Serializer[Any]:
+        """What decodes the bytes written by ``stored`` (COMPATIBLE_AFTER_MIGRATION with
+        this one) into values this one encodes: the serializer that wrote them, unless
+        its values need reshaping (``RowTupleSerializer``'s evolved schemas)."""
+        return serializer_from_config(stored)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Serializer) and self.config() == other.config()
 
@@ -161,7 +172,7 @@ def resolve_serializer(
     if verdict is Compatibility.COMPATIBLE_AS_IS:
         return None
     if verdict is Compatibility.COMPATIBLE_AFTER_MIGRATION:
-        return serializer_from_config(stored)
+        return new.migration_reader(stored)
     try:
         written: object = serializer_from_config(stored)
     except Exception:  # a config of an unknown or damaged serializer: show it as it is

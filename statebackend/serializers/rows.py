@@ -564,6 +564,46 @@ def _type_reads_as(stored: Any, new: Any) -> bool:
     return bool(stored == new)
 
 
+_WIDER = {
+    "byte": ("short", "integer", "long", "float", "double"),
+    "short": ("integer", "long", "float", "double"),
+    "integer": ("long", "float", "double"),
+    "long": ("float", "double"),
+    "float": ("double",),
+}
+"""The number types each one widens to, as Avro promotes them."""
+
+
+def _evolution(stored: Any, new: list[Any]) -> list[int | None] | None:
+    """How values stored with the ``_schema_identity`` ``stored`` evolve to ``new``'s, by
+    field name, as Spark's transformWithState evolves them with Avro state encoding: for
+    each new field, the stored field of its name (its type read as ``_type_reads_as``, or
+    a number widened), or None for a nullable field the values lack; stored fields
+    missing from ``new`` are dropped. None if they cannot evolve so, or if no field is
+    kept (that replaces the values with nulls, which Avro would do silently)."""
+    if not isinstance(stored, list) or not all(
+        isinstance(field, list) and len(field) == 3 for field in stored
+    ):
+        return None
+    positions = {field[0]: position for position, field in enumerate(stored)}
+    evolution: list[int | None] = []
+    for name, new_type, new_nullable in new:
+        position = positions.get(name)
+        if position is None:
+            if not new_nullable:
+                return None
+            evolution.append(None)
+            continue
+        _, old_type, old_nullable = stored[position]
+        widened = isinstance(old_type, str) and new_type in _WIDER.get(old_type, ())
+        if (new_nullable and not old_nullable) or not (
+            widened or _type_reads_as(old_type, new_type)
+        ):
+            return None
+        evolution.append(position)
+    return evolution if any(position is not None for position in evolution) else None
+
+
 def _fields_text(identity: list[Any]) -> str:
     """A ``_schema_identity`` as DDL-like text: ``count long, totals struct<sum long>``."""
 
@@ -606,8 +646,10 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
     that they can be dict keys), maps as dicts. A tuple, list, ``Row`` or dict (by field
     name) is accepted; decoding gives a tuple (nested structs through ``struct_of``, if
     given). The schema (names, types, nullability) is part of ``config()``: state written
-    with other types is incompatible, never silently reinterpreted; as in Spark, other field
-    names and a field made not nullable read it as it is (``_fields_read_as``).
+    with other types is never silently reinterpreted. As in Spark, other field names and a
+    field made not nullable read it as it is (``_fields_read_as``); fields added (nullable)
+    or removed, and numbers widened, migrate it by field name, as Spark's Avro state
+    encoding evolves it (``_evolution``); any other change is incompatible.
     """
 
     identity = "row-tuple"
@@ -657,7 +699,22 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         same = (stored.get("identity"), stored.get("version")) == (self.identity, self.version)
         if same and _fields_read_as(stored.get("schema"), self._schema):
             return Compatibility.COMPATIBLE_AS_IS
+        if same and _evolution(stored.get("schema"), self._schema) is not None:
+            return Compatibility.COMPATIBLE_AFTER_MIGRATION
         return Compatibility.INCOMPATIBLE
+
+    def migration_loses(self, stored: SerializerConfig) -> bool:
+        schema = stored.get("schema")
+        if stored.get("identity") != self.identity or not isinstance(schema, list):
+            return False
+        evolution = _evolution(schema, self._schema)
+        return evolution is not None and len(set(evolution) - {None}) < len(schema)
+
+    def migration_reader(self, stored: SerializerConfig) -> Serializer[Any]:
+        evolution = _evolution(stored.get("schema"), self._schema)
+        if evolution is None or stored.get("identity") != self.identity:
+            return super().migration_reader(stored)
+        return _EvolvingReader(str(stored["schema_json"]), evolution)
 
     @classmethod
     def from_config(cls, config: SerializerConfig) -> RowTupleSerializer:
@@ -665,3 +722,22 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
 
     def __repr__(self) -> str:
         return f"RowTupleSerializer({_fields_text(self._schema)})"
+
+
+class _EvolvingReader(RowTupleSerializer):
+    """Decodes values stored with its schema into the fields of the schema they evolve to
+    (``_evolution``: per new field, the position of its stored value, or None)."""
+
+    def __init__(self, schema_json: str, evolution: list[int | None]) -> None:
+        super().__init__(schema_json)
+        self.evolution = evolution
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_EvolvingReader, (self.schema_json, self.evolution))
+
+    def _decode(self, data: bytes) -> tuple[Any, ...]:
+        values = self._from_bytes(data)
+        return tuple(None if position is None else values[position] for position in self.evolution)
+
+    def decoder(self) -> Callable[[bytes], tuple[Any, ...]]:
+        return self._decode

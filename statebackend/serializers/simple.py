@@ -227,5 +227,17 @@ class TupleSerializer(Serializer[tuple[Any, ...]]):
     def from_config(cls, config: SerializerConfig) -> TupleSerializer:
         return cls(*(serializer_from_config(field) for field in config.get("fields", [])))
 
+    def migration_loses(self, stored: SerializerConfig) -> bool:
+        fields = stored.get("fields") if stored.get("identity") == self.identity else None
+        if not isinstance(fields, list) or len(fields) != len(self.fields):
+            return False
+        return any(f.migration_loses(c) for f, c in zip(self.fields, fields, strict=True))
+
+    def migration_reader(self, stored: SerializerConfig) -> Serializer[Any]:
+        if stored.get("identity") != self.identity:
+            return super().migration_reader(stored)
+        fields = zip(self.fields, stored["fields"], strict=True)
+        return TupleSerializer(*(field.migration_reader(config) for field, config in fields))
+
     def __repr__(self) -> str:
         return f"TupleSerializer({', '.join(map(repr, self.fields))})"

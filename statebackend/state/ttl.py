@@ -107,6 +107,15 @@ class TtlSerializer(Serializer[TtlValue]):
     def from_config(cls, config: SerializerConfig) -> TtlSerializer:
         return cls(serializer_from_config(config["inner"]))
 
+    def migration_loses(self, stored: SerializerConfig) -> bool:
+        inner = stored.get("inner") if stored.get("identity") == self.identity else None
+        return isinstance(inner, dict) and self.inner.migration_loses(inner)
+
+    def migration_reader(self, stored: SerializerConfig) -> Serializer[Any]:
+        if stored.get("identity") != self.identity or "inner" not in stored:
+            return super().migration_reader(stored)
+        return TtlSerializer(self.inner.migration_reader(stored["inner"]))
+
     def __repr__(self) -> str:
         return f"TtlSerializer({self.inner!r})"
 

@@ -38,6 +38,7 @@ from statebackend.serializers import (
     resolve_serializer,
     serializer_from_config,
 )
+from statebackend.state.ttl import TtlSerializer, TtlValue
 
 SCHEMA = StructType(
     [
@@ -450,3 +451,41 @@ def _assert_decodes_as_the_generic_path(
         return
     # By repr: damaged float bytes decode to NaN, which is not equal to itself.
     assert repr(serializer.decoder()(data)) == repr(serializer.deserialize(data)) == repr(expected)
+
+
+def _fields(*fields: tuple[str, Any, bool]) -> RowTupleSerializer:
+    return RowTupleSerializer(StructType([StructField(*field) for field in fields]).json())
+
+
+@pytest.mark.parametrize("ttl", [False, True])
+def test_fields_added_removed_or_widened_migrate_by_name(ttl: bool) -> None:
+    """As Spark's Avro state encoding evolves a state's schema: a nullable field added is
+    None, a field removed is dropped, a number widened keeps its value, fields match by
+    name; a field added not null, another type, or no field kept is incompatible."""
+    stored = _fields(("n", IntegerType(), True), ("s", StringType(), True))
+    value = (7, "x")
+    evolved = [
+        _fields(("n", LongType(), True)),
+        _fields(("s", StringType(), True), ("n", DoubleType(), True), ("m", LongType(), True)),
+        _fields(("n", IntegerType(), True), ("s", StringType(), True), ("b", BinaryType(), True)),
+    ]
+    refused = [
+        _fields(("n", IntegerType(), True), ("m", LongType(), False)),
+        _fields(("n", StringType(), True)),
+        _fields(("n", ShortType(), True)),
+        _fields(("m", LongType(), True)),
+    ]
+    by_name = dict(zip(["n", "s"], value, strict=True))
+    wrap = TtlSerializer if ttl else (lambda serializer: serializer)
+    written = wrap(stored).serialize(TtlValue(value, 5) if ttl else value)
+    for new in evolved:
+        expected = tuple(by_name.get(name) for name in new.field_names)
+        verdict = wrap(new).compatibility_with(wrap(stored).config())
+        assert verdict is Compatibility.COMPATIBLE_AFTER_MIGRATION
+        reader = resolve_serializer("state", wrap(new), wrap(stored).config())
+        assert reader is not None
+        migrated = wrap(new).deserialize(wrap(new).serialize(reader.deserialize(written)))
+        assert migrated == (TtlValue(expected, 5) if ttl else expected)
+    for new in refused:
+        with pytest.raises(IncompatibleStateError, match="'state' was written as"):
+            resolve_serializer("state", wrap(new), wrap(stored).config())
