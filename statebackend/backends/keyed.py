@@ -856,9 +856,14 @@ def stored_reader(restored: StateMetaInfo, descriptor: StateDescriptor) -> Seria
         if descriptor.key_serializer.compatibility_with(stored_key) is not (
             Compatibility.COMPATIBLE_AS_IS
         ):
+            try:
+                written: object = serializer_from_config(stored_key)
+            except Exception:  # a config of an unknown or damaged serializer: as it is
+                written = stored_key
             raise IncompatibleStateError(
-                f"map state {descriptor.name!r} was stored with user-key serializer "
-                f"{stored_key}: map keys cannot be migrated, restore with that serializer"
+                f"map state {descriptor.name!r} was stored with user keys {written!r}, which "
+                f"{descriptor.key_serializer!r} cannot read (map keys are not migrated): "
+                f"declare the user key as it was stored, or give the state another name"
             )
     new_value = stored_value_serializer(descriptor)
     return resolve_serializer(descriptor.name, new_value, restored.serializers["value"])

@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 
 from statebackend.backends.heap import HeapKeyedStateBackend
-from statebackend.backends.keyed import KeyedStateBackend, KeyedStateCut, StateMetaInfo
+from statebackend.backends.keyed import (
+    KeyedStateBackend,
+    KeyedStateCut,
+    StateMetaInfo,
+    stored_reader,
+)
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.backends.stores import Entry
 from statebackend.errors import (
@@ -1395,3 +1400,19 @@ def test_estimated_entries_counts_values_map_entries_and_timers(backend: KeyedSt
             backend.timer_service.register_event_time_timer(1000 + n)
             model[("timer", key)] = 2  # by time and by key
     assert backend.estimated_entries() == sum(model.values())
+
+
+def test_a_map_state_declared_with_other_user_keys_is_one_line_naming_both() -> None:
+    """The refusal names the state, the stored and the declared user keys as a processor
+    declares them, and what to do, in one line."""
+    stored = StateMetaInfo.of(MapStateDescriptor("m", StrSerializer(), IntSerializer()))
+    declared = MapStateDescriptor("m", IntSerializer(), IntSerializer())
+    with pytest.raises(IncompatibleStateError) as refused:
+        stored_reader(stored, declared)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"map state 'm' was stored with user keys {StrSerializer()!r}, which "
+        f"{IntSerializer()!r} cannot read"
+    )
+    assert message.endswith("declare the user key as it was stored, or give the state another name")
