@@ -112,6 +112,11 @@ class Serializer(ABC, Generic[T]):
         """Rebuild this kind of serializer from its ``config()``."""
         return cls()
 
+    def incompatibility(self, stored: SerializerConfig) -> str | None:
+        """Why this serializer cannot read what ``stored`` wrote (INCOMPATIBLE), naming
+        the part at fault (a field, a TTL) if it can; None otherwise."""
+        return None
+
     def migration_loses(self, stored: SerializerConfig) -> bool:
         """Whether migrating what ``stored`` wrote to this serializer drops part of it
         (``RowTupleSerializer``: a field this one lacks)."""
@@ -177,9 +182,11 @@ def resolve_serializer(
         written: object = serializer_from_config(stored)
     except Exception:  # a config of an unknown or damaged serializer: show it as it is
         written = stored
+    reason = new.incompatibility(stored)
     raise IncompatibleStateError(
-        f"state {state_name!r} was written as {written!r}, which {new!r} cannot read: "
-        f"declare the state as it was written, or start without this state (a new job_id)"
+        f"state {state_name!r} was written as {written!r}, which {new!r} cannot read"
+        f"{'' if reason is None else f' ({reason})'}: declare the state as it was "
+        f"written, or start without this state (a new job_id)"
     )
 
 

@@ -595,32 +595,57 @@ def _evolution(stored: Any, new: list[Any]) -> list[int | None] | None:
             evolution.append(None)
             continue
         _, old_type, old_nullable = stored[position]
-        widened = isinstance(old_type, str) and new_type in _WIDER.get(old_type, ())
-        if (new_nullable and not old_nullable) or not (
-            widened or _type_reads_as(old_type, new_type)
-        ):
+        if (new_nullable and not old_nullable) or not _evolves(old_type, new_type):
             return None
         evolution.append(position)
     return evolution if any(position is not None for position in evolution) else None
 
 
+def _evolves(stored: Any, new: Any) -> bool:
+    """Whether a field's stored type reads as (``_type_reads_as``) or widens to ``new``."""
+    widened = isinstance(stored, str) and new in _WIDER.get(stored, ())
+    return widened or _type_reads_as(stored, new)
+
+
+def _refusal(stored: Any, new: list[Any]) -> str | None:
+    """Why values stored with the ``_schema_identity`` ``stored`` cannot evolve to ``new``'s
+    (``_evolution``), naming the first field at fault; None if not known."""
+    if not isinstance(stored, list):
+        return None
+    by_name = {field[0]: field for field in stored if isinstance(field, list) and len(field) == 3}
+    for name, new_type, new_nullable in new:
+        if name not in by_name:
+            if not new_nullable:
+                return f"field {name!r} is added and not nullable"
+            continue
+        _, old_type, old_nullable = by_name[name]
+        if new_nullable and not old_nullable:
+            return f"field {name!r} was not null and is nullable"
+        if not _evolves(old_type, new_type):
+            return f"field {name!r} was {_type_text(old_type)} and is {_type_text(new_type)}"
+    if not any(name in by_name for name, _, _ in new):
+        return "no field of it keeps its name"
+    return None
+
+
+def _type_text(data_type: Any) -> str:
+    """A type of a ``_schema_identity`` as DDL-like text: ``struct<sum long>``."""
+    if not isinstance(data_type, dict):
+        return str(data_type)
+    if "struct" in data_type:
+        return f"struct<{_fields_text(data_type['struct'])}>"
+    if "array" in data_type:
+        return f"array<{_type_text(data_type['array'])}>"
+    if "map" in data_type:
+        key, value = data_type["map"]
+        return f"map<{_type_text(key)}, {_type_text(value)}>"
+    return json.dumps(data_type)
+
+
 def _fields_text(identity: list[Any]) -> str:
     """A ``_schema_identity`` as DDL-like text: ``count long, totals struct<sum long>``."""
-
-    def of_type(data_type: Any) -> str:
-        if not isinstance(data_type, dict):
-            return str(data_type)
-        if "struct" in data_type:
-            return f"struct<{_fields_text(data_type['struct'])}>"
-        if "array" in data_type:
-            return f"array<{of_type(data_type['array'])}>"
-        if "map" in data_type:
-            key, value = data_type["map"]
-            return f"map<{of_type(key)}, {of_type(value)}>"
-        return json.dumps(data_type)
-
     return ", ".join(
-        f"{name} {of_type(data_type)}{'' if nullable else ' not null'}"
+        f"{name} {_type_text(data_type)}{'' if nullable else ' not null'}"
         for name, data_type, nullable in identity
     )
 
@@ -702,6 +727,13 @@ class RowTupleSerializer(Serializer[tuple[Any, ...]]):
         if same and _evolution(stored.get("schema"), self._schema) is not None:
             return Compatibility.COMPATIBLE_AFTER_MIGRATION
         return Compatibility.INCOMPATIBLE
+
+    def incompatibility(self, stored: SerializerConfig) -> str | None:
+        if stored.get("identity") == "ttl":  # TtlSerializer's, around the values
+            return "it was stored with a TTL"
+        if stored.get("identity") != self.identity:
+            return None
+        return _refusal(stored.get("schema"), self._schema)
 
     def migration_loses(self, stored: SerializerConfig) -> bool:
         schema = stored.get("schema")

@@ -107,6 +107,11 @@ class TtlSerializer(Serializer[TtlValue]):
     def from_config(cls, config: SerializerConfig) -> TtlSerializer:
         return cls(serializer_from_config(config["inner"]))
 
+    def incompatibility(self, stored: SerializerConfig) -> str | None:
+        if stored.get("identity") != self.identity:
+            return "it was stored without a TTL"
+        return self.inner.incompatibility(stored["inner"]) if "inner" in stored else None
+
     def migration_loses(self, stored: SerializerConfig) -> bool:
         inner = stored.get("inner") if stored.get("identity") == self.identity else None
         return isinstance(inner, dict) and self.inner.migration_loses(inner)

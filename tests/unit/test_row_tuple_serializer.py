@@ -469,11 +469,14 @@ def test_fields_added_removed_or_widened_migrate_by_name(ttl: bool) -> None:
         _fields(("s", StringType(), True), ("n", DoubleType(), True), ("m", LongType(), True)),
         _fields(("n", IntegerType(), True), ("s", StringType(), True), ("b", BinaryType(), True)),
     ]
-    refused = [
-        _fields(("n", IntegerType(), True), ("m", LongType(), False)),
-        _fields(("n", StringType(), True)),
-        _fields(("n", ShortType(), True)),
-        _fields(("m", LongType(), True)),
+    refused = [  # with the reason the error names
+        (
+            _fields(("n", IntegerType(), True), ("m", LongType(), False)),
+            "field 'm' is added and not nullable",
+        ),
+        (_fields(("n", StringType(), True)), "field 'n' was integer and is string"),
+        (_fields(("n", ShortType(), True)), "field 'n' was integer and is short"),
+        (_fields(("m", LongType(), True)), "no field of it keeps its name"),
     ]
     by_name = dict(zip(["n", "s"], value, strict=True))
     wrap = TtlSerializer if ttl else (lambda serializer: serializer)
@@ -486,6 +489,13 @@ def test_fields_added_removed_or_widened_migrate_by_name(ttl: bool) -> None:
         assert reader is not None
         migrated = wrap(new).deserialize(wrap(new).serialize(reader.deserialize(written)))
         assert migrated == (TtlValue(expected, 5) if ttl else expected)
-    for new in refused:
-        with pytest.raises(IncompatibleStateError, match="'state' was written as"):
+    for new, reason in refused:
+        with pytest.raises(IncompatibleStateError, match=rf"written as .* \({reason}\): "):
             resolve_serializer("state", wrap(new), wrap(stored).config())
+    # TTL added or removed
+    for new, written, reason in (
+        (TtlSerializer(stored), stored, "it was stored without a TTL"),
+        (stored, TtlSerializer(stored), "it was stored with a TTL"),
+    ):
+        with pytest.raises(IncompatibleStateError, match=rf"written as .* \({reason}\): "):
+            resolve_serializer("state", new, written.config())
