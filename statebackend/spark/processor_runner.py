@@ -807,8 +807,11 @@ def _fire_timers(
     shown_key = _timer_key(spec, handle.backend.key_serializer)
 
     def on_timer(key: Any, timestamp_ms: int) -> None:  # the timer's key is current
+        # By name, as Spark calls it: a handler may declare its parameters in any order.
         result = spec.processor.handleExpiredTimer(
-            shown_key(key), timer_values, ExpiredTimerInfo(timestamp_ms)
+            key=shown_key(key),
+            timerValues=timer_values,
+            expiredTimerInfo=ExpiredTimerInfo(timestamp_ms),
         )
         emit(result or ())
 

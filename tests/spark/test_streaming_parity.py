@@ -1522,3 +1522,55 @@ def test_none_as_a_state_value_is_a_type_error_like_spark(
             expected[(batch_id, row)] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- handleExpiredTimer's arguments by name -----------------------------------------------
+
+NAMED_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        StructField("n", LongType()),
+    ]
+)
+
+
+class NamedTimerArguments(StatefulProcessor):
+    """ProcessingTime: a timer at the batch's time per key with input; the timer handler
+    declares its parameters in another order than Spark's base class (``expiredTimerInfo``
+    before ``timerValues``) and reports whether the timer is due at the batch's time."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs())
+        yield Row(user=key[0], kind="in", n=len(list(rows)))
+
+    def handleExpiredTimer(  # type: ignore[override]
+        self, key: Any, expiredTimerInfo: ExpiredTimerInfo, timerValues: TimerValues
+    ) -> Iterator[Any]:
+        now = timerValues.getCurrentProcessingTimeInMs()
+        yield Row(user=key[0], kind="timer", n=int(expiredTimerInfo.getExpiryTimeInMs() == now))
+
+    def close(self) -> None:
+        pass
+
+
+def test_handle_expired_timer_gets_its_arguments_by_name_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Spark calls ``handleExpiredTimer(key=..., timerValues=..., expiredTimerInfo=...)``:
+    a handler declaring them in another order gets each by its name. Ours passed them by
+    position, so such a handler got the TimerValues as its expiredTimerInfo and failed."""
+    case = ParityCase(
+        INPUT, ["user"], NamedTimerArguments, NAMED_OUTPUT, time_mode="ProcessingTime"
+    )
+    theirs, ours = run_parity(spark_local, case, BATCHES[:2], tmp_path)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES[:2]):
+        for user in {r["user"] for r in batch}:
+            expected[(batch_id, (user, "in", sum(r["user"] == user for r in batch)))] += 1
+            expected[(batch_id, (user, "timer", 1))] += 1
+    assert theirs == expected
+    assert ours == expected
