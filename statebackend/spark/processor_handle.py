@@ -395,13 +395,18 @@ class ProcessorHandle(StatefulProcessorHandle):
 
     @property
     def phase(self) -> Phase:
-        """The lifecycle phase; states are usable in every phase but PRE_INIT and CLOSED."""
+        """The lifecycle phase; states are usable while a key is current: handling rows,
+        initial state or timers (INITIALIZED, DATA_PROCESSED), not in ``init`` or
+        ``close``, where Spark has no current key."""
         return self._phase
 
     @phase.setter
     def phase(self, phase: Phase) -> None:
         self._phase = phase
-        self.serving = self.backend is not None and phase not in (Phase.PRE_INIT, Phase.CLOSED)
+        self.serving = self.backend is not None and phase in (
+            Phase.INITIALIZED,
+            Phase.DATA_PROCESSED,
+        )
 
     # -- states ---------------------------------------------------------------------------
 

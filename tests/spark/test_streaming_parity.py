@@ -1574,3 +1574,43 @@ def test_handle_expired_timer_gets_its_arguments_by_name_like_spark(
             expected[(batch_id, (user, "timer", 1))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- state used where no key is current ---------------------------------------------------
+
+
+class StateInClose(StatefulProcessor):
+    """Counts each key's rows; ``close()``, once keys were handled, reads the count (no
+    key is current there: Spark removes it before ``close()``)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.getValueState("count", "n long")
+        self.handled = False
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        self.handled = True
+        self.count.update(((self.count.get() or (0,))[0] + len(list(rows)),))
+        yield Row(user=key[0], before=0, after=self.count.get()[0])
+
+    def close(self) -> None:
+        if self.handled:
+            self.count.exists()
+
+
+def test_state_used_in_close_is_an_error_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Spark removes the current key before ``close()``, so a state used there fails the
+    query; ours served the state of the last key handled."""
+    case = ParityCase(INPUT, ["user"], StateInClose, ZERO_TTL_OUTPUT)
+    input_dir = tmp_path / "input"
+    write_batches(input_dir, BATCHES[:1])
+    with parity_settings(spark_local, tmp_path):
+        with pytest.raises(StreamingQueryException, match="Implicit key not found.*count"):
+            run_spark(spark_local, case, input_dir, tmp_path / "spark-checkpoint")
+        refused = (
+            "StatefulProcessorError: .*operation=exists with invalid handle "
+            "state=TIMER_PROCESSED: use state 'count' in handleInputRows"
+        )
+        with pytest.raises(StreamingQueryException, match=refused):
+            run_ours(spark_local, case, input_dir, tmp_path / "our-checkpoint", job_id="close")

@@ -307,6 +307,23 @@ def test_state_use_after_close_is_an_error(backend: KeyedStateBackend) -> None:
         value.update((1,))
 
 
+@pytest.mark.parametrize("phase", [Phase.CREATED, Phase.TIMER_PROCESSED])
+def test_state_use_in_init_or_close_is_an_error(backend: KeyedStateBackend, phase: Phase) -> None:
+    """No key is current in ``init`` (CREATED) or ``close`` (TIMER_PROCESSED) in Spark: a
+    state used there is refused, not served for the key the backend last had."""
+    handle = _handle(backend)
+    value = handle.getValueState("count", COUNT)
+    handle.phase = Phase.INITIALIZED
+    backend.set_current_key(("alice",))
+    value.update((1,))
+    handle.phase = phase
+    for call in (value.exists, value.get, value.clear, lambda: value.update((2,))):
+        with pytest.raises(StatefulProcessorError, match=f"invalid handle state={phase.name}"):
+            call()
+    handle.phase = Phase.INITIALIZED
+    assert value.get() == (1,)
+
+
 def test_timers_need_a_time_mode(backend: KeyedStateBackend) -> None:
     handle = _handle(backend, timers=backend.timer_service)
     handle.phase = Phase.INITIALIZED
@@ -350,7 +367,9 @@ def test_timers_of_the_current_key(backend: KeyedStateBackend, time_mode: str) -
 
 def test_changed_schema_is_incompatible(tmp_path: Path, clock: BatchClock) -> None:
     first = make_backend("rocksdb", tmp_path / "db", clock)
-    value = _handle(first).getValueState("count", COUNT)
+    handle = _handle(first)
+    value = handle.getValueState("count", COUNT)
+    handle.phase = Phase.INITIALIZED
     first.set_current_key(("alice",))
     value.update((1,))
     first.close()  # type: ignore[attr-defined]
@@ -375,6 +394,7 @@ def test_same_name_with_another_schema_in_one_run_is_incompatible(
 def test_delete_if_exists_clears_every_key(backend: KeyedStateBackend) -> None:
     handle = _handle(backend)
     value = handle.getValueState("count", COUNT)
+    handle.phase = Phase.INITIALIZED
     for n, user in enumerate(USERS):
         backend.set_current_key(user)
         value.update((n,))
@@ -402,10 +422,12 @@ def test_ddl_schemas_are_parsed_on_the_driver_and_looked_up_on_executors(
         driver_state.get()
     executor = ProcessorHandle(time_mode="None", catalog=catalog, backend=backend)
     value = executor.getValueState("count", "count long")
+    executor.phase = Phase.INITIALIZED
     backend.set_current_key(("alice",))
     value.update((3,))
     assert value.get() == (3,)
     assert parsed == ["count long"]
+    executor.phase = Phase.CREATED
     with pytest.raises(ConfigurationError, match="state 'other': schema 'other long' was not"):
         executor.getValueState("other", "other long")
 
