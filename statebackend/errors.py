@@ -105,6 +105,11 @@ class ProcessorArgumentRangeError(StateAccessError, ValueError):
     Spark's handle raises one."""
 
 
+class DeletedStateError(StateAccessError, RuntimeError):
+    """A StatefulProcessor used a state variable whose state ``deleteIfExists`` removed
+    in ``init``: a RuntimeError too, as Spark's handle raises one."""
+
+
 class ProcessorFailedError(StateBackendError):
     """A user's StatefulProcessor (or KeyedFunction) raised while a keyed subtask ran a
     micro-batch; names the method that raised (``Class.handleInputRows``) and the batch.

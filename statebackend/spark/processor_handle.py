@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import index
 from struct import Struct
-from typing import Any
+from typing import Any, TypeVar
 
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import ListState as SparkListState
@@ -36,6 +36,7 @@ from pyspark.sql.types import StructType
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.errors import (
     ConfigurationError,
+    DeletedStateError,
     IncompatibleStateError,
     ProcessorArgumentRangeError,
     ProcessorArgumentTypeError,
@@ -208,6 +209,20 @@ def _none_given(name: str, operation: str) -> ProcessorArgumentTypeError:
     )
 
 
+class _DeletedState:
+    """Stands in for the backend state of a state variable whose state ``deleteIfExists``
+    removed: every use raises, as Spark's handle refuses a deleted state."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        raise DeletedStateError(
+            f"state {self._name!r} was deleted by deleteIfExists({self._name!r}) in init(): "
+            f"delete only states the processor no longer uses"
+        )
+
+
 class _StateVariable:
     """What the three state kinds share: the handle (phase checks) and the backend state."""
 
@@ -228,6 +243,9 @@ class _StateVariable:
             f"handle state={self._handle.phase.name}: use state {self._name!r} in "
             f"handleInputRows, handleExpiredTimer or handleInitialState",
         )
+
+
+_VariableT = TypeVar("_VariableT", bound=_StateVariable)
 
 
 class ProcessorValueState(_StateVariable, SparkValueState):
@@ -391,6 +409,9 @@ class ProcessorHandle(StatefulProcessorHandle):
         self.serving = False
         """Whether states may be used now (kept by ``phase``'s setter, so that a state
         call checks one flag instead of the phase)."""
+        self._variables: dict[str, list[_StateVariable]] = {}
+        """The state variables ``init`` declared, by state name (what ``deleteIfExists``
+        makes unusable)."""
         self.phase = Phase.PRE_INIT if backend is None else Phase.CREATED
 
     @property
@@ -473,6 +494,11 @@ class ProcessorHandle(StatefulProcessorHandle):
             )
         return state
 
+    def _declared(self, variable: _VariableT) -> _VariableT:
+        """Keep ``variable`` under its state's name (for ``deleteIfExists``)."""
+        self._variables.setdefault(variable._name, []).append(variable)
+        return variable
+
     def getValueState(
         self, stateName: str, schema: StructType | str, ttlDurationMs: int | None = None
     ) -> ProcessorValueState:
@@ -481,7 +507,7 @@ class ProcessorHandle(StatefulProcessorHandle):
         descriptor = ValueStateDescriptor(
             stateName, self._schema(stateName, schema), ttl=self._ttl(stateName, ttlDurationMs)
         )
-        return ProcessorValueState(self, stateName, self._register(descriptor))
+        return self._declared(ProcessorValueState(self, stateName, self._register(descriptor)))
 
     def getListState(
         self, stateName: str, schema: StructType | str, ttlDurationMs: int | None = None
@@ -491,7 +517,7 @@ class ProcessorHandle(StatefulProcessorHandle):
         descriptor = ListStateDescriptor(
             stateName, self._schema(stateName, schema), ttl=self._ttl(stateName, ttlDurationMs)
         )
-        return ProcessorListState(self, stateName, self._register(descriptor))
+        return self._declared(ProcessorListState(self, stateName, self._register(descriptor)))
 
     def getMapState(
         self,
@@ -509,16 +535,21 @@ class ProcessorHandle(StatefulProcessorHandle):
             value_serializer,
             ttl=self._ttl(stateName, ttlDurationMs),
         )
-        return ProcessorMapState(
-            self, stateName, self._register(descriptor), value_serializer.field_names
+        return self._declared(
+            ProcessorMapState(
+                self, stateName, self._register(descriptor), value_serializer.field_names
+            )
         )
 
     def deleteIfExists(self, stateName: str) -> None:
-        """Remove state ``stateName`` for every key (in ``init``), if it exists."""
+        """Remove state ``stateName`` for every key (in ``init``), if it exists; its state
+        variables declared before are unusable from then on (as in Spark)."""
         self._check_declaration("delete_if_exists", stateName)
         backend = self.backend
         if backend is None:
             return
+        for variable in self._variables.get(stateName, ()):
+            variable._state = _DeletedState(stateName)
         meta = next((m for m in backend.state_meta() if m.name == stateName), None)
         if meta is None:
             return

@@ -25,6 +25,7 @@ DETERMINISTIC = {
     "StatefulProcessorError",
     "ProcessorArgumentTypeError",
     "ProcessorArgumentRangeError",
+    "DeletedStateError",
     "OutputSchemaError",
     "JobFailedError",
 }
