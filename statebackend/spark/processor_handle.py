@@ -19,7 +19,8 @@ backend's clock (``BatchClock``), as Spark computes expiry from the batch timest
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import index
 from struct import Struct
@@ -246,6 +247,7 @@ class _StateVariable:
 
 
 _VariableT = TypeVar("_VariableT", bound=_StateVariable)
+_T = TypeVar("_T")
 
 
 class ProcessorValueState(_StateVariable, SparkValueState):
@@ -327,10 +329,17 @@ class ProcessorMapState(_StateVariable, SparkMapState):
     ``getValue`` gives a ``Row`` of the value schema's fields, as Spark's does."""
 
     def __init__(
-        self, handle: ProcessorHandle, name: str, state: Any, value_fields: list[str]
+        self,
+        handle: ProcessorHandle,
+        name: str,
+        state: Any,
+        value_fields: list[str],
+        key_order: Callable[[tuple[Any, ...]], bytes] | None = None,
     ) -> None:
         super().__init__(handle, name, state)
         self._value_row = Row(*value_fields)
+        self._key_order = key_order
+        """Spark's order of the user keys (``spark_map_key_order``); None: ours."""
 
     def exists(self) -> bool:
         """Whether the current key's map has entries."""
@@ -357,19 +366,26 @@ class ProcessorMapState(_StateVariable, SparkMapState):
         state.put(key, value)
 
     def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        """The (user key, value) pairs."""
+        """The (user key, value) pairs, in Spark's order of the user keys."""
         state: MapState = self._use("iterator")
-        return state.items()
+        order = self._key_order
+        if order is None:
+            return state.items()
+        return _sorted_when_asked(state.items, lambda item: order(item[0]))
 
     def keys(self) -> Iterator[tuple[Any, ...]]:
-        """The user keys."""
+        """The user keys, in Spark's order."""
         state: MapState = self._use("keys")
-        return state.keys()
+        if self._key_order is None:
+            return state.keys()
+        return _sorted_when_asked(state.keys, self._key_order)
 
     def values(self) -> Iterator[tuple[Any, ...]]:
-        """The values."""
-        state: MapState = self._use("values")
-        return state.values()
+        """The values, in Spark's order of their user keys."""
+        if self._key_order is None:
+            state: MapState = self._use("values")
+            return state.values()
+        return (value for _, value in self.iterator())
 
     def removeKey(self, key: tuple[Any, ...]) -> None:
         """Remove user key ``key``."""
@@ -379,6 +395,66 @@ class ProcessorMapState(_StateVariable, SparkMapState):
     def clear(self) -> None:
         """Remove the current key's map."""
         self._use("clear").clear()
+
+
+def _sorted_when_asked(
+    entries: Callable[[], Iterable[_T]], key: Callable[[_T], bytes]
+) -> Iterator[_T]:
+    """``entries()`` sorted by ``key``, read when the first is asked for, as Spark's map
+    iterators read their state."""
+    yield from sorted(entries(), key=key)
+
+
+_UNSAFE_WORDS = {
+    "boolean": Struct("<?"),
+    "byte": Struct("<b"),
+    "short": Struct("<h"),
+    "integer": Struct("<i"),
+    "long": Struct("<q"),
+    "float": Struct("<f"),
+    "double": Struct("<d"),
+    "date": Struct("<i"),
+    "timestamp": Struct("<q"),
+    "timestamp_ntz": Struct("<q"),
+}
+"""How Spark's UnsafeRow writes a value of each fixed-width type (its internal value, as
+``toInternal`` gives it) into the field's 8-byte word."""
+_UNSAFE_BYTES = frozenset({"string", "binary"})
+"""The types an UnsafeRow keeps after its words (the word holds offset and size)."""
+_UNSAFE_OFFSET_AND_SIZE = Struct("<q")
+
+
+def spark_map_key_order(schema_json: str) -> Callable[[tuple[Any, ...]], bytes] | None:
+    """The order in which Spark's map state gives its user keys (``keys``, ``values``,
+    ``iterator``): the byte order of its RocksDB keys, where a user key is an UnsafeRow
+    nested in the key row, so by that row's size (a little-endian int), then by the row:
+    its null bits, one little-endian word per field, the strings' bytes (padded to 8).
+    Not by value: 256 before 1, -1 last. None for a schema with a field of another type
+    (nested, decimal), whose user keys keep our order."""
+    schema = StructType.fromJson(json.loads(schema_json))
+    kinds = [field.dataType.typeName() for field in schema.fields]
+    if not all(kind in _UNSAFE_WORDS or kind in _UNSAFE_BYTES for kind in kinds):
+        return None
+    to_internal = schema.toInternal
+    bits_size = 8 * ((len(kinds) + 63) // 64)
+    fixed_size = bits_size + 8 * len(kinds)
+
+    def order(key: tuple[Any, ...]) -> bytes:
+        bits, words, tail = bytearray(bits_size), bytearray(8 * len(kinds)), bytearray()
+        for position, (value, kind) in enumerate(zip(to_internal(key), kinds, strict=True)):
+            if value is None:
+                bits[position >> 3] |= 1 << (position & 7)
+            elif kind in _UNSAFE_BYTES:
+                data = value.encode() if isinstance(value, str) else bytes(value)
+                offset_and_size = (fixed_size + len(tail)) << 32 | len(data)
+                _UNSAFE_OFFSET_AND_SIZE.pack_into(words, 8 * position, offset_and_size)
+                tail += data + bytes(-len(data) % 8)
+            else:
+                _UNSAFE_WORDS[kind].pack_into(words, 8 * position, value)
+        size = fixed_size + len(tail)
+        return size.to_bytes(4, "little") + bits + words + tail
+
+    return order
 
 
 class ProcessorHandle(StatefulProcessorHandle):
@@ -529,15 +605,17 @@ class ProcessorHandle(StatefulProcessorHandle):
         """Declare (in ``init``) a map state from ``userKeySchema`` to ``valueSchema`` tuples."""
         self._check_declaration("get_map_state", stateName)
         value_serializer = self._schema(stateName, valueSchema, "value schema")
+        key_serializer = self._schema(stateName, userKeySchema, "user key schema")
         descriptor = MapStateDescriptor(
-            stateName,
-            self._schema(stateName, userKeySchema, "user key schema"),
-            value_serializer,
-            ttl=self._ttl(stateName, ttlDurationMs),
+            stateName, key_serializer, value_serializer, ttl=self._ttl(stateName, ttlDurationMs)
         )
         return self._declared(
             ProcessorMapState(
-                self, stateName, self._register(descriptor), value_serializer.field_names
+                self,
+                stateName,
+                self._register(descriptor),
+                value_serializer.field_names,
+                spark_map_key_order(key_serializer.schema_json),
             )
         )
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -1707,3 +1708,99 @@ def test_a_state_deleted_in_init_is_unusable_like_spark(
                 expected[who][(batch_id, (user, tuple(outcomes), counts[user], rows))] += 1
     assert theirs == expected["spark"]
     assert ours == expected["ours"]
+
+
+# -- MapState iteration order -------------------------------------------------------------
+
+ORDER_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("state", StringType()),
+        StructField("keys", StringType()),
+        StructField("values", ArrayType(LongType())),
+        StructField("items", ArrayType(LongType())),
+    ]
+)
+ORDER_KEYS: dict[str, list[tuple[Any, ...]]] = {
+    "k long": [(-1,), (0,), (1,), (255,), (256,), (-256,), (2**40,), (None,)],
+    "k int": [(7,), (-7,), (300,)],
+    "k double": [(-1.5,), (0.0,), (1.5,), (2.0,), (1e10,)],
+    "k boolean": [(True,), (False,)],
+    "k string": [("",), ("b",), ("aa",), ("a" * 300,), ("é",), ("zzzzzzzzz",), (None,)],
+    "a string, b long": [("a", 2), ("a", 1), ("b", 1), ("aa", 0), ("", 5), (None, 1), ("a", None)],
+    "a long, b string": [(1, "zz"), (1, "a"), (2, ""), (256, "b")],
+    "k date": [(date(1970, 1, 2),), (date(1969, 12, 31),), (date(2024, 1, 1),)],
+}
+
+
+class MapOrder(StatefulProcessor):
+    """Puts ``ORDER_KEYS``' user keys into one map state per key schema (the value is
+    the key's position in ``ORDER_KEYS``) and reports the order in which ``keys()``,
+    ``values()`` and ``iterator()`` give them."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.maps = {
+            schema: handle.getMapState(f"m{n}", schema, "position long")
+            for n, schema in enumerate(ORDER_KEYS)
+        }
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        list(rows)
+        for schema, state in self.maps.items():
+            for position, user_key in enumerate(ORDER_KEYS[schema]):
+                state.updateValue(user_key, (position,))
+            keys = repr([tuple(user_key) for user_key in state.keys()])
+            values = [value[0] for value in state.values()]
+            items = [value[0] for _, value in state.iterator()]
+            yield Row(user=key[0], state=schema, keys=keys, values=values, items=items)
+
+    def close(self) -> None:
+        pass
+
+
+def _unsafe_row(values: tuple[Any, ...], types: list[str]) -> bytes:
+    """Spark's UnsafeRow of ``values`` (fields of ``types``): a null bit set, one 8-byte
+    little-endian word per field, then each string's UTF-8 bytes padded to 8 bytes."""
+    bits = bytearray(8 * ((len(values) + 63) // 64))
+    words = bytearray(8 * len(values))
+    tail = bytearray()
+    for position, (value, kind) in enumerate(zip(values, types, strict=True)):
+        word = slice(8 * position, 8 * position + 8)
+        if value is None:
+            bits[position // 8] |= 1 << position % 8
+        elif kind == "string":
+            data = value.encode()
+            offset = len(bits) + len(words) + len(tail)
+            words[word] = (offset << 32 | len(data)).to_bytes(8, "little")
+            tail += data + bytes(-len(data) % 8)
+        elif kind == "date":
+            words[word] = (value - date(1970, 1, 1)).days.to_bytes(8, "little", signed=True)
+        elif kind == "double":
+            words[word] = struct.pack("<d", value)
+        else:  # long, int, boolean: their value in the word's low bytes
+            words[word] = int(value).to_bytes(8, "little", signed=True)
+    return bytes(bits + words + tail)
+
+
+def test_map_state_iterates_in_spark_s_order(spark_local: SparkSession, tmp_path: Path) -> None:
+    """Spark's map state gives its entries in the byte order of its RocksDB keys, where a
+    user key is an UnsafeRow nested in the key row: by the row's size (a little-endian
+    int), then its bytes (little-endian numbers, strings after the fixed words), not by
+    value (256 before 1, -1 last). Ours gave them in its own key encoding's order."""
+    case = ParityCase(INPUT, ["user"], MapOrder, ORDER_OUTPUT)
+    theirs, ours = run_parity(spark_local, case, BATCHES[:1], tmp_path)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for user in {r["user"] for r in BATCHES[0]}:
+        for schema, user_keys in ORDER_KEYS.items():
+            types = [field.split()[1] for field in schema.split(", ")]
+            types = ["long" if kind in ("int", "boolean") else kind for kind in types]
+
+            def spark_s(user_key: tuple[Any, ...], types: list[str] = types) -> bytes:
+                row = _unsafe_row(user_key, types)
+                return len(row).to_bytes(4, "little") + row
+
+            ordered = sorted(user_keys, key=spark_s)
+            positions = tuple(user_keys.index(user_key) for user_key in ordered)
+            expected[(0, (user, schema, repr(ordered), positions, positions))] += 1
+    assert theirs == expected
+    assert ours == expected
