@@ -34,14 +34,17 @@ from collections import _tuplegetter  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import partial
 from itertools import chain
 from operator import eq, ne
 from typing import Any, NamedTuple
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+from pandas.api.types import is_integer_dtype
 from pyspark.sql import Row
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, StatefulProcessor
 from pyspark.sql.types import StructType
@@ -109,6 +112,9 @@ class ProcessorSpec:
     """Pandas mode: the most rows of a key in one DataFrame that ``handleInputRows`` (or
     ``handleInitialState``) gets, as Spark chunks them
     (``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less: no limit)."""
+    int_to_decimal: bool = False
+    """Pandas mode: an output column of ints fills a decimal column, each int as a
+    ``Decimal`` (``spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled``)."""
 
     @property
     def output_schema(self) -> StructType:
@@ -368,10 +374,14 @@ class OutputBuilder:
     record batches of the output schema (``ready``, taken with ``take_ready``); a value
     that does not fit names its column."""
 
-    def __init__(self, schema: StructType, time_zone: str = "UTC") -> None:
+    def __init__(
+        self, schema: StructType, time_zone: str = "UTC", int_to_decimal: bool = False
+    ) -> None:
         self.schema = schema
         self.time_zone = time_zone
         """Naive timestamps of pandas-mode output are wall times of this zone."""
+        self.int_to_decimal = int_to_decimal
+        """Whether a pandas column of ints fills a decimal column (each int a Decimal)."""
         self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
         self._struct_fillers = {
@@ -447,6 +457,8 @@ class OutputBuilder:
         long) are taken as they are and cast safely."""
         if pa.types.is_timestamp(type) and type.tz is not None:
             series = utc_series(series, self.time_zone)
+        if self.int_to_decimal and pa.types.is_decimal(type) and is_integer_dtype(series.dtype):
+            series = series.apply(lambda value: None if pd.isna(value) else Decimal(int(value)))
         try:
             return pa.Array.from_pandas(series, type=type)
         except pa.ArrowInvalid:
@@ -696,7 +708,7 @@ def run_keyed_subtask(
         time_mode=spec.time_mode, catalog=spec.catalog, backend=backend, timers=timer_service
     )
     timer_values = times.timer_values(spec.time_mode)
-    output = OutputBuilder(spec.output_schema, spec.time_zone)
+    output = OutputBuilder(spec.output_schema, spec.time_zone, spec.int_to_decimal)
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)
     if counts is None:

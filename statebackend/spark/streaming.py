@@ -233,6 +233,7 @@ def _watermark_column(df: DataFrame) -> str | None:
 
 
 MAX_RECORDS_PER_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
+INT_TO_DECIMAL = "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled"
 
 
 def _max_records_per_batch(spark: Any) -> int:
@@ -772,6 +773,7 @@ def transform_with_state(
         event_time_column=_event_time_column(df, mode),
         time_zone=str(df.sparkSession.conf.get("spark.sql.session.timeZone")),
         max_records_per_batch=_max_records_per_batch(df.sparkSession),
+        int_to_decimal=str(spark.conf.get(INT_TO_DECIMAL, "false")).lower() == "true",
     )
     return StatefulStream(
         df,

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, date, datetime
+from decimal import Decimal
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 from pyspark.sql.types import (
     ArrayType,
+    DecimalType,
     DoubleType,
     LongType,
     MapType,
@@ -1802,5 +1804,48 @@ def test_map_state_iterates_in_spark_s_order(spark_local: SparkSession, tmp_path
             ordered = sorted(user_keys, key=spark_s)
             positions = tuple(user_keys.index(user_key) for user_key in ordered)
             expected[(0, (user, schema, repr(ordered), positions, positions))] += 1
+    assert theirs == expected
+    assert ours == expected
+
+
+# -- pandas mode: ints into a decimal output column ---------------------------------------
+
+INT_TO_DECIMAL = "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled"
+DECIMAL_OUTPUT = StructType(
+    [StructField("user", StringType()), StructField("total", DecimalType(10, 2))]
+)
+
+
+class DecimalTotals(StatefulProcessor):
+    """pandas mode: per key, its amounts' sum as a plain int in a decimal(10,2) column."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        total = int(sum(frame["amount"].sum() for frame in rows))
+        yield pd.DataFrame({"user": [key[0]], "total": [total]})
+
+    def close(self) -> None:
+        pass
+
+
+def test_pandas_ints_fill_a_decimal_column_with_spark_s_coercion_setting(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """With ``spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled`` Spark
+    takes a pandas column of ints for a decimal output column (each int as a Decimal);
+    ours refused it as not fitting the column whatever the setting."""
+    case = ParityCase(INPUT, ["user"], DecimalTotals, DECIMAL_OUTPUT, use_pandas=True)
+    spark_local.conf.set(INT_TO_DECIMAL, "true")
+    try:
+        theirs, ours = run_parity(spark_local, case, BATCHES[:2], tmp_path)
+    finally:
+        spark_local.conf.unset(INT_TO_DECIMAL)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES[:2]):
+        for user in {r["user"] for r in batch}:
+            total = sum(r["amount"] for r in batch if r["user"] == user)
+            expected[(batch_id, (user, Decimal(total).quantize(Decimal("0.01"))))] += 1
     assert theirs == expected
     assert ours == expected
