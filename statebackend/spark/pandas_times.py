@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 from typing import Any
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import pandas as pd
 import pyarrow as pa
@@ -40,6 +40,17 @@ def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
     return session_local_frame(pd.DataFrame(columns), time_zone)
 
 
+def _zone(time_zone: str) -> Any:
+    """The session time zone as pandas should convert with it: a ``ZoneInfo`` (the time
+    zone database's offsets, as Spark's; pandas takes a zone's name as a pytz zone, which
+    knows no change before December 1901 and rounds local mean time to minutes), or the
+    name itself for a fixed offset such as ``+08:00``, which has no ``ZoneInfo``."""
+    try:
+        return ZoneInfo(time_zone)
+    except (ValueError, ZoneInfoNotFoundError):
+        return time_zone
+
+
 def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
     """``frame`` with its zone-aware timestamp columns as naive ``datetime64[ns]`` wall
     times of ``time_zone`` (the same frame if it has none)."""
@@ -48,7 +59,7 @@ def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
         return frame
     frame = frame.copy(deep=False)
     for name in aware:
-        local = frame[name].dt.tz_convert(time_zone).dt.tz_localize(None)
+        local = frame[name].dt.tz_convert(_zone(time_zone)).dt.tz_localize(None)
         frame[name] = local.astype("datetime64[ns]")
     return frame
 
@@ -74,7 +85,7 @@ def _local_timestamp(value: datetime.datetime, time_zone: str) -> pd.Timestamp:
     stamp = pd.Timestamp(value)
     if stamp.tzinfo is None:
         return stamp
-    return stamp.tz_convert(time_zone).tz_localize(None)
+    return stamp.tz_convert(_zone(time_zone)).tz_localize(None)
 
 
 def utc_series(series: pd.Series, time_zone: str) -> pd.Series:
@@ -83,5 +94,5 @@ def utc_series(series: pd.Series, time_zone: str) -> pd.Series:
     if isinstance(series.dtype, pd.DatetimeTZDtype):
         return series.dt.tz_convert("UTC")
     if pd.api.types.is_datetime64_dtype(series.dtype):
-        return series.dt.tz_localize(time_zone, ambiguous=False).dt.tz_convert("UTC")
+        return series.dt.tz_localize(_zone(time_zone), ambiguous=False).dt.tz_convert("UTC")
     return series

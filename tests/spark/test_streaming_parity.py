@@ -1092,6 +1092,7 @@ WALL_OUTPUT = StructType(
     ]
 )
 WALL_ZONE = "America/New_York"
+WALL_ZONE_WEST = "America/Los_Angeles"
 
 
 class WallClock(StatefulProcessor):
@@ -1190,6 +1191,68 @@ def test_pandas_mode_timestamps_are_wall_times_of_the_session_time_zone_like_spa
             expected[(batch_id, (key[0], wall, "Row/datetime", -1, 0, wall))] += 1
     assert ours == expected
     assert theirs == expected
+
+
+OLD_INPUT = StructType([StructField("user", StringType()), StructField("t", TimestampType())])
+OLD_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("key_wall", StringType()),
+        StructField("walls", StringType()),
+        StructField("latest", TimestampType()),
+    ]
+)
+
+
+class OldWallTimes(StatefulProcessor):
+    """pandas mode, per (user, t): the wall times it sees of the key's timestamp and of
+    its ``t`` column as text, and the newest ``t`` back as an output timestamp."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        frame = pd.concat(list(rows))
+        walls = ",".join(sorted(str(stamp) for stamp in frame["t"]))
+        yield pd.DataFrame({"user": [key[0]], "key_wall": [str(key[1])], "walls": [walls]}).assign(
+            latest=[frame["t"].max()]
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def test_pandas_mode_wall_times_before_1901_are_those_of_the_time_zone_database_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Before December 1901 a pandas processor sees the session time zone's wall times
+    of the time zone database, as Spark hands them: 1899 in Los Angeles is PST (04:00 for
+    12:00 UTC), 1850 its local mean time (-7:52:58). Ours took the offsets of pytz, which
+    knows no change before 1901 and rounds local mean time to minutes (04:07:00 for
+    both). Its naive output timestamps are read back with the same offsets; Spark reads
+    them with pytz's (its ``latest`` column is minutes off there, so it is not compared)."""
+    instants = ["1899-12-31T12:00:00Z", "1850-01-01T12:00:00Z", "2024-07-01T12:00:00Z"]
+    batches = [
+        [{"user": "a", "t": instants[0]}, {"user": "b", "t": instants[1]}],
+        [{"user": "a", "t": instants[0]}, {"user": "c", "t": instants[2]}],
+    ]
+    case = ParityCase(OLD_INPUT, ["user", "t"], OldWallTimes, OLD_OUTPUT, use_pandas=True)
+    spark_local.conf.set("spark.sql.session.timeZone", WALL_ZONE_WEST)
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset("spark.sql.session.timeZone")
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(batches):
+        for row in batch:
+            instant = datetime.fromisoformat(row["t"])
+            wall = str(instant.astimezone(ZoneInfo(WALL_ZONE_WEST)).replace(tzinfo=None))
+            collected = datetime.fromtimestamp(instant.timestamp())  # naive, local
+            expected[(batch_id, (row["user"], wall, wall, collected))] += 1
+    assert ours == expected
+    assert Counter({(b, row[:3]): n for (b, row), n in theirs.items()}) == Counter(
+        {(b, row[:3]): n for (b, row), n in expected.items()}
+    )
 
 
 # -- argument types of the handle's numbers ----------------------------------------------
