@@ -31,13 +31,18 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 from pyspark.sql.types import (
     ArrayType,
+    ByteType,
     DecimalType,
     DoubleType,
+    FloatType,
+    IntegerType,
     LongType,
     MapType,
+    ShortType,
     StringType,
     StructField,
     StructType,
+    TimestampNTZType,
     TimestampType,
 )
 
@@ -1253,6 +1258,86 @@ def test_pandas_mode_wall_times_before_1901_are_those_of_the_time_zone_database_
     assert Counter({(b, row[:3]): n for (b, row), n in theirs.items()}) == Counter(
         {(b, row[:3]): n for (b, row), n in expected.items()}
     )
+
+
+NARROW_COLUMNS = {
+    "b": ByteType(),
+    "s": ShortType(),
+    "i": IntegerType(),
+    "f": FloatType(),
+    "l": LongType(),
+    "d": DoubleType(),
+    "ntz": TimestampNTZType(),
+}
+NARROW_INPUT = StructType(
+    [StructField("user", StringType())]
+    + [StructField(name, kind) for name, kind in NARROW_COLUMNS.items()]
+)
+NARROW_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("dtypes", StringType()),
+        StructField("doubled", ArrayType(LongType())),
+    ]
+)
+
+
+class NarrowDtypes(StatefulProcessor):
+    """pandas mode: the dtypes of the DataFrame it gets, and its byte column doubled
+    as pandas computes it in that dtype."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        frame = pd.concat(list(rows))
+        dtypes = ",".join(f"{name}={dtype}" for name, dtype in frame.dtypes.items())
+        doubled = sorted(int(value) for value in frame["b"] * 2)
+        yield pd.DataFrame({"user": [key[0]], "dtypes": [dtypes], "doubled": [doubled]})
+
+    def close(self) -> None:
+        pass
+
+
+def test_pandas_mode_columns_have_the_dtypes_spark_s_frames_have(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Spark builds each DataFrame of a pandas processor from its rows' values, so byte,
+    short and int columns are int64, float columns float64 and timestamp_ntz columns
+    datetime64[ns]: what pandas infers from Python values. Ours were int8, int16, int32,
+    float32 and datetime64[us], as Arrow converts them, and arithmetic in them differed:
+    a byte 100 doubled was -56."""
+    batches = [
+        [
+            {"user": "a", "b": 100, "s": 300, "i": 70_000, "f": 0.1, "l": 1, "d": 0.5},
+            {"user": "a", "b": -7, "s": -1, "i": 0, "f": 2.5, "l": 2, "d": 1.0},
+            {"user": "b", "b": 127, "s": 32_767, "i": 2**31 - 1, "f": -1.0, "l": 3, "d": 2.0},
+        ],
+        [{"user": "a", "b": 1, "s": 2, "i": 3, "f": 4.0, "l": 5, "d": 6.0}],
+    ]
+    for batch in batches:
+        for row in batch:
+            row["ntz"] = "2024-01-01T00:00:00.000001"
+    case = ParityCase(NARROW_INPUT, ["user"], NarrowDtypes, NARROW_OUTPUT, use_pandas=True)
+    theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(batches):
+        for user in sorted({row["user"] for row in batch}):
+            rows = [row for row in batch if row["user"] == user]
+            values = [
+                (
+                    row["user"],
+                    *[row[name] for name in NARROW_COLUMNS][:-1],
+                    pd.Timestamp(row["ntz"]),
+                )
+                for row in rows
+            ]
+            inferred = pd.DataFrame(values, columns=list(NARROW_INPUT.names))  # plain pandas
+            dtypes = ",".join(f"{name}={dtype}" for name, dtype in inferred.dtypes.items())
+            doubled = tuple(sorted(2 * row["b"] for row in rows))
+            expected[(batch_id, (user, dtypes, doubled))] += 1
+    assert ours == expected
+    assert theirs == expected
 
 
 # -- argument types of the handle's numbers ----------------------------------------------
