@@ -53,7 +53,9 @@ from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.functions import pandas_udf
 from pyspark.sql.types import (
+    ArrayType,
     ByteType,
+    DataType,
     DoubleType,
     FloatType,
     IntegerType,
@@ -188,21 +190,51 @@ def _map_arrow_udf(
     )
 
 
+def _has_floats(data_type: DataType) -> bool:
+    """Whether a value of ``data_type`` holds floats (in it, in its fields or elements)."""
+    if isinstance(data_type, (FloatType, DoubleType)):
+        return True
+    if isinstance(data_type, StructType):
+        return any(_has_floats(field.dataType) for field in data_type.fields)
+    if isinstance(data_type, ArrayType):
+        return _has_floats(data_type.elementType)
+    return False
+
+
+def _normalized_floats(column: Column, data_type: DataType) -> Column:
+    """``column`` (of a type ``_has_floats``) with -0.0 made 0.0 and every NaN one NaN,
+    in struct fields and array elements too."""
+    if isinstance(data_type, StructType):
+        fields = [
+            (
+                _normalized_floats(column.getField(field.name), field.dataType)
+                if _has_floats(field.dataType)
+                else column.getField(field.name)
+            ).alias(field.name)
+            for field in data_type.fields
+        ]
+        return F.when(column.isNull(), F.lit(None).cast(data_type)).otherwise(F.struct(*fields))
+    if isinstance(data_type, ArrayType):
+        element = data_type.elementType
+        return F.transform(column, lambda item: _normalized_floats(item, element))
+    return (
+        F.when(column == 0, F.lit(0.0).cast(data_type))
+        .when(F.isnan(column), F.lit(float("nan")).cast(data_type))
+        .otherwise(column)
+    )
+
+
 def _normalized_float_keys(df: DataFrame, key_columns: tuple[str, ...]) -> DataFrame:
     """``df`` with -0.0 made 0.0 and every NaN one NaN in its float and double key
-    columns: Spark's grouping normalizes floating-point keys so, and their bytes would
-    otherwise make -0.0, and each NaN bit pattern, a key of its own."""
+    columns, and in the fields of struct key columns: Spark's grouping normalizes
+    floating-point keys so, and their bytes would otherwise make -0.0, and each NaN bit
+    pattern, a key of its own."""
     types = {field.name: field.dataType for field in df.schema.fields}
-    floats = [name for name in key_columns if isinstance(types[name], (FloatType, DoubleType))]
+    floats = [name for name in key_columns if _has_floats(types[name])]
     if not floats:
         return df
     return df.withColumns(
-        {
-            name: F.when(F.col(quoted(name)) == 0, F.lit(0.0).cast(types[name]))
-            .when(F.isnan(F.col(quoted(name))), F.lit(float("nan")).cast(types[name]))
-            .otherwise(F.col(quoted(name)))
-            for name in floats
-        }
+        {name: _normalized_floats(F.col(quoted(name)), types[name]) for name in floats}
     )
 
 

@@ -1079,6 +1079,71 @@ def test_signed_zero_keys_timestamps_and_nested_state_like_spark(
     assert (1, (-0.0, 1, 8, expected_latest(batches[1]))) in theirs  # Spark's own split
 
 
+POINT = StructType([StructField("x", DoubleType()), StructField("tag", StringType())])
+POINT_INPUT = StructType([StructField("p", POINT), StructField("amount", LongType())])
+POINT_OUTPUT = StructType(
+    [
+        StructField("x", DoubleType()),
+        StructField("tag", StringType()),
+        StructField("n", LongType()),
+        StructField("total", LongType()),
+    ]
+)
+
+
+class PointCounts(StatefulProcessor):
+    """Per key (a struct column ``p``): the count and total of its rows so far, with the
+    key's fields as it gets them."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.state = handle.getValueState("state", "n long, total long")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Row]:
+        rows = list(rows)
+        n, total = self.state.get() or (0, 0)
+        n, total = n + len(rows), total + sum(row.amount for row in rows)
+        self.state.update((n, total))
+        yield Row(x=key[0]["x"], tag=key[0]["tag"], n=n, total=total)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_signed_zero_inside_a_struct_key_is_one_key_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """A struct key whose double field is -0.0 is the key with 0.0 there, and the
+    processor gets 0.0: as Spark groups it in a batch. Ours made only top-level float
+    keys one key, so {x: -0.0} was a key of its own. As for a top-level -0.0 key, Spark
+    keeps the state of a later batch's -0.0 apart (its store keys the bytes of the
+    batch's first row): its batch 1 differs there, ours does not."""
+    batches = [
+        [
+            {"p": {"x": 0.0, "tag": "a"}, "amount": 1},
+            {"p": {"x": -0.0, "tag": "a"}, "amount": 2},
+            {"p": {"x": -0.0, "tag": "b"}, "amount": 4},
+        ],
+        [{"p": {"x": -0.0, "tag": "a"}, "amount": 8}, {"p": {"x": 0.0, "tag": "b"}, "amount": 16}],
+    ]
+    case = ParityCase(POINT_INPUT, ["p"], PointCounts, POINT_OUTPUT)
+    theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    seen: dict[tuple[float, str], tuple[int, int]] = {}
+    for batch_id, batch in enumerate(batches):
+        keys = {(abs(row["p"]["x"]), row["p"]["tag"]) for row in batch}  # abs: -0.0 is 0.0
+        for key in sorted(keys):
+            amounts = [r["amount"] for r in batch if (abs(r["p"]["x"]), r["p"]["tag"]) == key]
+            n, total = seen.get(key, (0, 0))
+            seen[key] = (n + len(amounts), total + sum(amounts))
+            expected[(batch_id, (*key, *seen[key]))] += 1
+    assert ours == expected
+    assert {math.copysign(1, x) for (_, (x, *_)) in ours} == {1.0}
+    assert {k: n for k, n in theirs.items() if k[0] == 0} == {
+        k: n for k, n in expected.items() if k[0] == 0
+    }
+    assert (1, (-0.0, "a", 1, 8)) in theirs  # Spark's own split, as of top-level keys
+
+
 WALL_INPUT = StructType(
     [
         StructField("user", StringType()),
