@@ -15,6 +15,7 @@ the JVM: its timestamps are naive ``datetime.datetime`` wall times of the sessio
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -64,15 +65,31 @@ def spark_dtypes(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.astype(wider) if wider else frame
 
 
+_OFFSET = re.compile(r"(?:UTC|GMT|UT)?([+-])(\d{1,2})(?::?(\d{2}))?(?::?(\d{2}))?")
+"""A session time zone given as a fixed offset, as Spark takes it: ``+08:00``, ``-08``,
+``+01:30:15``, ``UTC+8``, ``GMT+08:00``."""
+
+
 def _zone(time_zone: str) -> Any:
-    """The session time zone as pandas should convert with it: a ``ZoneInfo`` (the time
-    zone database's offsets, as Spark's; pandas takes a zone's name as a pytz zone, which
-    knows no change before December 1901 and rounds local mean time to minutes), or the
-    name itself for a fixed offset such as ``+08:00``, which has no ``ZoneInfo``."""
+    """The session time zone as a ``tzinfo``: a ``ZoneInfo`` (the time zone database's
+    offsets, as Spark's; pandas takes a zone's name as a pytz zone, which knows no
+    change before December 1901 and rounds local mean time to minutes), or a fixed
+    ``datetime.timezone`` for an offset such as ``+08:00`` (no ``ZoneInfo`` has it);
+    any other name is returned as it is, for pandas to read."""
     try:
         return ZoneInfo(time_zone)
     except (ValueError, ZoneInfoNotFoundError):
+        pass
+    if time_zone == "Z":
+        return datetime.timezone.utc
+    offset = _OFFSET.fullmatch(time_zone)
+    if offset is None:
         return time_zone
+    sign, hours, minutes, seconds = offset.groups()
+    delta = datetime.timedelta(
+        hours=int(hours), minutes=int(minutes or 0), seconds=int(seconds or 0)
+    )
+    return datetime.timezone(-delta if sign == "-" else delta)
 
 
 def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
@@ -91,7 +108,7 @@ def session_local_frame(frame: pd.DataFrame, time_zone: str) -> pd.DataFrame:
 def session_wall_time(value: datetime.datetime, time_zone: str) -> datetime.datetime:
     """The instant ``value`` (zone-aware, or naive local time as the row-tuple serializer
     decodes it) as a naive wall time of ``time_zone``."""
-    return value.astimezone(ZoneInfo(time_zone)).replace(tzinfo=None)
+    return value.astimezone(_zone(time_zone)).replace(tzinfo=None)
 
 
 def session_local_key(key: tuple[Any, ...], time_zone: str) -> tuple[Any, ...]:
