@@ -194,7 +194,7 @@ def _row_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(plain) if isinstance(plain, (tuple, list)) else plain
 
 
-def _nested_row(names: list[str]) -> Callable[[list[Any]], Row]:
+def nested_row(names: list[str]) -> Callable[[list[Any]], Row]:
     """How a state gives a nested struct of fields ``names``: as a ``Row``, as Spark's
     handle does (the state's value itself stays a tuple)."""
     row = Row(*names)
@@ -515,9 +515,9 @@ class ProcessorHandle(StatefulProcessorHandle):
         if self.phase is Phase.PRE_INIT:
             assert self._parse_ddl is not None, "the driver's handle parses DDL schemas"
             return RowTupleSerializer(
-                self.catalog.record(schema, self._parse_ddl, what), _row_tuple, _nested_row
+                self.catalog.record(schema, self._parse_ddl, what), _row_tuple, nested_row
             )
-        return RowTupleSerializer(self.catalog.lookup(schema, what), _row_tuple, _nested_row)
+        return RowTupleSerializer(self.catalog.lookup(schema, what), _row_tuple, nested_row)
 
     def _check_declaration(self, operation: str, name: str) -> None:
         if self.phase not in (Phase.PRE_INIT, Phase.CREATED):

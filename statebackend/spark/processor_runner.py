@@ -66,6 +66,7 @@ from statebackend.spark.processor_handle import (
     Phase,
     ProcessorHandle,
     SchemaCatalog,
+    nested_row,
 )
 from statebackend.state.functions import CheckpointedFunction, as_checkpointed_function
 from statebackend.state.timers import TimerService
@@ -779,20 +780,32 @@ def _shown_key(spec: ProcessorSpec) -> Callable[[tuple[Any, ...]], tuple[Any, ..
 
 
 def _timer_key(spec: ProcessorSpec, serializer: Any) -> Callable[[tuple[Any, ...]], Row]:
-    """A timer's key as Spark hands it to ``handleExpiredTimer`` in both modes (it
-    unpickles it from the JVM): a ``Row`` of the key columns, its timestamps (not
-    timestamp_ntz) naive wall times of the session time zone."""
+    """A timer's key as Spark hands it to ``handleExpiredTimer`` (it unpickles the key the
+    processor's timer was registered under from the JVM): a ``Row`` of the key columns,
+    structs in it ``Row``s too; its timestamps (not timestamp_ntz) naive local times of
+    the instant, as the key serializer decodes them, in Row mode (the processor saw a
+    zone-aware datetime), and naive wall times of the session time zone in pandas mode
+    (the processor saw one)."""
     make = Row(*spec.key_columns)
-    types = []
+    fields = []
     if isinstance(serializer, RowTupleSerializer):
-        types = [field["type"] for field in json.loads(serializer.schema_json)["fields"]]
-    instants = [position for position, kind in enumerate(types) if kind == "timestamp"]
-    if not instants:
+        fields = json.loads(serializer.schema_json)["fields"]
+    nested = any(isinstance(field["type"], dict) for field in fields)
+    instants = [
+        position
+        for position, field in enumerate(fields)
+        if spec.use_pandas and field["type"] == "timestamp"
+    ]
+    if not nested and not instants:
         return lambda key: make(*key)
+    # Nested structs as Rows: the key decoded again, as a state decodes its values.
+    with_rows = RowTupleSerializer(serializer.schema_json, struct_of=nested_row) if nested else None
     time_zone = spec.time_zone
 
     def shown(key: tuple[Any, ...]) -> Row:
-        values = list(key)
+        values = list(
+            key if with_rows is None else with_rows.deserialize(serializer.serialize(key))
+        )
         for position in instants:
             if values[position] is not None:
                 values[position] = session_wall_time(values[position], time_zone)

@@ -1412,6 +1412,91 @@ def test_pandas_mode_columns_have_the_dtypes_spark_s_frames_have(
     assert theirs == expected
 
 
+TIMER_KEY_INPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("t", TimestampType()),
+        StructField(
+            "place", StructType([StructField("x", DoubleType()), StructField("name", StringType())])
+        ),
+    ]
+)
+TIMER_KEY_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("kind", StringType()),
+        StructField("t", StringType()),
+        StructField("place", StringType()),
+    ]
+)
+
+
+class TimerKeys(StatefulProcessor):
+    """Row mode, keyed by (user, t, place): per key a timer at the batch's time; the key's
+    timestamp and struct as text, as ``handleInputRows`` and ``handleExpiredTimer`` get
+    them (the struct read by field name where it is a Row)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    @staticmethod
+    def _shown(place: Any) -> str:
+        if isinstance(place, Row):
+            return f"Row x={place.x} name={place.name}"
+        return f"{type(place).__name__} {place!r}"
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Row]:
+        list(rows)
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs())
+        yield Row(user=key[0], kind="input", t=str(key[1]), place=self._shown(key[2]))
+
+    def handleExpiredTimer(
+        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[Row]:
+        yield Row(user=key.user, kind="timer", t=str(key.t), place=self._shown(key.place))
+
+    def close(self) -> None:
+        pass
+
+
+def test_row_mode_timer_keys_hold_timestamps_and_structs_as_spark_unpickles_them(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """In Row mode ``handleInputRows`` gets a key's timestamp zone-aware in the session
+    time zone, and ``handleExpiredTimer`` the same instant as Spark unpickles it: a naive
+    datetime of the Python worker's local time, not the session's wall time, which ours
+    gave (pandas mode differs: there the key the processor saw is a naive wall time)."""
+    batches = [
+        [
+            {"user": "a", "t": "2024-07-01T12:00:00Z", "place": {"x": 0.5, "name": "p"}},
+            {"user": "b", "t": "1899-12-31T12:00:00Z", "place": {"x": 1.5, "name": "q"}},
+        ]
+    ]
+    case = ParityCase(
+        TIMER_KEY_INPUT,
+        ["user", "t", "place"],
+        TimerKeys,
+        TIMER_KEY_OUTPUT,
+        time_mode="ProcessingTime",
+    )
+    spark_local.conf.set("spark.sql.session.timeZone", WALL_ZONE_WEST)
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset("spark.sql.session.timeZone")
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for row in batches[0]:
+        instant = datetime.fromisoformat(row["t"])
+        aware = str(instant.astimezone(ZoneInfo(WALL_ZONE_WEST)))
+        local = str(datetime.fromtimestamp(instant.timestamp()))  # naive, local
+        place = f"Row x={row['place']['x']} name={row['place']['name']}"
+        as_dict = f"dict {row['place']!r}"
+        expected[(0, (row["user"], "input", aware, as_dict))] += 1
+        expected[(0, (row["user"], "timer", local, place))] += 1
+    assert theirs == expected
+    assert ours == expected
+
+
 # -- argument types of the handle's numbers ----------------------------------------------
 
 ARGUMENT_OUTPUT = StructType(
