@@ -351,6 +351,40 @@ def test_a_field_added_in_a_later_record_survives_the_replay(backends: Backends,
         assert replica_value.value() == expected[key]
 
 
+def test_a_field_renamed_in_a_later_record_is_the_one_a_restart_evolves_from(
+    backends: Backends, kind: str
+) -> None:
+    """The base stores (count); a restart renames it (total), its record holds that
+    schema; a restart from base + record adding a field (total, note) keeps every
+    value under total, as a restart from a checkpoint of the renamed state does."""
+    first = backends.make(kind)
+    value = first.get_state(ValueStateDescriptor("v", _rows(("count", "long"))))
+    expected: dict[str, tuple[Any, ...]] = {}
+    for i, key in enumerate(KEYS):
+        first.set_current_key(key)
+        value.update((i,))
+        expected[key] = (i, None)
+    second = backends.make(kind)
+    restore_from_cut(first, second)
+    second.enable_changelog()
+    renamed = second.get_state(ValueStateDescriptor("v", _rows(("total", "long"))))
+    for key in KEYS[:5]:
+        second.set_current_key(key)
+        renamed.update((-1,))
+        expected[key] = (-1, None)
+    record = second.drain_changelog()
+    evolved = ValueStateDescriptor("v", _rows(("total", "long"), ("note", "string")))
+    for replica_kind in KINDS:
+        replica = backends.make(replica_kind)
+        restore_from_cut(first, replica)
+        replay_record(replica, record)
+        replica_value = replica.get_state(evolved)
+        assert isinstance(replica_value, ValueState)
+        for key in KEYS:
+            replica.set_current_key(key)
+            assert replica_value.value() == expected[key]
+
+
 def test_record_size_is_proportional_to_the_changes(backends: Backends) -> None:
     live = backends.make("heap")
     encoded = [IntSerializer().serialize(n) for n in range(1_000_000)]
