@@ -110,6 +110,13 @@ def _create_json(fs: CheckpointFileSystem, path: str, document: dict[str, Any]) 
     return fs.create_exclusive(path, json.dumps(document, sort_keys=True).encode("utf-8"))
 
 
+def _holds_binding(fs: CheckpointFileSystem, path: str, binding_id: str) -> bool:
+    """Whether the binding file ``path`` holds ``binding_id``: an earlier try of the
+    ``create_exclusive`` that found it there wrote it (its response was lost)."""
+    found = _read_json(fs, path)
+    return found is not None and found.get("binding_id") == binding_id
+
+
 def _options_for(url: str, storage: CheckpointStorage, options: dict[str, Any]) -> dict[str, Any]:
     """The storage options for ``url`` (a sink, or Spark's checkpointLocation): our
     checkpoints' if it has their protocol, else none."""
@@ -287,11 +294,10 @@ def _bind(
     if job_side is None:
         won = False
         try:
+            job_path = storage.layout.spark_binding_path
             won = _create_json(
-                storage.fs,
-                storage.layout.spark_binding_path,
-                {"checkpoint_location": location, "binding_id": binding_id},
-            )
+                storage.fs, job_path, {"checkpoint_location": location, "binding_id": binding_id}
+            ) or _holds_binding(storage.fs, job_path, binding_id)
         finally:
             # Unbind if the job's storage cannot be written (a missing bucket, no access),
             # so that a start with the storage corrected is not refused, or if another

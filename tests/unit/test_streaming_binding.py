@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, RetryPolicy
 from statebackend.checkpoint.layout import LOCATION_BINDING_FILE
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError, ConfigurationError
@@ -111,3 +114,34 @@ def test_two_drivers_binding_one_new_job_at_once_bind_it_once(tmp_path: Path) ->
         assert "belongs to checkpointLocation" in str(outcomes[loser])
         assert not (Path(loser) / LOCATION_BINDING_FILE).exists()
         assert bind(storage, bound[0], {}) == outcomes[bound[0]]
+
+
+class _ResponseLostOnce(MemoryFileSystem):
+    """An object store whose first create of a job's binding file lands but whose response
+    is lost (a reset connection), as an S3 PUT's can be: the retry finds the file there."""
+
+    lost = False
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        super().pipe_file(path, value, mode=mode, **kwargs)
+        if mode == "create" and path.endswith("spark-binding.json") and not self.lost:
+            self.lost = True
+            raise ConnectionResetError("connection reset after the request was sent")
+
+
+def test_a_binding_written_by_a_try_whose_response_was_lost_binds(tmp_path: Path) -> None:
+    """The job side's binding file is created, its response lost and the create retried:
+    the retry finds this start's own file there. The start binds (the file names its
+    location and binding), rather than taking it for another driver's, unbinding the
+    location and then refusing it as one that lost its binding file."""
+    fs = CheckpointFileSystem(
+        _ResponseLostOnce(skip_instance_cache=True), retry=RetryPolicy(first_delay=0.01)
+    )
+    storage = CheckpointStorage(f"memory://{tmp_path}/ckpt", "job", filesystem=fs)
+    location = str(tmp_path / "spark")
+    binding = bind(storage, location, {})
+    assert fs.fsspec.lost
+    job_side = json.loads(fs.read_file(storage.layout.spark_binding_path))
+    assert job_side == {"checkpoint_location": location, "binding_id": binding}
+    assert (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
+    assert bind(storage, location, {}) == binding
