@@ -28,10 +28,11 @@ def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
     inside arrays, maps and structs as Python ints with None for null (not floats with
     NaN), and timestamp columns as wall times of ``time_zone`` (``session_local_frame``).
     Top-level integer columns with nulls stay ``float64``, as in Spark, and other
-    columns have the dtypes of Spark's frames (``spark_dtypes``)."""
+    columns have the dtypes of Spark's frames (``spark_types``)."""
+    table = spark_types(table)
     nested = [pa.types.is_nested(field.type) for field in table.schema]
     if not any(nested):
-        return spark_dtypes(session_local_frame(table.to_pandas(), time_zone))
+        return session_local_frame(table.to_pandas(), time_zone)
     # Each column converted once, nested ones with the options only they need.
     columns = {
         name: column.to_pandas(integer_object_nulls=True, maps_as_pydicts="strict")
@@ -39,30 +40,40 @@ def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
         else column.to_pandas()
         for name, column, is_nested in zip(table.column_names, table.columns, nested, strict=True)
     }
-    return spark_dtypes(session_local_frame(pd.DataFrame(columns), time_zone))
+    return session_local_frame(pd.DataFrame(columns), time_zone)
 
 
-_WIDER = {"int8": "int64", "int16": "int64", "int32": "int64", "float32": "float64"}
-"""The dtypes pandas infers from the Python values of Arrow's narrower ones."""
+_WIDER = {
+    pa.int8(): pa.int64(),
+    pa.int16(): pa.int64(),
+    pa.int32(): pa.int64(),
+    pa.float32(): pa.float64(),
+}
+"""Arrow's types whose pandas dtypes are narrower than pandas infers from Python values."""
 
 
-def spark_dtypes(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with the dtypes Spark's frames have: Spark builds each DataFrame of a
-    pandas processor from its rows' values, so pandas infers ``int64`` for byte, short
-    and int columns, ``float64`` for float and ``datetime64[ns]`` for timestamp_ntz
-    columns (Arrow gives int8, int16, int32, float32, datetime64[us]). A timestamp_ntz
-    column outside the years datetime64[ns] holds keeps its unit (Spark fails there)."""
-    wider: dict[Any, str] = {}
-    for name, dtype in frame.dtypes.items():
-        if str(dtype) in _WIDER:
-            wider[name] = _WIDER[str(dtype)]
-        elif pd.api.types.is_datetime64_dtype(dtype) and str(dtype) != "datetime64[ns]":
-            try:
-                frame[name].astype("datetime64[ns]")
-            except (OverflowError, ValueError):  # OutOfBoundsDatetime is a ValueError
+def spark_types(table: pa.Table) -> pa.Table:
+    """``table`` with the types whose pandas dtypes Spark's frames have: Spark builds each
+    DataFrame of a pandas processor from its rows' values, so pandas infers ``int64`` for
+    byte, short and int columns, ``float64`` for float and ``datetime64[ns]`` for
+    timestamp_ntz columns (Arrow's types give int8, int16, int32, float32,
+    datetime64[us]). Cast in Arrow, before ``to_pandas``: a pandas ``astype`` of each
+    key's frame costs more than making it. A timestamp_ntz column outside the years
+    datetime64[ns] holds keeps its unit (Spark fails there)."""
+    for position, field in enumerate(table.schema):
+        wider = _WIDER.get(field.type)
+        if wider is None and pa.types.is_timestamp(field.type):
+            if field.type.tz is not None or field.type.unit == "ns":
                 continue
-            wider[name] = "datetime64[ns]"
-    return frame.astype(wider) if wider else frame
+            wider = pa.timestamp("ns")
+        if wider is None:
+            continue
+        try:
+            column = table.column(position).cast(wider)
+        except pa.ArrowInvalid:  # a timestamp outside the years of datetime64[ns]
+            continue
+        table = table.set_column(position, field.with_type(wider), column)
+    return table
 
 
 _OFFSET = re.compile(r"(?:UTC|GMT|UT)?([+-])(\d{1,2})(?::?(\d{2}))?(?::?(\d{2}))?")
