@@ -406,22 +406,23 @@ def _sorted_when_asked(
 
 
 _UNSAFE_WORDS = {
-    "boolean": Struct("<?"),
-    "byte": Struct("<b"),
-    "short": Struct("<h"),
-    "integer": Struct("<i"),
-    "long": Struct("<q"),
-    "float": Struct("<f"),
-    "double": Struct("<d"),
-    "date": Struct("<i"),
-    "timestamp": Struct("<q"),
-    "timestamp_ntz": Struct("<q"),
+    "boolean": "?7x",
+    "byte": "b7x",
+    "short": "h6x",
+    "integer": "i4x",
+    "long": "q",
+    "float": "f4x",
+    "double": "d",
+    "date": "i4x",
+    "timestamp": "q",
+    "timestamp_ntz": "q",
 }
 """How Spark's UnsafeRow writes a value of each fixed-width type (its internal value, as
-``toInternal`` gives it) into the field's 8-byte word."""
+``toInternal`` gives it) into the field's 8-byte word (little-endian, zero-padded)."""
 _UNSAFE_BYTES = frozenset({"string", "binary"})
 """The types an UnsafeRow keeps after its words (the word holds offset and size)."""
-_UNSAFE_OFFSET_AND_SIZE = Struct("<q")
+_UNSAFE_CONVERTED = frozenset({"date", "timestamp", "timestamp_ntz"})
+"""The types whose internal value is not the Python value (``toInternal`` makes it)."""
 
 
 def spark_map_key_order(schema_json: str) -> Callable[[tuple[Any, ...]], bytes] | None:
@@ -435,26 +436,44 @@ def spark_map_key_order(schema_json: str) -> Callable[[tuple[Any, ...]], bytes] 
     kinds = [field.dataType.typeName() for field in schema.fields]
     if not all(kind in _UNSAFE_WORDS or kind in _UNSAFE_BYTES for kind in kinds):
         return None
-    to_internal = schema.toInternal
+    to_internal = schema.toInternal if _UNSAFE_CONVERTED.intersection(kinds) else tuple
+    words = Struct("<" + "".join(_UNSAFE_WORDS.get(kind, "q") for kind in kinds))
+    """All words at once; a string's or binary's word is its offset and size."""
+    byte_positions = [position for position, kind in enumerate(kinds) if kind in _UNSAFE_BYTES]
     bits_size = 8 * ((len(kinds) + 63) // 64)
     fixed_size = bits_size + 8 * len(kinds)
 
     def order(key: tuple[Any, ...]) -> bytes:
-        bits, words, tail = bytearray(bits_size), bytearray(8 * len(kinds)), bytearray()
-        for position, (value, kind) in enumerate(zip(to_internal(key), kinds, strict=True)):
-            if value is None:
-                bits[position >> 3] |= 1 << (position & 7)
-            elif kind in _UNSAFE_BYTES:
+        values = list(to_internal(key))
+        nulls = 0  # the null bits, as one little-endian integer
+        if None in values:
+            for position, value in enumerate(values):
+                if value is None:
+                    nulls |= 1 << position
+                    values[position] = 0  # a null field's word is zero
+        tail = b""
+        for position in byte_positions:
+            if not nulls >> position & 1:
+                value = values[position]
                 data = value.encode() if isinstance(value, str) else bytes(value)
-                offset_and_size = (fixed_size + len(tail)) << 32 | len(data)
-                _UNSAFE_OFFSET_AND_SIZE.pack_into(words, 8 * position, offset_and_size)
+                values[position] = (fixed_size + len(tail)) << 32 | len(data)
                 tail += data + bytes(-len(data) % 8)
-            else:
-                _UNSAFE_WORDS[kind].pack_into(words, 8 * position, value)
         size = fixed_size + len(tail)
-        return size.to_bytes(4, "little") + bits + words + tail
+        return (
+            size.to_bytes(4, "little")
+            + nulls.to_bytes(bits_size, "little")
+            + words.pack(*values)
+            + tail
+        )
 
-    return order
+    if to_internal is not tuple or byte_positions:
+        return order
+    prefix = fixed_size.to_bytes(4, "little") + bytes(bits_size)
+
+    def fixed_order(key: tuple[Any, ...]) -> bytes:  # fixed-width fields only: most keys
+        return order(key) if None in key else prefix + words.pack(*key)
+
+    return fixed_order
 
 
 class ProcessorHandle(StatefulProcessorHandle):
