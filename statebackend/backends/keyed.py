@@ -896,11 +896,11 @@ def _reconcile(
 
     The subtasks of one checkpoint or batch may store a state with different value
     serializers: a subtask takes a serializer change when it registers the state, and
-    one that had no key for it since has not. When ``meta``'s serializer reads what was
-    restored so far as it is, it replaces it: a changelog record is later than what it is
-    replayed onto, and its names (a field renamed) are the ones a later schema evolves
-    from by name. Else, when the serializer restored so far (``previous``) reads
-    ``meta``'s values, it stays and they are converted as they are
+    one that had no key for it since has not. When ``meta``'s serializer and the one
+    restored so far (``previous``) read each other's values as they are, ``meta``
+    replaces it: a changelog record is later than what it is replayed onto, and its
+    names (a field renamed) are the ones a later schema evolves from by name. Else, when
+    ``previous`` reads ``meta``'s values, it stays and they are converted as they are
     loaded; otherwise, or if that would drop part of them (``migration_loses``: a field
     ``meta``'s has and ``previous``'s lacks) and ``meta``'s reads it, what ``store`` holds
     so far is migrated to ``meta``'s. The state's declaration migrates the result once
@@ -916,8 +916,12 @@ def _reconcile(
         return meta, None  # timers have no value serializer
     kept = serializer_from_config(previous.serializers["value"])
     new = serializer_from_config(meta.serializers["value"])
-    if new.compatibility_with(previous.serializers["value"]) is Compatibility.COMPATIBLE_AS_IS:
-        return meta, None  # the later declaration (a field renamed) reads them as they are
+    as_is = Compatibility.COMPATIBLE_AS_IS
+    if (
+        new.compatibility_with(previous.serializers["value"]) is as_is
+        and kept.compatibility_with(meta.serializers["value"]) is as_is
+    ):
+        return meta, None  # the same bytes both ways (a field renamed): the later names
     lossy = kept.migration_loses(meta.serializers["value"]) and (
         new.compatibility_with(previous.serializers["value"]) is not Compatibility.INCOMPATIBLE
     )
