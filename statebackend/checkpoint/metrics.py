@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
@@ -248,6 +248,23 @@ def combine_batches(
         changelog_seconds=max((p.changelog_seconds for p in parts), default=0.0),
         manifest_seconds=manifest_seconds,
     )
+
+
+def with_job_seconds(
+    batch: BatchMetrics, job_seconds: float, subtasks: Iterable[tuple[BatchMetrics, float]]
+) -> BatchMetrics:
+    """``batch`` with the time its Spark job (``job_seconds``) took beyond its slowest
+    subtask as ``shuffle_seconds`` (source and shuffle). ``subtasks`` holds each subtask's
+    metrics and restore seconds; a subtask's time is its restore, keyed work, changelog
+    write and sync cut."""
+    slowest = max(
+        (
+            restore + p.keyed_seconds + p.changelog_seconds + p.sync_cut_seconds
+            for p, restore in subtasks
+        ),
+        default=0.0,
+    )
+    return replace(batch, shuffle_seconds=max(0.0, job_seconds - slowest))
 
 
 def checkpoint_metrics(

@@ -86,6 +86,7 @@ from statebackend.checkpoint.metrics import (
     MetricsHistory,
     RestoreMetrics,
     combine_batches,
+    with_job_seconds,
 )
 from statebackend.checkpoint.requests import SavepointRequest
 from statebackend.checkpoint.restore import (
@@ -876,16 +877,8 @@ class StatefulJob:
         manifest's commit."""
         parts = [r.metrics(batch_id) for r in results]
         metrics = combine_batches(batch_id, parts, waited, committed)
-        slowest = max(
-            (
-                r.restore_seconds + r.keyed_seconds + r.changelog_seconds + r.sync_seconds
-                for r in results
-            ),
-            default=0.0,
-        )
-        self.metrics.record(
-            dataclasses.replace(metrics, shuffle_seconds=max(0.0, seconds - slowest))
-        )
+        restores = [r.restore_seconds for r in results]
+        self.metrics.record(with_job_seconds(metrics, seconds, zip(parts, restores, strict=True)))
         restored = [r for r in results if r.restored_bytes]
         if restored:
             self.metrics.record(

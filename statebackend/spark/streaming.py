@@ -70,6 +70,7 @@ from statebackend.checkpoint.metrics import (
     read_history,
     record_from_json,
     records_of,
+    with_job_seconds,
 )
 from statebackend.errors import ConfigurationError, ProcessorFailedError, StateBackendError
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
@@ -270,15 +271,7 @@ def _batch_metrics(
         for part, row in zip(parts, rows, strict=True)
         if isinstance(part, BatchMetrics)
     ]
-    slowest = max(
-        (
-            restore + p.keyed_seconds + p.changelog_seconds + p.sync_cut_seconds
-            for p, restore in subtasks
-        ),
-        default=0.0,
-    )
-    batch = combine_batches(batch_id, [p for p, _ in subtasks])
-    return dataclasses.replace(batch, shuffle_seconds=max(0.0, seconds - slowest))
+    return with_job_seconds(combine_batches(batch_id, [p for p, _ in subtasks]), seconds, subtasks)
 
 
 class StatefulStream:
