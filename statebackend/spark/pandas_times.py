@@ -43,6 +43,29 @@ def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
     return session_local_frame(pd.DataFrame(columns), time_zone)
 
 
+def sliceable_frame(table: pa.Table, time_zone: str) -> pd.DataFrame | None:
+    """``pandas_frame(table)``, made once for many groups of its rows, if every slice of
+    it (with a fresh index: ``frame.iloc[a:b].reset_index(drop=True)``) equals
+    ``pandas_frame`` of the same rows of ``table``; None where a group's frame depends
+    on the group's own rows: integer and boolean columns with nulls (float64 and object
+    only in the groups that have nulls), nested columns, and timestamp_ntz columns
+    outside the years of datetime64[ns] (``spark_types`` keeps their unit)."""
+    for field, column in zip(table.schema, table.columns, strict=True):
+        if pa.types.is_nested(field.type):
+            return None
+        if column.null_count and (
+            pa.types.is_integer(field.type) or pa.types.is_boolean(field.type)
+        ):
+            return None
+    table = spark_types(table)
+    if any(
+        pa.types.is_timestamp(field.type) and field.type.tz is None and field.type.unit != "ns"
+        for field in table.schema
+    ):
+        return None
+    return session_local_frame(table.to_pandas(), time_zone)
+
+
 _WIDER = {
     pa.int8(): pa.int64(),
     pa.int16(): pa.int64(),

@@ -59,6 +59,7 @@ from statebackend.spark.pandas_times import (
     pandas_frame,
     session_local_key,
     session_wall_time,
+    sliceable_frame,
     utc_series,
 )
 from statebackend.spark.processor_handle import (
@@ -78,6 +79,11 @@ SEQUENCE_COLUMN = "__sb_seq"
 INITIAL_PREFIX = "__sb_init_"
 CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
+
+_NUMPY_KINDS = frozenset("biufmMO")
+"""The NumPy dtype kinds whose pandas-mode output columns of many frames are converted at
+once: Arrow converts each value of them by itself (bools, ints, floats, timedeltas,
+datetimes, Python objects)."""
 
 _CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError)
 """What Arrow raises for output values that do not fit their column's type."""
@@ -393,6 +399,11 @@ class OutputBuilder:
         """The columns with a struct inside, and how to fill their structs as Spark does."""
         self._rows: list[tuple[Any, ...]] = []
         """Row-mode output not in a record batch yet (``Row``s are tuples of the values)."""
+        self._frames: list[list[np.ndarray]] = []
+        """Pandas-mode output not in a record batch yet: per DataFrame, a copy of each
+        output column's values, all of the dtypes ``_frames_dtypes``."""
+        self._frames_dtypes: tuple[np.dtype, ...] = ()
+        self._frames_rows = 0
         self.ready: list[pa.RecordBatch] = []
         """Full record batches not taken yet."""
 
@@ -436,21 +447,72 @@ class OutputBuilder:
         )
 
     def add_frames(self, frames: Iterable[Any]) -> None:
-        """Take pandas-mode output (DataFrames); each becomes a record batch in ``ready``."""
+        """Take pandas-mode output (DataFrames). Consecutive frames whose output columns
+        have the same NumPy dtypes are converted together, each 10,000 rows (or at
+        ``finish_frames``) into a record batch in ``ready``; a frame with another dtype
+        (an extension dtype such as ``Int64``, a zone-aware timestamp) into its own."""
         for frame in frames:
             if len(frame) == 0:
                 continue
-            by_name = all(isinstance(label, str) for label in frame.columns)
-            arrays = []
-            for position, field in enumerate(self.arrow_schema):
-                if by_name and field.name not in frame.columns:
-                    raise OutputSchemaError(
-                        f"output DataFrame has no column {field.name!r} of the output schema "
-                        f"{self.names} (it has {list(frame.columns)}): return those columns"
-                    )
-                series = frame[field.name] if by_name else frame.iloc[:, position]
-                arrays.append(self._column(position, self._from_pandas, series))
-            self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
+            columns = self._output_columns(frame)
+            dtypes = tuple(series.dtype for series in columns)
+            if not all(
+                isinstance(dtype, np.dtype) and dtype.kind in _NUMPY_KINDS for dtype in dtypes
+            ):
+                self.finish_frames()
+                self.ready.append(self._frame_batch(columns))
+                continue
+            if dtypes != self._frames_dtypes:
+                self.finish_frames()
+                self._frames_dtypes = dtypes
+            # Copies: the processor may change a DataFrame after yielding it.
+            self._frames.append([series.to_numpy(copy=True) for series in columns])
+            self._frames_rows += len(frame)
+            if self._frames_rows >= OUTPUT_BATCH_ROWS:
+                self.finish_frames()
+
+    def finish_frames(self) -> None:
+        """Convert the pandas-mode output taken so far into a record batch in ``ready``.
+        A column that does not convert as a whole is converted frame by frame, as Spark
+        converts each DataFrame: what fits, how, and which error names which value."""
+        frames, self._frames, self._frames_rows = self._frames, [], 0
+        if not frames:
+            return
+        columns = [
+            pd.Series(np.concatenate(values) if len(values) > 1 else values[0])
+            for values in zip(*frames, strict=True)
+        ]
+        try:
+            arrays = [
+                self._from_pandas(series, self.arrow_schema.field(position).type)
+                for position, series in enumerate(columns)
+            ]
+        except _CONVERSION_ERRORS:
+            for values in frames:
+                self.ready.append(self._frame_batch([pd.Series(column) for column in values]))
+            return
+        self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
+
+    def _output_columns(self, frame: pd.DataFrame) -> list[pd.Series]:
+        """The output schema's columns of a pandas-mode output frame: by name if its
+        column labels are strings, else by position."""
+        if not all(isinstance(label, str) for label in frame.columns):
+            return [frame.iloc[:, position] for position in range(len(self.names))]
+        missing = [name for name in self.names if name not in frame.columns]
+        if missing:
+            raise OutputSchemaError(
+                f"output DataFrame has no column {missing[0]!r} of the output schema "
+                f"{self.names} (it has {list(frame.columns)}): return those columns"
+            )
+        return [frame[name] for name in self.names]
+
+    def _frame_batch(self, columns: list[pd.Series]) -> pa.RecordBatch:
+        """One output frame's columns as a record batch."""
+        arrays = [
+            self._column(position, self._from_pandas, series)
+            for position, series in enumerate(columns)
+        ]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
     def _from_pandas(self, series: Any, type: pa.DataType) -> pa.Array:
         """A pandas-mode output column as Arrow of ``type``, converted as Spark does:
@@ -601,6 +663,8 @@ class _Inputs:
         )
         self._rows_of: pa.RecordBatch | None = None
         self._rows: list[Row] = []
+        self._frame_of: pa.RecordBatch | None = None
+        self._frame: pd.DataFrame | None = None
 
     @staticmethod
     def _select(run: Run, names: list[str], as_names: list[str]) -> pa.Table:
@@ -615,12 +679,27 @@ class _Inputs:
             self._rows_of, self._rows = batch, self._make_rows(columns)
         return self._rows
 
+    def batch_frame(self, batch: pa.RecordBatch) -> pd.DataFrame | None:
+        """The input columns of ``batch`` as one DataFrame whose row slices are the
+        frames of its keys, or None where a key's frame must be made from its own rows
+        (``sliceable_frame``; the last batch's kept)."""
+        if batch is not self._frame_of:
+            table = _input_table(batch, self._input_names)
+            self._frame_of, self._frame = batch, sliceable_frame(table, self._spec.time_zone)
+        return self._frame
+
     def _frames(self, runs: list[Run], names: list[str], as_names: list[str]) -> Iterator[Any]:
         """The rows of ``runs`` (columns ``names`` as ``as_names``) as DataFrames of
         ``max_records_per_batch`` rows each (the last one fewer), made as they are asked
         for: as Spark chunks a key's rows for a pandas processor."""
-        table = pa.concat_tables([self._select(run, names, as_names) for run in runs])
         size = self._spec.max_records_per_batch
+        if names is self._input_names and len(runs) == 1:  # most keys: a slice of a frame
+            batch, start, stop = runs[0]
+            whole = self.batch_frame(batch) if size <= 0 or stop - start <= size else None
+            if whole is not None:
+                yield whole.iloc[start:stop].reset_index(drop=True)  # a copy, as Spark's
+                return
+        table = pa.concat_tables([self._select(run, names, as_names) for run in runs])
         step = size if size > 0 else max(table.num_rows, 1)
         for offset in range(0, table.num_rows, step):
             yield pandas_frame(table.slice(offset, step), self._spec.time_zone)
@@ -648,6 +727,25 @@ class _Inputs:
         table = pa.concat_tables([self._select(run, self._initial_names, names) for run in runs])
         assert self._make_initial_rows is not None
         return iter(self._make_initial_rows([column.to_pylist() for column in table.columns]))
+
+
+def _input_table(batch: pa.RecordBatch, names: list[str]) -> pa.Table:
+    """The columns ``names`` of ``batch``, where the rows that are not input rows (the
+    control row, initial-state rows: null in these columns, and no processor sees them)
+    hold a value instead of null in integer and boolean columns: a null there would give
+    the column another pandas dtype in every key's frame."""
+    table = pa.Table.from_batches([batch.select(names)])
+    others = pc.not_equal(batch.column(KIND_COLUMN), INPUT)
+    if not pc.any(others).as_py():
+        return table
+    for position, field in enumerate(table.schema):
+        column = table.column(position)
+        if column.null_count and (
+            pa.types.is_integer(field.type) or pa.types.is_boolean(field.type)
+        ):
+            stand_in = pa.scalar(False if pa.types.is_boolean(field.type) else 0, field.type)
+            table = table.set_column(position, field, pc.if_else(others, stand_in, column))
+    return table
 
 
 def _drop_late_events(
@@ -759,9 +857,12 @@ def run_keyed_subtask(
                     if ready:
                         yield from output.take_ready()
 
+            output.finish_frames()
+            yield from output.take_ready()
             handle.phase = Phase.DATA_PROCESSED
             counts.method = "handleExpiredTimer"
             _fire_timers(spec, handle, times, timer_service, emit)
+            output.finish_frames()
             yield from output.take_ready()
         handle.phase = Phase.TIMER_PROCESSED
         counts.method = "close"

@@ -9,6 +9,7 @@ import pickle
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from decimal import Decimal
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -539,15 +540,17 @@ def test_pandas_output_is_cast_safely_as_spark_casts_it() -> None:
     schema = StructType([StructField("user", StringType()), StructField("n", LongType())])
     builder = OutputBuilder(schema)
     builder.add_frames([pd.DataFrame({"user": ["a", "b"], "n": ["2", "-7"]})])
+    builder.finish_frames()
     assert [batch.to_pylist() for batch in builder.take_ready()] == [
         [{"user": "a", "n": 2}, {"user": "b", "n": -7}]
     ]
+    builder.add_frames([pd.DataFrame({"user": ["a", "b"], "n": [2, 1.7]})])
     with pytest.raises(
         OutputSchemaError,
         match=r"^output column 'n' does not fit its type bigint: it got 1\.7 \(a float\); "
         r"return bigint values there$",
     ):
-        builder.add_frames([pd.DataFrame({"user": ["a", "b"], "n": [2, 1.7]})])
+        builder.finish_frames()
 
 
 def test_output_of_many_rows_per_key_is_complete_and_in_order(
@@ -837,3 +840,199 @@ def test_each_key_gets_its_initial_rows_then_one_call_with_all_its_input_rows(
         if amounts:
             expected.append(("input", (user,), amounts))
     assert processor.calls == expected
+
+
+class FrameRecorder(StatefulProcessor):
+    """Pandas mode: keeps a copy of every DataFrame each key gets, in order."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.frames: list[tuple[Any, pd.DataFrame]] = []
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[pd.DataFrame], timerValues: TimerValues
+    ) -> Iterator[pd.DataFrame]:
+        for frame in rows:
+            self.frames.append((key, frame.copy()))
+            frame.iloc[0, 0] = None  # a processor may change what it got
+        return iter(())
+
+
+_INPUT_TYPES = {
+    "user": pa.string(),
+    "amount": pa.int64(),
+    "small": pa.int32(),
+    "flag": pa.bool_(),
+    "ratio": pa.float32(),
+    "text": pa.string(),
+    "day": pa.date32(),
+    "at": pa.timestamp("us", tz="UTC"),
+    "local": pa.timestamp("us"),
+    "price": pa.decimal128(10, 2),
+    "blob": pa.binary(),
+}
+
+
+def _input_values(rng: random.Random, row: int, nulls: bool) -> dict[str, Any]:
+    """One input row of every type of ``_INPUT_TYPES`` but the key; ``nulls``: its
+    integer and boolean columns may be null too (other columns always may)."""
+    maybe = (lambda value: None if rng.random() < 0.2 else value) if nulls else (lambda v: v)
+    return {
+        "amount": maybe(rng.randrange(-(2**40), 2**40)),
+        "small": maybe(rng.randrange(-100, 100)),
+        "flag": maybe(rng.random() < 0.5),
+        "ratio": None if rng.random() < 0.2 else rng.random(),
+        "text": None if rng.random() < 0.2 else f"t{row}",
+        "day": datetime.date(2020, 1, 1) + datetime.timedelta(days=row),
+        "at": None
+        if rng.random() < 0.2
+        else datetime.datetime(2024, 3, 10, 6, 30, tzinfo=datetime.timezone.utc)
+        + datetime.timedelta(minutes=37 * row),
+        "local": datetime.datetime(2024, 11, 3, 1, 15) + datetime.timedelta(minutes=row),
+        "price": None if rng.random() < 0.2 else Decimal(row) / 4,
+        "blob": bytes([row % 256]) * (row % 3),
+    }
+
+
+@pytest.mark.parametrize(
+    ("nulls", "nested", "arrow_rows", "frame_rows"),
+    [
+        (False, False, 1000, 10_000),  # every key's frame a slice of its batch's frame
+        (False, False, 9, 10_000),  # keys across record batches
+        (False, False, 1000, 2),  # keys in frames of at most 2 rows
+        (True, False, 1000, 10_000),  # int/bool nulls: each key's dtypes its own
+        (False, True, 1000, 10_000),  # a nested column: made per key
+    ],
+)
+def test_pandas_mode_frames_are_each_keys_own_rows_converted_alone(
+    backend: KeyedStateBackend, nulls: bool, nested: bool, arrow_rows: int, frame_rows: int
+) -> None:
+    """Every key's DataFrames (values, dtypes, index, chunking) are what converting
+    that key's rows alone gives (``pandas_frame``, as Spark makes each key's frame),
+    whether they are made as slices of one frame of the record batch or per key; a
+    processor changing its frame changes no other key's."""
+    rng = random.Random(f"{nulls}{nested}{arrow_rows}{frame_rows}")
+    types = dict(_INPUT_TYPES, **({"tags": pa.list_(pa.int64())} if nested else {}))
+    users = [f"u{i}" for i in range(15)]
+    rows = []
+    for row in range(150):
+        user = rng.choice(users)
+        values = _input_values(rng, row, nulls and user in users[:5])  # some keys null-free
+        if nested:
+            values["tags"] = [row, None] if row % 2 else []
+        rows.append({"user": user, **values})
+    serializer = RowTupleSerializer(KEY_SCHEMA.json())
+    group = {u: assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM) for u in users}
+    ordered = sorted(enumerate(rows), key=lambda item: (group[item[1]["user"]], item[1]["user"]))
+    records = [{name: None for name in types}] + [values for _, values in ordered]
+    kinds = [CONTROL] + [INPUT] * len(rows)
+    table = pa.table(
+        {
+            **{name: pa.array([r[name] for r in records], kind) for name, kind in types.items()},
+            KIND_COLUMN: pa.array(kinds, pa.int8()),
+            SEQUENCE_COLUMN: pa.array(range(len(records)), pa.int64()),
+            KEY_GROUP_COLUMN: pa.array([-1] + [group[v["user"]] for v in rows], pa.int32()),
+            SUBTASK_COLUMN: pa.array([0] * len(records), pa.int32()),
+        }
+    )
+    processor = FrameRecorder()
+    zone = "America/New_York"
+    spec = _spec(
+        processor,
+        use_pandas=True,
+        input_columns=tuple(types),
+        time_zone=zone,
+        max_records_per_batch=frame_rows,
+    )
+    list(run_keyed_subtask(spec, backend, BatchTimes(0), table.to_batches(arrow_rows)))
+
+    expected = []
+    for user in sorted(set(r["user"] for r in rows), key=lambda u: (group[u], u)):
+        mine = [r for r in rows if r["user"] == user]
+        for start in range(0, len(mine), frame_rows):
+            chunk = mine[start : start + frame_rows]
+            alone = pa.table(
+                {name: pa.array([r[name] for r in chunk], t) for name, t in types.items()}
+            )
+            expected.append(((user,), pandas_frame(alone, zone)))
+    assert [key for key, _ in processor.frames] == [key for key, _ in expected]
+    for (_, got), (_, want) in zip(processor.frames, expected, strict=True):
+        pd.testing.assert_frame_equal(got, want)
+    dtypes = {str(frame["amount"].dtype) for _, frame in processor.frames}
+    assert dtypes == ({"int64", "float64"} if nulls else {"int64"})
+
+
+def test_pandas_output_of_many_frames_is_what_each_frame_converted_alone_gives() -> None:
+    """Frames taken together (same dtypes converted at once, across a frame of an
+    extension dtype, one whose values convert only by a cast, one of another dtype) give
+    the rows, in order, that converting each frame by itself gives, as Spark converts
+    each DataFrame a processor yields."""
+    schema = StructType(
+        [
+            StructField("user", StringType()),
+            StructField("n", LongType()),
+            StructField("x", DoubleType()),
+            StructField("at", TimestampType()),
+        ]
+    )
+    at = pd.Timestamp("2024-03-10 01:30")
+    frames = [
+        pd.DataFrame({"user": ["a", "b"], "n": [1, 2], "x": [0.5, float("nan")], "at": [at] * 2}),
+        pd.DataFrame({"user": [None], "n": [3], "x": [1.0], "at": [pd.NaT]}),
+        pd.DataFrame({"user": ["c"], "n": pd.array([None], "Int64"), "x": [2.0], "at": [at]}),
+        pd.DataFrame({"user": ["d"], "n": [4], "x": [3.0], "at": [at]}),
+        pd.DataFrame({"user": ["e"], "n": ["5"], "x": [4.0], "at": [at]}),  # text: cast
+        pd.DataFrame({"user": ["f"], "n": [6.0], "x": [5], "at": [at]}),  # floats, ints
+        pd.DataFrame({"n": [7], "at": [at], "x": [6.0], "user": ["g"]}),  # other order
+        # Objects: an int, then text that converts only by a cast (not both at once).
+        pd.DataFrame({"user": ["h"], "n": pd.Series([8], dtype=object), "x": [7.0], "at": [at]}),
+        pd.DataFrame({"user": ["i"], "n": pd.Series(["9"], dtype=object), "x": [8.0], "at": [at]}),
+    ]
+    zone = "America/New_York"
+    together = OutputBuilder(schema, zone)
+    together.add_frames(frames)
+    together.finish_frames()
+    alone = []
+    for frame in frames:
+        builder = OutputBuilder(schema, zone)
+        builder.add_frames([frame])
+        builder.finish_frames()
+        alone += [row for batch in builder.take_ready() for row in batch.to_pylist()]
+    rows = [row for batch in together.take_ready() for row in batch.to_pylist()]
+    assert rows == alone
+    utc = (at.tz_localize(zone).tz_convert("UTC")).to_pydatetime()
+    assert [(r["user"], r["n"], r["at"]) for r in rows][:5] == [
+        ("a", 1, utc),
+        ("b", 2, utc),
+        (None, 3, None),
+        ("c", None, utc),
+        ("d", 4, utc),
+    ]
+    assert [r["n"] for r in rows[5:]] == [5, 6, 7, 8, 9] and rows[1]["x"] is None
+
+
+class ReusedFrame(StatefulProcessor):
+    """Pandas mode: yields one DataFrame object for every key, changed in place."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.frame = pd.DataFrame({"user": [""], "total": [0]})
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[pd.DataFrame], timerValues: TimerValues
+    ) -> Iterator[pd.DataFrame]:
+        self.frame.loc[0, "user"] = key[0]
+        self.frame.loc[0, "total"] = sum(int(frame["amount"].sum()) for frame in rows)
+        yield self.frame
+
+
+def test_a_pandas_output_frame_changed_after_it_was_yielded_keeps_what_it_held(
+    backend: KeyedStateBackend,
+) -> None:
+    """Each output row is the frame as it was when yielded, not as the processor
+    changed it later."""
+    rows = [(f"u{i % 9}", i) for i in range(60)]
+    spec = _spec(ReusedFrame(), use_pandas=True)
+    output = _rows(run_keyed_subtask(spec, backend, BatchTimes(0), _batches(rows)))
+    expected: Counter[str] = Counter()
+    for user, amount in rows:
+        expected[user] += amount
+    assert sorted(output) == sorted(expected.items())
