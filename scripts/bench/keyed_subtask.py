@@ -14,8 +14,15 @@ each micro-batch's changelog record (``encode_changes``, lz4, as ``write_record`
 before its one write); every run's final totals are checked against a plain-Python
 computation.
 
+With ``--pandas``, the same workload in pandas mode (``spark_baseline.CountSumProcessor``,
+the streaming benchmark's ``transformWithStateInPandas`` processor), batched, beside its
+limit measured in the same run: the processor's own calls alone (per key its
+``handleInputRows`` over the key's DataFrame made beforehand, its state a dict), what any
+runtime handing a processor one DataFrame per key pays. Prints CPU µs per key of both and
+their ratio.
+
     .venv/bin/python scripts/bench/keyed_subtask.py [--rows 100000] [--keys 100000]
-        [--batches 3] [--json]
+        [--batches 3] [--pandas] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pyarrow as pa
 from pyspark.sql.types import LongType, StructField, StructType
 
@@ -83,14 +91,14 @@ def input_batches(
 
 
 def run(
-    rows: int, keys: int, batches: int, batched: bool, workdir: Path
+    rows: int, keys: int, batches: int, batched: bool, workdir: Path, use_pandas: bool = False
 ) -> tuple[list[float], list[float]]:
-    """CPU seconds per micro-batch of one subtask's backend, batched or not, and of
-    encoding each micro-batch's changelog record."""
+    """CPU seconds per micro-batch of one subtask's backend, batched or not, in Row or
+    pandas mode, and of encoding each micro-batch's changelog record."""
     serializer = RowTupleSerializer(KEY_SCHEMA.json())
     spec = ProcessorSpec(
-        processor=RowCountSumProcessor(),
-        use_pandas=False,
+        processor=spark_baseline.CountSumProcessor() if use_pandas else RowCountSumProcessor(),
+        use_pandas=use_pandas,
         time_mode="None",
         key_columns=("user",),
         input_columns=("user", "amount"),
@@ -135,6 +143,84 @@ def run(
     return seconds, record_seconds
 
 
+class _DictState:
+    """The ValueState a processor alone gets: a dict by the current key."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple[int, int]] = {}
+        self.key = 0
+
+    def exists(self) -> bool:
+        return self.key in self.values
+
+    def get(self) -> tuple[int, int]:
+        return self.values[self.key]
+
+    def update(self, value: tuple[int, int]) -> None:
+        self.values[self.key] = value
+
+
+def processor_alone(rows: int, keys: int, batches: int) -> list[float]:
+    """CPU seconds per micro-batch of the pandas processor's own calls: per key one
+    ``handleInputRows`` over the key's rows as one DataFrame made beforehand (not timed),
+    the state a dict; its outputs checked against a plain-Python computation."""
+    serializer = RowTupleSerializer(KEY_SCHEMA.json())
+    processor = spark_baseline.CountSumProcessor()
+    state = processor.totals = _DictState()
+    expected: Counter[int] = Counter()
+    seconds = []
+    for batch_id in range(batches):
+        _, events = input_batches(rows, keys, batch_id, serializer)
+        amounts: dict[int, list[int]] = {}
+        for user, amount in events:
+            amounts.setdefault(user, []).append(amount)
+            expected[user] += amount
+        frames = [
+            (user, pd.DataFrame({"user": [user] * len(values), "amount": values}))
+            for user, values in amounts.items()
+        ]
+        outputs = []
+        started = time.process_time()
+        for user, frame in frames:
+            state.key = user
+            outputs.extend(processor.handleInputRows((user,), iter([frame]), None))
+        seconds.append(time.process_time() - started)
+        assert all(out["total"].iloc[0] == expected[out["user"].iloc[0]] for out in outputs)
+    return seconds
+
+
+def _pandas_main(args: argparse.Namespace) -> int:
+    """``--pandas``: ours in pandas mode beside the processor's own calls alone."""
+    serializer = RowTupleSerializer(KEY_SCHEMA.json())
+    keys_per_batch = [
+        len({user for user, _ in input_batches(args.rows, args.keys, batch_id, serializer)[1]})
+        for batch_id in range(args.batches)
+    ]
+    with tempfile.TemporaryDirectory(prefix="keyed-subtask-") as tmp:
+        ours, _ = run(args.rows, args.keys, args.batches, True, Path(tmp), use_pandas=True)
+    alone = processor_alone(args.rows, args.keys, args.batches)
+    ours_us = [s / k * 1e6 for s, k in zip(ours, keys_per_batch, strict=True)]
+    alone_us = [s / k * 1e6 for s, k in zip(alone, keys_per_batch, strict=True)]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "benchmark": "keyed_subtask_pandas",
+                    "ours_us_per_key": ours_us,
+                    "processor_alone_us_per_key": alone_us,
+                }
+            )
+        )
+        return 0
+    print(
+        f"pandas mode: {args.rows:,} rows over {args.keys:,} users per micro-batch, CPU µs per key"
+    )
+    print(f"{'ours':>16}: " + " ".join(f"{us:.0f}" for us in ours_us))
+    print(f"{'processor alone':>16}: " + " ".join(f"{us:.0f}" for us in alone_us))
+    print(f"ours / processor alone: {sum(ours) / sum(alone):.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both modes; print a table, or with ``--json`` one JSON object per mode."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -142,9 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=100_000, help="distinct users")
     parser.add_argument("--batches", type=int, default=3, help="micro-batches")
     parser.add_argument("--json", action="store_true", help="one JSON object per mode")
+    parser.add_argument(
+        "--pandas", action="store_true", help="pandas mode beside the processor's calls alone"
+    )
     args = parser.parse_args(argv)
     if min(args.rows, args.keys, args.batches) < 1:
         parser.error("--rows, --keys and --batches must be positive")
+    if args.pandas:
+        return _pandas_main(args)
     results: dict[str, Any] = {}
     records: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="keyed-subtask-") as tmp:

@@ -398,6 +398,18 @@ def test_pandas_output_without_a_column_names_it(backend: KeyedStateBackend) -> 
         list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)])))
 
 
+def test_pandas_output_by_position_takes_its_columns_in_order(backend: KeyedStateBackend) -> None:
+    """Columns without string labels fill the output schema by position; too few is an
+    OutputSchemaError saying how many there are."""
+    spec = _spec(WrongOutput(pd.DataFrame([["a", 5, "extra"]])), use_pandas=True)
+    assert _rows(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)]))) == [
+        ("a", 5)
+    ]
+    spec = _spec(WrongOutput(pd.DataFrame([["a"]])), use_pandas=True)
+    with pytest.raises(OutputSchemaError, match="has 1 columns, the output schema"):
+        list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches([("a", 1)])))
+
+
 def test_a_one_ms_ttl_lives_through_its_batch_and_not_the_next(
     backend: KeyedStateBackend,
 ) -> None:
