@@ -33,8 +33,9 @@ driver triggers a checkpoint (``CheckpointTracker``, as StatefulJob's) that the 
 subtasks cut at the end of the batch and upload in the background. The batch never waits
 for it: while one is pending, the next is postponed, and the driver only polls its acks
 before and after each batch; only a run that may end after any batch (``availableNow``,
-``once``, ``toDF``) waits for it in its batch, and a restart adopts one that completed
-after a run's last batch. Once it completes, ``ChangelogStorage.materialized`` makes
+``once``, ``toDF``) waits for it in its batch, ``query.stop()`` waits for one still
+pending (``settle_materialization``), and a restart adopts one that completed after a
+run's last batch. Once it completes, ``ChangelogStorage.materialized`` makes
 it the base of the next manifests and the records at or below it are deleted; one that
 stalls, times out or fails is aborted and the manifests keep their old base. Checkpoint
 retention keeps every checkpoint a retained manifest builds on.
@@ -528,6 +529,13 @@ class StatefulStream:
         tracker.poll()
         self._previous_batch = batch_id
         return manifest
+
+    def settle_materialization(self) -> None:
+        """After the query stopped: wait for the materialization still uploading, if any
+        (nothing else would poll it), until it completes (it becomes the base when the
+        query starts again) or is aborted (``checkpoint.timeout``, an upload stalled)."""
+        if self._tracker is not None:
+            self._tracker.wait()
 
     def _materializations(self) -> CheckpointTracker:
         """The tracker of the stream's materializations, made at its first batch (its

@@ -46,6 +46,25 @@ def _column_names(cols: tuple[Any, ...], method: str) -> list[str]:
     return names
 
 
+class StatefulStreamingQuery(StreamingQuery):
+    """Spark's ``StreamingQuery`` of a ``transform_with_state`` query, whose ``stop()``
+    then waits for a materialization still uploading (``settle_materialization``): left
+    pending, it would never complete, and a restart would replay from the older base."""
+
+    def __init__(self, query: StreamingQuery, stream: StatefulStream) -> None:
+        super().__init__(query._jsq)
+        self._stream = stream
+
+    def stop(self) -> None:
+        """Stop the query, then settle its pending materialization if it was running (a
+        stop of a query that ended already must not poll the stream's tracker: a query
+        started again on the same stream may be using it)."""
+        running = self.isActive
+        super().stop()
+        if running:
+            self._stream.settle_materialization()
+
+
 class StatefulStreamWriter:
     """Mirrors ``DataStreamWriter`` (format, option, options, outputMode, partitionBy,
     clusterBy, trigger, queryName, foreach, foreachBatch, start, toTable); the query
@@ -281,7 +300,7 @@ class StatefulStreamWriter:
             writer = writer.trigger(**trigger)
         if self._query_name is not None:
             writer = writer.queryName(self._query_name)
-        return writer.start()
+        return StatefulStreamingQuery(writer.start(), stream)
 
     def start(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,6 +170,52 @@ def test_a_materialization_completing_after_its_manifest_was_deleted_becomes_the
     newest = changelog.latest_manifest()
     assert newest is not None and newest.batch_id == 7 and newest.base is not None
     assert newest.base.batch_id == 1, newest.base
+    assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
+
+
+def test_stop_completes_a_materialization_still_pending_and_the_restart_builds_on_it(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The acks of the materialization after batch 1 reach storage only after the run's
+    last poll (as with uploads slower than the batches): ``query.stop()`` completes it,
+    no incomplete checkpoint is left, and the restart's batch 2 builds on it instead of
+    replaying every batch from the start; output and state equal plain Python."""
+    real_poll = CheckpointCoordinator.poll
+    acks_seen = False
+
+    def late_poll(self: CheckpointCoordinator, checkpoint_id: int) -> str | None:
+        return real_poll(self, checkpoint_id) if acks_seen else None
+
+    monkeypatch.setattr(CheckpointCoordinator, "poll", late_poll)
+    batches = make_batches(3, seed=47)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:2])
+    query = (
+        stateful_query(spark, input_dir, "totals", 2)
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="10 milliseconds")
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(progress["batchId"] == 1 for progress in query.recentProgress):
+            assert time.monotonic() < deadline, query.recentProgress
+            assert not query.awaitTermination(0.1), query.exception()
+        acks_seen = True
+    finally:
+        query.stop()
+    storage, changelog = job_storage(tmp_path, "totals")
+    completed = storage.completed_checkpoint_ids()
+    assert [storage.load(n).properties["batch_id"] for n in completed] == [1]
+    assert storage.checkpoint_ids() == completed
+
+    write_batch_files(input_dir, batches[2:], first=2)
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    assert read_output(spark, out) == expected_output(batches)
+    base = changelog.load_manifest(2).base
+    assert base is not None and (base.batch_id, base.checkpoint_id) == (1, completed[0])
     assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
 
 
