@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_url
 from statebackend.checkpoint.layout import join, metadata_path
@@ -50,7 +51,9 @@ def copy_checkpoint(
     Every referenced file is copied and checked against its recorded size and checksum
     (an incremental checkpoint's shared files into the savepoint's own ``shared/``, the
     handles rewritten to match), then ``_metadata`` (marked as a savepoint) is written
-    last, so an interrupted copy is never mistaken for a savepoint. The result restores
+    last, so an interrupted copy is never mistaken for a savepoint; a copy that fails or is
+    interrupted (KeyboardInterrupt) deletes what it wrote (``target_dir`` itself if it was
+    empty), so that it can be run again into the same directory. The result restores
     from wherever it is moved to. With ``signing_key`` the source must be signed with
     it and the savepoint is signed with it too; without, the savepoint is not signed.
     Returns ``target_dir`` (normalized); raises CheckpointError if it already holds a
@@ -78,14 +81,37 @@ def copy_checkpoint(
     # on one storage (also opened twice, as the command does) a copy is server-side: the
     # bytes pass through this process only between storages
     same_storage = source_fs.same_storage(target_fs)
-    for source, target, size, checksum in copies:
-        if same_storage:
-            source_fs.copy(source, target)
-        else:
-            target_fs.write_file(target, _chunks(source_fs, source))
-        target_fs.verify(target, size, checksum)
-        if progress is not None:
-            progress(size)
-    savepoint = dataclasses.replace(metadata.with_keyed_paths(_inside), is_savepoint=True)
-    target_fs.write_atomic(metadata_path(target_dir), savepoint.to_bytes(signing_key))
+    was_empty = not target_fs.list_dir(target_dir)
+    written: list[str] = []
+    try:
+        for source, target, size, checksum in copies:
+            written.append(target)
+            if same_storage:
+                source_fs.copy(source, target)
+            else:
+                target_fs.write_file(target, _chunks(source_fs, source))
+            target_fs.verify(target, size, checksum)
+            if progress is not None:
+                progress(size)
+        savepoint = dataclasses.replace(metadata.with_keyed_paths(_inside), is_savepoint=True)
+        target_fs.write_atomic(metadata_path(target_dir), savepoint.to_bytes(signing_key))
+    except BaseException:  # an error, Ctrl-C: what was copied is no savepoint
+        _remove_copied(target_fs, target_dir, written, was_empty)
+        raise
     return target_dir
+
+
+def _remove_copied(
+    fs: CheckpointFileSystem, target_dir: str, written: list[str], was_empty: bool
+) -> None:
+    """Delete what a copy that did not complete wrote: ``target_dir`` itself if it was
+    empty before (unless another copy completed a savepoint there meanwhile), else the
+    files it wrote. Failures to delete are left unsaid: the copy's own error is raised."""
+    with suppress(Exception):
+        if fs.exists(metadata_path(target_dir)):
+            return
+        if was_empty:
+            fs.delete(target_dir, recursive=True)
+            return
+        for path in written:
+            fs.delete(path)

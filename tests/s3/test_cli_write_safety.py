@@ -21,6 +21,8 @@ from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.requests import pending_savepoint_requests
 from statebackend.checkpoint.writer import OperatorRewrite, SavepointWriter
 from statebackend.errors import CheckpointError
+from statebackend.snapshot.handles import resolve_path
+from tests import sigint
 from tests.conftest import Storage, raw_fs
 from tests.s3.test_cli import assert_one_error_line
 from tests.s3.test_incremental_checkpoints import OPERATOR, Job, M, new_job, restore
@@ -38,14 +40,17 @@ def job(checkpoint_url: Storage, tmp_path: Path) -> Iterator[Job]:
     created.close()
 
 
-def run_cli(storage: Storage, *argv: str) -> subprocess.CompletedProcess[str]:
-    """``python -m statebackend ARGV`` with the storage's options."""
+def run_cli(
+    storage: Storage, *argv: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m statebackend ARGV`` with the storage's options (in ``env``)."""
     options = [f"--storage-option={k}={v}" for k, v in storage.storage_options.items()]
     return subprocess.run(
         [sys.executable, "-m", "statebackend", *argv, *options],
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
 
 
@@ -135,3 +140,55 @@ def test_ctrl_c_while_waiting_for_a_savepoint_says_the_request_stays(job: Job) -
     [request] = pending_savepoint_requests(job.storage.fs, job_dir)
     assert line.startswith("statebackend: interrupted") and "Traceback" not in err
     assert request.request_id in line and request.savepoint_dir(job_dir) in line, line
+
+
+def copied_last(job: Job, checkpoint_id: int) -> str:
+    """The source file ``savepoint create`` copies last (after every other one)."""
+    relative = job.storage.load(checkpoint_id).files()[-1][0]
+    return resolve_path(job.storage.resolve(checkpoint_id), relative)
+
+
+def test_a_savepoint_copy_that_fails_midway_leaves_nothing_and_can_be_run_again(
+    job: Job, tmp_path: Path
+) -> None:
+    """A copy that failed after some files (here: the last file is damaged) left them in
+    the target, with no ``_metadata``: a directory of state files that no restore, ``gc``
+    or ``list`` ever cleans up (``list`` shows it as a pending checkpoint). It now removes
+    what it wrote, and the same command succeeds once the cause is gone."""
+    checkpoint_id = max(job.models)
+    source = job.storage.resolve(checkpoint_id)
+    target = join(job.storage.layout.job_dir, "savepoints", "sp-1")
+    fs = raw_fs(job.location)
+    last = copied_last(job, checkpoint_id)
+    intact = fs.cat_file(last)
+    fs.pipe_file(last, bytes([intact[0] ^ 0xFF]) + intact[1:])
+    result = run_cli(job.location, "savepoint", "create", "--from", source, "--to", target)
+    assert result.returncode == 1, result.stdout
+    assert_one_error_line(result.stderr)
+    assert "corrupted" in result.stderr, result.stderr
+    assert not raw_fs(job.location).exists(target), contents(job.location, target)
+    fs.pipe_file(last, intact)
+    result = run_cli(job.location, "savepoint", "create", "--from", source, "--to", target)
+    assert result.returncode == 0, result.stderr
+    assert restore(job.storage.fs, target, 2, tmp_path) == job.models[checkpoint_id]
+
+
+def test_ctrl_c_during_a_savepoint_copy_leaves_nothing_and_it_can_be_run_again(
+    job: Job, tmp_path: Path
+) -> None:
+    """Ctrl-C while ``savepoint create`` copied a checkpoint left the files copied so far
+    under the target. Now it removes them: the target holds nothing, and the same command
+    then writes a savepoint there. The command gets SIGINT once it copied and checked its
+    first file (``tests.sigint``)."""
+    checkpoint_id = max(job.models)
+    source = job.storage.resolve(checkpoint_id)
+    target = join(job.storage.layout.job_dir, "savepoints", "sp-1")
+    argv = ["savepoint", "create", "--from", source, "--to", target]
+    after = "statebackend.checkpoint.filesystem:CheckpointFileSystem.verify"
+    result = run_cli(job.location, *argv, env=sigint.env(after=after))
+    assert (result.returncode, result.stdout) == (130, ""), result.stderr
+    assert result.stderr.splitlines() == ["statebackend: interrupted"], result.stderr
+    assert not raw_fs(job.location).exists(target), contents(job.location, target)
+    result = run_cli(job.location, *argv)
+    assert result.returncode == 0, result.stderr
+    assert restore(job.storage.fs, target, 2, tmp_path) == job.models[checkpoint_id]
