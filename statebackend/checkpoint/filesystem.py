@@ -217,10 +217,11 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")
 def absolute_location(location: str) -> str:
     """A URL (``s3://...``, ``file:///...``, also ``file:/...`` as Hadoop writes it) as it
     is; a local path made absolute from the working directory, for processes that have
-    another one (Spark's executors)."""
+    another one (Spark's executors), and ``~`` expanded to the home directory as fsspec
+    does for a local path (a driver or executor may run as another user)."""
     if not location or _SCHEME.match(location):
         return location
-    return os.path.abspath(location)
+    return os.path.abspath(os.path.expanduser(location))
 
 
 def normalize_url(url: str) -> str:
@@ -641,6 +642,13 @@ class CheckpointFileSystem:
         ``/``: ``file:///ck/job`` and ``/ck/job``)."""
         strip = self._fs._strip_protocol
         return normalize_path(strip(first)) == normalize_path(strip(second))
+
+    def is_within(self, path: str, directory: str) -> bool:
+        """Whether ``path`` is ``directory`` or below it on this file system, however
+        spelled (as ``same_path``)."""
+        strip = self._fs._strip_protocol
+        inner, outer = normalize_path(strip(path)), normalize_path(strip(directory))
+        return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
     def read_file(self, path: str) -> bytes:
         """The whole content of the file at ``path``."""

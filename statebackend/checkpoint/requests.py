@@ -21,6 +21,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fsspec.utils import get_protocol
+
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_url
 from statebackend.checkpoint.layout import SAVEPOINTS_DIR, join, metadata_path
 from statebackend.checkpoint.signing import SigningKey
@@ -63,11 +65,42 @@ def _done_path(job_dir: str, request_id: str) -> str:
     return join(job_dir, REQUESTS_DIR, f"{_PREFIX}{request_id}{_DONE_SUFFIX}")
 
 
+def check_savepoint_target(fs: CheckpointFileSystem, job_dir: str, target_dir: str) -> None:
+    """ConfigurationError unless the job in ``job_dir`` (on ``fs``) can copy a savepoint
+    into ``target_dir``: on the job's storage (its file system writes it), and neither the
+    job's directory, one holding it, nor one inside it other than below ``savepoints/``
+    (its checkpoints, ``shared/`` files and requests live there)."""
+    protocol, job_protocol = get_protocol(target_dir), get_protocol(job_dir)
+    if protocol != job_protocol:
+        raise ConfigurationError(
+            f"savepoint directory {target_dir} is on {protocol}://, and the job in {job_dir} "
+            f"writes to {job_protocol}:// only: give a directory there, then copy the "
+            f"savepoint with `savepoint create`"
+        )
+    savepoints = join(job_dir, SAVEPOINTS_DIR)
+    if fs.is_within(job_dir, target_dir):
+        where = f"is or holds the job's directory {job_dir}"
+    elif fs.is_within(target_dir, job_dir) and (
+        not fs.is_within(target_dir, savepoints) or fs.same_path(target_dir, savepoints)
+    ):
+        where = f"is inside the job's directory {job_dir}, where the job writes its own files"
+    else:
+        return
+    raise ConfigurationError(
+        f"savepoint directory {target_dir} {where}: give a directory below {savepoints}/ or "
+        f"outside {job_dir}"
+    )
+
+
 def request_savepoint(fs: CheckpointFileSystem, job_dir: str, target_dir: str | None = None) -> str:
     """Ask the job in ``job_dir`` for a savepoint (into ``target_dir`` if given).
 
-    Returns the request id, for ``wait_for_savepoint``.
+    Returns the request id, for ``wait_for_savepoint``. A ``target_dir`` the job could not
+    write a savepoint into (``check_savepoint_target``) is a ConfigurationError, and no
+    request is made.
     """
+    if target_dir is not None:
+        check_savepoint_target(fs, job_dir, target_dir)
     now_ns = time.time_ns()
     request_id = f"{now_ns:020d}-{uuid.uuid4().hex[:8]}"
     document = {"request_id": request_id, "requested_at": now_ns / 1e9, "target_dir": target_dir}
@@ -80,7 +113,8 @@ def pending_savepoint_requests(
 ) -> list[SavepointRequest]:
     """The unanswered savepoint requests of the job, oldest first (for the driver).
 
-    A malformed request file is answered with an error and skipped. So is a request whose
+    A malformed request file is answered with an error and skipped, as is one whose target
+    the job cannot write a savepoint into (``check_savepoint_target``). So is a request whose
     savepoint was taken by a driver that died before answering (``_taken_for``),
     answered with that savepoint.
     """
@@ -103,6 +137,12 @@ def pending_savepoint_requests(
         except MALFORMED_DOCUMENT as exc:
             _write_answer(fs, job_dir, request_id, None, f"malformed savepoint request: {exc}")
             continue
+        if request.target_dir is not None:
+            try:
+                check_savepoint_target(fs, job_dir, request.target_dir)
+            except ConfigurationError as exc:
+                _write_answer(fs, job_dir, request_id, None, str(exc))
+                continue
         taken = _taken_for(fs, job_dir, request, signing_key)
         if taken is None:
             requests.append(request)

@@ -11,11 +11,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from statebackend.checkpoint.layout import join, metadata_path
+from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.layout import METADATA_FILE, join, metadata_path
 from statebackend.checkpoint.manifest import FOLDED_FROM_PROPERTY
 from statebackend.checkpoint.requests import (
     REQUESTS_DIR,
     SavepointRequest,
+    check_savepoint_target,
     request_savepoint,
     wait_for_savepoint,
 )
@@ -34,7 +36,7 @@ from statebackend.cli.output import (
     write_file,
     write_records,
 )
-from statebackend.errors import CheckpointCorruptedError, ConfigurationError
+from statebackend.errors import CheckpointCorruptedError, CheckpointError, ConfigurationError
 from statebackend.serializers import serializer_from_config
 from statebackend.state.timers import MIN_TIMESTAMP
 from statebackend.tools.bootstrap import bootstrap_from_files, parse_state_file
@@ -547,6 +549,21 @@ def cmd_savepoint_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_empty(fs: CheckpointFileSystem, target: str) -> None:
+    """CheckpointError unless ``target`` is empty: a job's copy of a savepoint into it
+    would mix its files with the ones there, or fail (on a savepoint) once it took one."""
+    entries = fs.list_dir(target)
+    if METADATA_FILE in entries:
+        raise CheckpointError(
+            f"{target} already holds a checkpoint or savepoint: choose an empty directory"
+        )
+    if entries:
+        raise CheckpointError(
+            f"{target} is not empty (it holds {', '.join(entries[:3])}"
+            f"{', ...' if len(entries) > 3 else ''}): choose an empty directory, or delete it"
+        )
+
+
 def cmd_savepoint_trigger(args: argparse.Namespace) -> int:
     """``statebackend savepoint trigger``."""
     job_dir = args.job_dir.rstrip("/")
@@ -556,6 +573,9 @@ def cmd_savepoint_trigger(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"{job_dir} holds several jobs, not one job's checkpoints: give one of {jobs}"
         )
+    if args.target is not None:
+        check_savepoint_target(fs, job_dir, args.target)
+        _check_empty(fs, args.target)
     request_id = request_savepoint(fs, job_dir, args.target)
     if args.wait is None:
         out(f"requested savepoint {request_id} of {job_dir}")

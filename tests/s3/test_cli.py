@@ -499,6 +499,72 @@ def test_savepoint_trigger_to_a_relative_path_asks_for_it_where_the_command_runs
     job.checkpoints.close()
 
 
+def test_savepoint_trigger_to_a_home_relative_path_asks_for_it_in_the_home_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--to '~/sp'`` (quoted, or ``--to=~/sp``: the shell leaves it) was made absolute as a
+    relative path, ``<working dir>/~/sp``, where ``savepoint create --to '~/sp'`` writes
+    into the home directory (fsspec expands it)."""
+    storage = Storage(tmp_path.as_uri())
+    job = make_job(storage, tmp_path)
+    job.process(10, seed=5)
+    job.checkpoint()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    status, _, err = cli(capsys, storage, "savepoint", "trigger", job.job_dir, "--to=~/sp/v2/")
+    assert status == 0, err
+    [request] = pending_savepoint_requests(job.checkpoints.fs, job.job_dir)
+    assert request.savepoint_dir(job.job_dir) == str(tmp_path / "home" / "sp" / "v2")
+    job.checkpoints.close()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "{job_dir}",
+        "{job_dir}/",
+        "{job_dir}/chk-9",
+        "{job_dir}/shared/sp",
+        "{job_dir}/savepoints",
+        "{checkpoint_dir}",
+        "{other_storage}/sp",
+        "{job_dir}/savepoints/full",
+        "{job_dir}/savepoints/taken",
+    ],
+)
+def test_savepoint_trigger_refuses_a_target_the_job_cannot_write_a_savepoint_into(
+    capsys: pytest.CaptureFixture[str], checkpoint_url: Storage, tmp_path: Path, target: str
+) -> None:
+    """A request was written whatever its target, and the running job used it as given: a
+    directory of the job's own (its checkpoints' ``_metadata``, ``chk-<N>`` it writes
+    later, ``shared/`` that gc cleans) or holding it, on another storage than the job's
+    (a local job wrote ``s3://b/sp`` below its working directory, an s3 job a bucket
+    named ``file:``), or a directory already holding files (mixed with the savepoint's) or
+    a savepoint (refused by the job after a checkpoint). Each is now refused at once, with
+    one line naming the directory, and no request is left for the job."""
+    job = make_job(checkpoint_url, tmp_path)
+    job.process(10, seed=5)
+    job.checkpoint()
+    fs, job_dir = job.checkpoints.fs, job.job_dir
+    fs.write_atomic(join(job_dir, "savepoints", "full", "notes.txt"), b"the user's")
+    taken = join(job_dir, "savepoints", "taken")
+    assert (
+        cli(capsys, job.storage, "savepoint", "create", "--from", latest(job), "--to", taken)[0]
+        == 0
+    )
+    other = "s3://elsewhere" if checkpoint_url.url.startswith("file:") else tmp_path.as_uri()
+    given = target.format(
+        job_dir=job_dir, checkpoint_dir=job.checkpoints.layout.checkpoint_dir, other_storage=other
+    )
+    status, out, err = cli(capsys, job.storage, "savepoint", "trigger", job_dir, "--to", given)
+    assert (status, out) == (1, ""), err
+    assert_one_error_line(err)
+    assert given.rstrip("/") in err, err
+    assert pending_savepoint_requests(fs, job_dir) == []
+    assert fs.read_file(join(job_dir, "savepoints", "full", "notes.txt")) == b"the user's"
+    job.checkpoints.close()
+
+
 @pytest.mark.timeout(60)  # --wait nan waited forever
 @pytest.mark.parametrize("wait", ["-1", "nan", "soon"])
 def test_savepoint_trigger_refuses_a_bad_wait_before_requesting(

@@ -108,6 +108,22 @@ def test_malformed_requests_are_answered_with_an_error(
         wait_for_savepoint(fs, job_dir, request_id, 0)
 
 
+@pytest.mark.parametrize("target", ["{job}", "{job}/chk-9", "{job}/shared", "s3://b/sp"])
+def test_a_request_into_the_jobs_own_files_is_answered_with_an_error(
+    fs: CheckpointFileSystem, job_dir: str, target: str
+) -> None:
+    """A request file written by hand (or an older command) into the job's own directory,
+    or onto another storage than the job's, was served as given by the job's driver."""
+    request_id = "0000000000001-abcdef01"
+    document = {"request_id": request_id, "requested_at": 1.0}
+    document["target_dir"] = target.format(job=job_dir)
+    path = join(job_dir, REQUESTS_DIR, f"savepoint-{request_id}.json")
+    fs.write_atomic(path, json.dumps(document).encode())
+    assert pending_savepoint_requests(fs, job_dir) == []
+    with pytest.raises(CheckpointError, match=re.escape(document["target_dir"])):
+        wait_for_savepoint(fs, job_dir, request_id, 0)
+
+
 def test_waiting_times_out_with_a_clear_error(fs: CheckpointFileSystem, job_dir: str) -> None:
     request_id = request_savepoint(fs, job_dir)
     slept: list[float] = []
