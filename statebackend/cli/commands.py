@@ -23,8 +23,8 @@ from statebackend.checkpoint.requests import (
 )
 from statebackend.checkpoint.savepoints import copy_checkpoint
 from statebackend.checkpoint.signing import SigningKey, load_signing_key
+from statebackend.cli import PROG
 from statebackend.cli.output import (
-    PROG,
     json_document,
     local_time,
     out,

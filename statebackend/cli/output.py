@@ -16,8 +16,6 @@ from typing import Any, TextIO
 
 from statebackend.tools.reader import Record, to_jsonable
 
-PROG = "statebackend"
-
 
 def out(line: str = "") -> None:
     """Print one line of the command's answer on stdout."""

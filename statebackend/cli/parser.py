@@ -13,6 +13,7 @@ from statebackend.checkpoint.filesystem import (
     normalize_url,
     storage_option_value,
 )
+from statebackend.cli import PROG
 from statebackend.cli.commands import (
     cmd_gc,
     cmd_inspect,
@@ -26,7 +27,6 @@ from statebackend.cli.commands import (
     cmd_savepoint_trigger,
     cmd_verify,
 )
-from statebackend.cli.output import PROG
 from statebackend.snapshot.frames import CODECS, DEFAULT_CODEC
 from statebackend.tools.bootstrap import KINDS
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS

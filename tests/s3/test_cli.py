@@ -54,6 +54,7 @@ from statebackend.state.descriptors import (
     ValueStateDescriptor,
 )
 from statebackend.state.ttl import StateTtlConfig
+from tests import sigint
 from tests.conftest import Storage
 
 M = 128
@@ -496,6 +497,62 @@ def test_savepoint_trigger_to_a_relative_path_asks_for_it_where_the_command_runs
     monkeypatch.chdir(tmp_path)  # the driver's working directory
     [request] = pending_savepoint_requests(job.checkpoints.fs, job.job_dir)
     assert request.savepoint_dir(job.job_dir) == str(shell / "sp" / "v2")
+    job.checkpoints.close()
+
+
+COMMAND_SCRIPT = "import sys; from statebackend.cli import main; sys.exit(main())"
+"""What the installed ``statebackend`` script runs."""
+
+
+@pytest.mark.parametrize("how", ["-m", "script"])
+@pytest.mark.parametrize("module", ["rocksdict", "fsspec", "statebackend.cli.commands"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(
+    tmp_path: Path, how: str, module: str
+) -> None:
+    """Ctrl-C while the command was still importing (``from statebackend.cli import main``
+    loaded the whole package before ``main`` caught anything) printed a traceback and
+    ended the process by SIGINT. The process gets SIGINT as ``module`` starts to be
+    imported (``tests.sigint``)."""
+    storage = Storage(tmp_path.as_uri())
+    job = make_job(storage, tmp_path)
+    job.process(10, seed=5)
+    job.checkpoint()
+    start = ["-m", "statebackend"] if how == "-m" else ["-c", COMMAND_SCRIPT]
+    result = subprocess.run(
+        [sys.executable, *start, "list", job.job_dir],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=sigint.env(at_import=module),
+    )
+    assert (result.returncode, result.stdout) == (130, ""), result.stderr
+    assert result.stderr.splitlines() == ["statebackend: interrupted"]
+    job.checkpoints.close()
+
+
+@pytest.mark.parametrize("moment", [{"after": "statebackend.cli:main"}, {"at_exit": "1"}])
+@pytest.mark.parametrize("how", ["-m", "script"])
+def test_ctrl_c_after_the_command_did_its_work_keeps_its_status(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, how: str, moment: dict[str, str]
+) -> None:
+    """Ctrl-C after the command had done its work and printed its result, as ``main``
+    returned, turned a success into a traceback and an end by SIGINT (status 130 in a
+    shell); while the process exited, into a traceback. The process gets SIGINT at those
+    moments (``tests.sigint``)."""
+    storage = Storage(tmp_path.as_uri())
+    job = make_job(storage, tmp_path)
+    job.process(10, seed=5)
+    job.checkpoint()
+    start = ["-m", "statebackend"] if how == "-m" else ["-c", COMMAND_SCRIPT]
+    result = subprocess.run(
+        [sys.executable, *start, "list", job.job_dir],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=sigint.env(**moment),
+    )
+    assert cli(capsys, storage, "list", job.job_dir) == (0, result.stdout, "")
+    assert (result.returncode, result.stderr) == (0, "")
     job.checkpoints.close()
 
 

@@ -4,7 +4,7 @@ anything else. The process sends itself SIGINT there (``signal.raise_signal``: t
 handler runs before the call returns, so the moment is exact), as a user's Ctrl-C would:
 
 ``STATEBACKEND_TEST_SIGINT_AT_IMPORT=MODULE``  when MODULE starts to be imported
-``STATEBACKEND_TEST_SIGINT_AFTER=MODULE:CLASS.METHOD``  after the first call returned
+``STATEBACKEND_TEST_SIGINT_AFTER=MODULE:[CLASS.]FUNCTION``  after its first call returned
 ``STATEBACKEND_TEST_SIGINT_AT_EXIT=1``  at exit, after everything else (main returned)
 """
 
@@ -63,7 +63,7 @@ class _Patching(importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
         owner_name, _, method_name = self.qualname.rpartition(".")
-        owner = getattr(module, owner_name)
+        owner = getattr(module, owner_name) if owner_name else module
         method = getattr(owner, method_name)
         qualname = self.qualname
 
