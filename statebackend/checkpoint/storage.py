@@ -278,6 +278,24 @@ class CheckpointStorage:
         """Record that checkpoint ``checkpoint_id`` was triggered."""
         self.fs.write_atomic(self.layout.checkpoint_id_path, str(checkpoint_id).encode())
 
+    def check_job_id_case(self) -> None:
+        """ConfigurationError if the checkpoint directory holds a job whose id differs
+        from this job's only in case, and none of this id (for a driver starting the job):
+        on a case-insensitive file system (macOS, Windows shares) both ids name one
+        directory, where this job would fence the other's driver and discard its
+        checkpoints. Two such jobs that both exist (on S3, say) go on."""
+        names = self.fs.list_dir(self.layout.checkpoint_dir)
+        if self.job_id in names:
+            return
+        for name in names:
+            if name.casefold() == self.job_id.casefold():
+                raise ConfigurationError(
+                    f"job id {self.job_id!r} differs only in case from the job {name!r} in "
+                    f"{self.layout.checkpoint_dir}, and a case-insensitive file system "
+                    f"(macOS, Windows) takes both for one directory: to run that job give "
+                    f"its id {name!r}, for a new one an id that differs in more than case"
+                )
+
     def leader_epochs(self) -> list[int]:
         """The leader epochs claimed in the job directory, ascending."""
         names = self.fs.list_dir(self.layout.leader_dir)

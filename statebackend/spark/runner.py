@@ -474,6 +474,7 @@ class StatefulJob:
             signing_key=conf.checkpoint_signing_key(),
         )
         try:
+            storage.check_job_id_case()
             return self._run(storage, started)
         finally:
             storage.close()

@@ -325,6 +325,7 @@ class StatefulStream:
         )
         self.committer = BatchCommitter(self.storage_spec.open(), OPERATOR_ID)
         storage = self.committer.storage
+        storage.check_job_id_case()
         requested = None if restore_from is None else restore_location(storage, restore_from)
         self.query[RESTORED_FROM] = requested
         self.restore_dir: str | None = None

@@ -38,6 +38,7 @@ from statebackend.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointUnreadableError,
+    ConfigurationError,
     IncompatibleStateError,
 )
 from statebackend.keygroups import (
@@ -637,3 +638,28 @@ def test_state_of_an_operator_the_job_lacks(two_checkpoints: tuple[Job, int, int
     check_operators(metadata, {OPERATOR, "new-one"}, allow_non_restored_state=False)
     assert_restores(job, second)
     assert_restores(job, first)
+
+
+def test_a_job_id_differing_only_in_case_from_another_jobs_is_refused_at_start(
+    checkpoint_url: Storage,
+) -> None:
+    """Job ``Users`` beside job ``users``: one directory on a case-insensitive file system,
+    so a driver starting ``Users`` is refused, naming ``users``, on every storage; two such
+    jobs that both exist already (on S3, say) go on, as do ids in another case only."""
+
+    def storage(job_id: str) -> CheckpointStorage:
+        options = checkpoint_url.storage_options
+        return CheckpointStorage(checkpoint_url.url, job_id, storage_options=options)
+
+    existing = storage("users")
+    existing.fs.write_atomic(join(existing.layout.job_dir, "_checkpoint_id"), b"1")
+    existing.check_job_id_case()
+    storage("other").check_job_id_case()
+    with pytest.raises(
+        ConfigurationError, match="'Users' differs only in case from the job 'users'"
+    ):
+        storage("Users").check_job_id_case()
+    both = storage("Users")
+    both.fs.write_atomic(join(both.layout.job_dir, "_checkpoint_id"), b"1")
+    both.check_job_id_case()
+    existing.check_job_id_case()

@@ -516,6 +516,34 @@ def test_savepoint_and_rescale_script_from_the_latest_checkpoint(
     assert read_totals(capsys, storage, latest) == expected_totals(read_events(input_dir))
 
 
+def test_a_job_id_differing_only_in_case_from_an_existing_job_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    spark_local: SparkSession,
+    tmp_path: Path,
+    user_totals: Any,
+) -> None:
+    """``--job-id Users`` beside an existing job ``users`` started a second job, in a
+    directory of its own only where names are case-sensitive (Linux, S3): on macOS or a
+    Windows share it is ``users``'s directory, whose driver it fences and whose
+    checkpoints its retention deletes. It is now refused before it writes anything,
+    naming the existing job, wherever it runs; ``users`` itself goes on."""
+    generate_events(tmp_path / "input", 200, USERS, PARTITIONS, seed=3)
+    job = ["--input", str(tmp_path / "input"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    job += ["--parallelism", "2", "--batch-size", str(BATCH_SIZE)]
+    assert user_totals.main([*job, "--job-id", "users", "--output", str(tmp_path / "a")]) == 0
+    before = {path: path.read_bytes() for path in (tmp_path / "ckpt").rglob("*") if path.is_file()}
+    capsys.readouterr()
+    assert user_totals.main([*job, "--job-id", "Users", "--output", str(tmp_path / "b")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "'Users'" in line and "'users'" in line, line
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["users"]
+    after = {path: path.read_bytes() for path in (tmp_path / "ckpt").rglob("*") if path.is_file()}
+    assert after == before
+    generate_events(tmp_path / "input", 100, USERS, PARTITIONS, seed=4)
+    again = [*job, "--job-id", "users", "--output", str(tmp_path / "a"), "--restore", "latest"]
+    assert user_totals.main(again) == 0
+
+
 def test_relative_paths_of_the_job_and_the_script_become_absolute(
     spark_local: SparkSession,
     tmp_path: Path,

@@ -6,6 +6,7 @@ each bad ``restore_from`` is one clear error before any batch runs."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import Counter
 from collections.abc import Iterator
@@ -275,3 +276,20 @@ def test_savepoint_trigger_of_a_running_query(spark: SparkSession, tmp_path: Pat
     write_batch_files(tmp_path / "in-v2", batches[3:], first=3)
     _run(spark, tmp_path / "in-v2", tmp_path / "out-v2", tmp_path / "ckpt-v2", "v2", 3, savepoint)
     assert read_output(spark, tmp_path / "out-v2") == _shifted(expected_output(batches), 3)
+
+
+def test_a_query_whose_job_id_differs_only_in_case_from_an_existing_job_is_refused(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A query with ``job_id="V1"`` beside job ``v1`` started a second job where names
+    are case-sensitive; on macOS or a Windows share it shares ``v1``'s directory (fences
+    its driver, discards its checkpoints). ``transform_with_state`` now refuses it,
+    naming ``v1``, before anything is written."""
+    write_batch_files(tmp_path / "in-v1", make_batches(1, seed=73))
+    _run(spark, tmp_path / "in-v1", tmp_path / "out-v1", tmp_path / "ckpt-v1", "v1", 2)
+    ours = tmp_path / "ours"
+    before = {path: path.read_bytes() for path in ours.rglob("*") if path.is_file()}
+    with pytest.raises(ConfigurationError, match="'V1' differs only in case from the job 'v1'"):
+        _run(spark, tmp_path / "in-v1", tmp_path / "out-V1", tmp_path / "ckpt-V1", "V1", 2)
+    assert sorted(os.listdir(ours)) == ["v1"]
+    assert {path: path.read_bytes() for path in ours.rglob("*") if path.is_file()} == before
