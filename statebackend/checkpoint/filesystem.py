@@ -441,6 +441,11 @@ class CheckpointFileSystem:
         return self._fs
 
     @property
+    def is_local(self) -> bool:
+        """Whether its files are on this machine's disks (a read has no latency to hide)."""
+        return self._local
+
+    @property
     def bytes_read(self) -> int:
         """Bytes read from storage through this object so far."""
         return self._bytes_read

@@ -201,6 +201,8 @@ class VerifiedReads(CheckpointFileSystem):
         self._expected = {resolve_path(directory, f.path): f for f in files}
         self._copies: dict[str, IO[bytes]] = {}
         self._copies_lock = threading.Lock()  # not the byte counters' lock: reads count
+        self._download_locks: dict[str, threading.Lock] = {}
+        """One per file: its download runs once, other files' meanwhile."""
 
     def _copy(self, path: str) -> IO[bytes] | None:
         """The checked local copy of ``path``, or None if it is no file of the checkpoint."""
@@ -210,8 +212,16 @@ class VerifiedReads(CheckpointFileSystem):
             return None
         with self._copies_lock:
             copy = self._copies.get(path)
+            if copy is not None:
+                return copy
+            download_lock = self._download_locks.setdefault(path, threading.Lock())
+        with download_lock:
+            with self._copies_lock:
+                copy = self._copies.get(path)
             if copy is None:
-                copy = self._copies[path] = self._download(path, expected)
+                copy = self._download(path, expected)
+                with self._copies_lock:
+                    self._copies[path] = copy
         return copy
 
     def _download(self, path: str, expected: StoredFile) -> IO[bytes]:

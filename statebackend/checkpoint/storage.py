@@ -112,6 +112,11 @@ class CheckpointStorage:
         that ask at once read it once each."""
 
     @property
+    def transfer_threads(self) -> int:
+        """How many transfers to or from the storage run at once."""
+        return self._transfer_threads
+
+    @property
     def executor(self) -> Executor:
         """The transfer thread pool (started on first use)."""
         if self._executor is None:

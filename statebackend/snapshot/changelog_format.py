@@ -344,6 +344,16 @@ def _decode_changes(payload: bytes, where: str) -> Iterator[tuple[int, Change]]:
         raise CheckpointCorruptedError(f"{where}: malformed change at byte {position}") from exc
 
 
+def changes_range(handle: ChangelogHandle, key_groups: KeyGroupRange) -> tuple[int, int] | None:
+    """(start, length) of the one ranged read ``read_changes`` makes of ``handle``'s file
+    for ``key_groups``; None if it reads nothing (no file, or none of the key groups)."""
+    wanted = [item for item in handle.key_groups if item[0] in key_groups]
+    if not wanted or handle.path is None:
+        return None
+    start = wanted[0][1]
+    return start, wanted[-1][1] + wanted[-1][2] - start
+
+
 def read_changes(
     read_range: Callable[[str, int, int], bytes],
     path: str,
@@ -352,16 +362,19 @@ def read_changes(
 ) -> Iterator[tuple[str, int, Change]]:
     """(state name, key group, change) of the key groups of ``handle`` in ``key_groups``.
 
-    One ranged read (``read_range(path, start, length)``) of exactly those key groups,
-    which are contiguous in the file; every frame read is verified.
+    One ranged read (``read_range(path, start, length)``, the range ``changes_range``
+    gives) of exactly those key groups, which are contiguous in the file; every frame
+    read is verified.
     """
-    wanted = [item for item in handle.key_groups if item[0] in key_groups]
-    if not wanted or handle.path is None:
+    span = changes_range(handle, key_groups)
+    if span is None:
         return
     names = [meta.name for meta in handle.states]
-    start = wanted[0][1]
-    data = read_range(path, start, wanted[-1][1] + wanted[-1][2] - start)
-    for key_group, offset, length in wanted:
+    start = span[0]
+    data = read_range(path, *span)
+    for key_group, offset, length in handle.key_groups:
+        if key_group not in key_groups:
+            continue
         where = f"{path} (key group {key_group})"
         block = data[offset - start : offset - start + length]
         if len(block) != length:
