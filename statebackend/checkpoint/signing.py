@@ -200,12 +200,15 @@ class VerifiedReads(CheckpointFileSystem):
         super().__init__(fs.fsspec, fs.checksum_algorithm)
         self._expected = {resolve_path(directory, f.path): f for f in files}
         self._copies: dict[str, IO[bytes]] = {}
+        self._closed = False
         self._copies_lock = threading.Lock()  # not the byte counters' lock: reads count
         self._download_locks: dict[str, threading.Lock] = {}
         """One per file: its download runs once, other files' meanwhile."""
 
-    def _copy(self, path: str) -> IO[bytes] | None:
-        """The checked local copy of ``path``, or None if it is no file of the checkpoint."""
+    def _copy(self, path: str) -> tuple[IO[bytes], bool] | None:
+        """The checked local copy of ``path`` and whether it is kept (one made after
+        ``close`` serves only the read that made it, which closes it), or None if it is no
+        file of the checkpoint."""
         path = normalize_path(path)
         expected = self._expected.get(path)
         if expected is None:
@@ -213,16 +216,19 @@ class VerifiedReads(CheckpointFileSystem):
         with self._copies_lock:
             copy = self._copies.get(path)
             if copy is not None:
-                return copy
+                return copy, True
             download_lock = self._download_locks.setdefault(path, threading.Lock())
         with download_lock:
             with self._copies_lock:
                 copy = self._copies.get(path)
-            if copy is None:
-                copy = self._download(path, expected)
-                with self._copies_lock:
-                    self._copies[path] = copy
-        return copy
+            if copy is not None:
+                return copy, True
+            copy = self._download(path, expected)
+            with self._copies_lock:
+                if self._closed:
+                    return copy, False
+                self._copies[path] = copy
+        return copy, True
 
     def _download(self, path: str, expected: StoredFile) -> IO[bytes]:
         # Kept open until close(): the ranges are served from it.
@@ -247,12 +253,15 @@ class VerifiedReads(CheckpointFileSystem):
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``path`` from ``start``, from the checked copy."""
-        copy = self._copy(path)
-        if copy is None:
+        found = self._copy(path)
+        if found is None:
             return super().read_range(path, start, length)
+        copy, kept = found
         with self._copies_lock:
             copy.seek(start)
             data = copy.read(length)
+        if not kept:
+            copy.close()
         if len(data) != length:
             raise CheckpointCorruptedError(
                 f"{path} is truncated: read {len(data)} of {length} bytes at offset {start}"
@@ -261,17 +270,22 @@ class VerifiedReads(CheckpointFileSystem):
 
     def read_file(self, path: str) -> bytes:
         """The whole content of ``path``, from the checked copy."""
-        copy = self._copy(path)
-        if copy is None:
+        found = self._copy(path)
+        if found is None:
             return super().read_file(path)
+        copy, kept = found
         with self._copies_lock:
             copy.seek(0)
-            return copy.read()
+            data = copy.read()
+        if not kept:
+            copy.close()
+        return data
 
     def close(self) -> None:
-        """Remove the local copies."""
+        """Remove the local copies; a download still running then serves only its own
+        read."""
         with self._copies_lock:
-            copies, self._copies = self._copies, {}
+            copies, self._copies, self._closed = self._copies, {}, True
         for copy in copies.values():
             copy.close()
 
