@@ -14,9 +14,10 @@ restores it and every person who inspects it. With a signing key
   unsigned checkpoint, and checks each file against its signed SHA-256 before a byte of
   it is deserialized: whole-file reads (incremental restore, ``verify``, savepoint
   copies) check the digest as they read; ranged reads (full-format keyed state, operator
-  state) go through ``VerifiedReads``, which downloads the file once to a local
-  temporary file, checks its digest there and serves the ranges from that copy, so the
-  bytes deserialized are the bytes checked (no window between check and read).
+  state) go through ``VerifiedReads``, which reads the file once, whole, into memory
+  (small files, within a budget) or a local temporary file, checks its digest there and
+  serves the ranges from that copy, so the bytes deserialized are the bytes checked (no
+  window between check and read).
 
 We chose one digest per file over digests per key group or element: it needs no change
 to the snapshot formats and keeps the signature small; its cost is that a signed
@@ -36,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, is_transient
 from statebackend.checksums import (
     SHA256,
     RunningChecksum,
     algorithm_of,
+    checksum,
     document_checksum_problem,
     with_document_checksum,
 )
@@ -57,6 +59,16 @@ FILE_CHECKSUM = SHA256
 MIN_KEY_BYTES = 16
 """The fewest bytes a signing key may have."""
 _SPOOL_CHUNK = 4 << 20
+SMALL_FILE_BYTES = 4 << 20
+"""A signed file of at most this size is read with one request into memory and served
+from there (no request for its size, no temporary file: on file:// creating one costs
+more than reading a small record); a larger one streams into a temporary file. The
+streaming download holds a chunk of this size in memory anyway, and at a few MB a
+request's latency is small beside its transfer."""
+IN_MEMORY_BYTES = 64 << 20
+"""At most this many bytes of checked copies are held in memory at once by all the
+``VerifiedReads`` of a process (a restore holds every file it read until it closes its
+reads: a rebuild, all of its records); past it, files go to temporary files."""
 
 
 @dataclass(frozen=True)
@@ -185,83 +197,189 @@ def load_signing_key(key: str | None = None, key_file: str | None = None) -> Sig
     return None
 
 
+class MemoryBudget:
+    """The bytes of checked copies that ``VerifiedReads`` may hold in memory at once:
+    a copy takes its size before its file is read and gives it back when it is dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> int:
+        """The bytes taken and not given back."""
+        return self._used
+
+    def take(self, n: int) -> bool:
+        """Take ``n`` bytes if that stays within the limit; whether it did."""
+        with self._lock:
+            if self._used + n > self.limit:
+                return False
+            self._used += n
+            return True
+
+    def give_back(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+
+IN_MEMORY = MemoryBudget(IN_MEMORY_BYTES)
+"""The budget all ``VerifiedReads`` of this process share (by default)."""
+
+
+class _MemoryCopy:
+    """A checked file's content, in memory; ``close`` (or its collection) gives its bytes
+    back to the budget (a read still running keeps the bytes until it returns)."""
+
+    def __init__(self, data: bytes, budget: MemoryBudget, taken: int) -> None:
+        self._data = data
+        self._budget = budget
+        self._taken = taken
+
+    def read(self, start: int, length: int | None) -> bytes:
+        return self._data[start:] if length is None else self._data[start : start + length]
+
+    def close(self) -> None:
+        taken, self._taken = self._taken, 0
+        self._budget.give_back(taken)
+
+    def __del__(self) -> None:  # reads never closed (the statebackend command's)
+        self.close()
+
+
+class _FileCopy:
+    """A checked file's content, in a local temporary file that ``close`` removes."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self._lock = threading.Lock()  # a read is a seek and a read
+
+    def read(self, start: int, length: int | None) -> bytes:
+        with self._lock:
+            self._file.seek(start)
+            return self._file.read(-1 if length is None else length)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+_Copy = _MemoryCopy | _FileCopy
+
+
 class VerifiedReads(CheckpointFileSystem):
     """The file system of a signed checkpoint whose reads of the checkpoint's files
     return only bytes that match their signed SHA-256 (see the module docstring).
 
     ``files`` are the checkpoint's files, relative to ``directory``. Other paths are read
-    as they are. Each file is downloaded once, into a temporary file that ``close``
-    removes. Raises CheckpointCorruptedError naming the file when it does not match.
+    as they are. Each file is read once, whole, and checked; its checked copy serves its
+    reads until ``close`` drops it. A file of at most ``SMALL_FILE_BYTES`` is read with one
+    request into memory while ``memory`` (by default the process's ``IN_MEMORY``) has room
+    for it; any other into a local temporary file. Raises CheckpointCorruptedError naming
+    the file when it is missing or does not match.
     """
 
     def __init__(
-        self, fs: CheckpointFileSystem, directory: str, files: Iterable[StoredFile]
+        self,
+        fs: CheckpointFileSystem,
+        directory: str,
+        files: Iterable[StoredFile],
+        memory: MemoryBudget | None = None,
     ) -> None:
         super().__init__(fs.fsspec, fs.checksum_algorithm)
         self._expected = {resolve_path(directory, f.path): f for f in files}
-        self._copies: dict[str, IO[bytes]] = {}
+        self._memory = IN_MEMORY if memory is None else memory
+        self._copies: dict[str, _Copy] = {}
         self._closed = False
         self._copies_lock = threading.Lock()  # not the byte counters' lock: reads count
         self._download_locks: dict[str, threading.Lock] = {}
         """One per file: its download runs once, other files' meanwhile."""
 
-    def _copy(self, path: str) -> tuple[IO[bytes], bool] | None:
-        """The checked local copy of ``path`` and whether it is kept (one made after
-        ``close`` serves only the read that made it, which closes it), or None if it is no
-        file of the checkpoint."""
+    def _read_copy(self, path: str, start: int, length: int | None) -> bytes | None:
+        """``length`` bytes (None: all) from ``start`` of the checked copy of ``path``, or
+        None if it is no file of the checkpoint. A copy made after ``close`` serves only
+        the read that made it."""
         path = normalize_path(path)
         expected = self._expected.get(path)
         if expected is None:
             return None
         with self._copies_lock:
             copy = self._copies.get(path)
-            if copy is not None:
-                return copy, True
-            download_lock = self._download_locks.setdefault(path, threading.Lock())
+            if copy is None:
+                download_lock = self._download_locks.setdefault(path, threading.Lock())
+        if copy is not None:
+            return copy.read(start, length)
+        kept = True
         with download_lock:
             with self._copies_lock:
                 copy = self._copies.get(path)
-            if copy is not None:
-                return copy, True
-            copy = self._download(path, expected)
-            with self._copies_lock:
-                if self._closed:
-                    return copy, False
-                self._copies[path] = copy
-        return copy, True
+            if copy is None:
+                copy = self._download(path, expected)
+                with self._copies_lock:
+                    kept = not self._closed
+                    if kept:
+                        self._copies[path] = copy
+        try:
+            return copy.read(start, length)
+        finally:
+            if not kept:
+                copy.close()
 
-    def _download(self, path: str, expected: StoredFile) -> IO[bytes]:
+    def _download(self, path: str, expected: StoredFile) -> _Copy:
+        if 0 < expected.size <= SMALL_FILE_BYTES and self._memory.take(expected.size):
+            try:
+                data = self._read_whole(path, expected.size)
+            except BaseException:
+                self._memory.give_back(expected.size)
+                raise
+            if data is not None:
+                copy = _MemoryCopy(data, self._memory, expected.size)
+                try:
+                    _check_copy(path, len(data), checksum(data, FILE_CHECKSUM), expected)
+                except BaseException:
+                    copy.close()
+                    raise
+                return copy
+            self._memory.give_back(expected.size)
         # Kept open until close(): the ranges are served from it.
-        copy = tempfile.TemporaryFile(prefix="statebackend-verified-")  # noqa: SIM115
+        file = tempfile.TemporaryFile(prefix="statebackend-verified-")  # noqa: SIM115
         running, size = RunningChecksum(FILE_CHECKSUM), 0
         try:
             with super().open_read(path) as stream:
                 while chunk := stream.read(_SPOOL_CHUNK):
-                    copy.write(chunk)
+                    file.write(chunk)
                     running.update(chunk)
                     size += len(chunk)
-            if size != expected.size or running.value() != expected.checksum:
-                raise CheckpointCorruptedError(
-                    f"{path} does not match the signed checkpoint (size {size}, "
-                    f"{running.value()}; signed: size {expected.size}, {expected.checksum}): "
-                    f"it was changed after the checkpoint was written; do not restore it"
-                )
+            _check_copy(path, size, running.value(), expected)
         except BaseException:
-            copy.close()
+            file.close()
             raise
-        return copy
+        return _FileCopy(file)
+
+    def _read_whole(self, path: str, size: int) -> bytes | None:
+        """The content of ``path`` (a file of ``size`` bytes, if it is unchanged), one byte
+        past ``size`` at most, with one request; None if that read failed other than
+        transiently (those errors were retried and are raised): the streaming download
+        then says what is wrong, as for any file (S3 refuses a range of an empty object)."""
+        try:
+            data = self._retrying(
+                "read", path, lambda: bytes(self._fs.cat_file(path, start=0, end=size + 1))
+            )
+        except CheckpointError as exc:
+            if is_transient(exc):
+                raise
+            return None
+        self._count_read(len(data))
+        return data
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``path`` from ``start``, from the checked copy."""
-        found = self._copy(path)
-        if found is None:
+        if start < 0 or length < 0:
+            raise ValueError(f"invalid range start={start} length={length} of {path}")
+        data = self._read_copy(path, start, length)
+        if data is None:
             return super().read_range(path, start, length)
-        copy, kept = found
-        with self._copies_lock:
-            copy.seek(start)
-            data = copy.read(length)
-        if not kept:
-            copy.close()
         if len(data) != length:
             raise CheckpointCorruptedError(
                 f"{path} is truncated: read {len(data)} of {length} bytes at offset {start}"
@@ -270,20 +388,12 @@ class VerifiedReads(CheckpointFileSystem):
 
     def read_file(self, path: str) -> bytes:
         """The whole content of ``path``, from the checked copy."""
-        found = self._copy(path)
-        if found is None:
-            return super().read_file(path)
-        copy, kept = found
-        with self._copies_lock:
-            copy.seek(0)
-            data = copy.read()
-        if not kept:
-            copy.close()
-        return data
+        data = self._read_copy(path, 0, None)
+        return super().read_file(path) if data is None else data
 
     def close(self) -> None:
-        """Remove the local copies; a download still running then serves only its own
-        read."""
+        """Drop the checked copies (temporary files are removed, memory given back); a
+        download still running then serves only its own read."""
         with self._copies_lock:
             copies, self._copies, self._closed = self._copies, {}, True
         for copy in copies.values():
@@ -294,6 +404,17 @@ class VerifiedReads(CheckpointFileSystem):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_copy(path: str, size: int, digest: str, expected: StoredFile) -> None:
+    """CheckpointCorruptedError naming ``path`` unless the ``size`` and SHA-256 ``digest``
+    of its copy are the signed ones."""
+    if size != expected.size or digest != expected.checksum:
+        raise CheckpointCorruptedError(
+            f"{path} does not match the signed checkpoint (size {size}, "
+            f"{digest}; signed: size {expected.size}, {expected.checksum}): "
+            f"it was changed after the checkpoint was written; do not restore it"
+        )
 
 
 @contextmanager
