@@ -347,7 +347,7 @@ class VerifiedReads(CheckpointFileSystem):
         running, size = RunningChecksum(FILE_CHECKSUM), 0
         try:
             with super().open_read(path) as stream:
-                while chunk := stream.read(_SPOOL_CHUNK):
+                while size <= expected.size and (chunk := stream.read(_SPOOL_CHUNK)):
                     file.write(chunk)
                     running.update(chunk)
                     size += len(chunk)
@@ -408,7 +408,14 @@ class VerifiedReads(CheckpointFileSystem):
 
 def _check_copy(path: str, size: int, digest: str, expected: StoredFile) -> None:
     """CheckpointCorruptedError naming ``path`` unless the ``size`` and SHA-256 ``digest``
-    of its copy are the signed ones."""
+    of its copy are the signed ones (a copy longer than signed may have been cut short
+    past the signed size: the file is at least that long)."""
+    if size > expected.size:
+        raise CheckpointCorruptedError(
+            f"{path} does not match the signed checkpoint (it has more than its signed "
+            f"{expected.size} bytes): it was changed after the checkpoint was written; do "
+            f"not restore it"
+        )
     if size != expected.size or digest != expected.checksum:
         raise CheckpointCorruptedError(
             f"{path} does not match the signed checkpoint (size {size}, "

@@ -14,6 +14,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.signing import FILE_CHECKSUM, VerifiedReads
+from statebackend.errors import CheckpointCorruptedError
 from statebackend.snapshot.handles import StoredFile, resolve_path
 
 
@@ -66,3 +67,20 @@ def test_a_download_that_ends_after_close_serves_its_read_and_keeps_nothing(
     reader.join(10)
     assert got == [data]
     assert open_descriptors() == before, "a copy of the file is still open after close"
+
+
+def test_a_large_file_grown_past_its_signed_size_is_refused_without_reading_it_all(
+    tmp_path: Path,
+) -> None:
+    """A file signed at 5 MB and replaced by one of 45 MB is refused after reading at most
+    a chunk past its signed size, not downloaded whole to a local temporary file."""
+    signed = b"s" * (5 << 20)
+    files = [stored(tmp_path, "big", signed)]
+    (tmp_path / "big").write_bytes(signed + b"x" * (40 << 20))
+    fs = CheckpointFileSystem(LocalFileSystem(), FILE_CHECKSUM)
+    reads = VerifiedReads(fs, str(tmp_path), files)
+    with pytest.raises(CheckpointCorruptedError, match="does not match the signed") as caught:
+        reads.read_range(resolve_path(str(tmp_path), "big"), 0, 10)
+    assert str(tmp_path / "big") in str(caught.value)
+    assert reads.bytes_read <= len(signed) + (8 << 20), reads.bytes_read
+    reads.close()
