@@ -287,7 +287,7 @@ class VerifiedReads(CheckpointFileSystem):
         files: Iterable[StoredFile],
         memory: MemoryBudget | None = None,
     ) -> None:
-        super().__init__(fs.fsspec, fs.checksum_algorithm)
+        super().__init__(fs.fsspec, fs.checksum_algorithm, fs._retry)
         self._expected = {resolve_path(directory, f.path): f for f in files}
         self._memory = IN_MEMORY if memory is None else memory
         self._copies: dict[str, _Copy] = {}

@@ -4,6 +4,7 @@ checked copies of files are held and dropped."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from pathlib import Path
@@ -12,9 +13,13 @@ from typing import Any
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from statebackend.checkpoint.filesystem import CheckpointFileSystem
+from statebackend.checkpoint.filesystem import (
+    FAIL_FAST_RETRY,
+    CheckpointFileSystem,
+    open_filesystem,
+)
 from statebackend.checkpoint.signing import FILE_CHECKSUM, VerifiedReads
-from statebackend.errors import CheckpointCorruptedError
+from statebackend.errors import CheckpointCorruptedError, CheckpointError
 from statebackend.snapshot.handles import StoredFile, resolve_path
 
 
@@ -84,3 +89,17 @@ def test_a_large_file_grown_past_its_signed_size_is_refused_without_reading_it_a
     assert str(tmp_path / "big") in str(caught.value)
     assert reads.bytes_read <= len(signed) + (8 << 20), reads.bytes_read
     reads.close()
+
+
+def test_reads_keep_the_retry_policy_of_their_file_system(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A command's file system gives up at once on a refused connection
+    (FAIL_FAST_RETRY); the signed reads on it retried as a job does instead."""
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "testing", "secret": "testing"}
+    url = "s3://no-such-bucket/job/chk-1"
+    fs = open_filesystem(url, options, checksum_algorithm=FILE_CHECKSUM, retry=FAIL_FAST_RETRY)
+    reads = VerifiedReads(fs, url, [StoredFile("f", 10, "sha256:" + "0" * 64)])
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError, match="nothing listens"):
+        reads.read_file(f"{url}/f")
+    assert [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()] == []
