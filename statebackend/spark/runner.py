@@ -43,9 +43,9 @@ a batch fails rebuilding from it, is replaced by the previous completed checkpoi
 the run's lineage (the job's retained checkpoints with ``restore="latest"``, and those
 this run completed), as Flink does: this is the only job-wide rollback (counted in the
 summary). Restarting from a checkpoint older than the newest manifest deletes the
-manifests and the output of the later batches: they belong to the history that is
-abandoned. Only when no older checkpoint can be read does the run fail, leaving the
-checkpoints as they are.
+manifests, the output and the completed checkpoints of the later batches: they belong to
+the history that is abandoned. Only when no older checkpoint can be read does the run
+fail, leaving the checkpoints as they are.
 
 One driver per job directory: each run's coordinator claims a new leader epoch, so a
 second driver started on the same directory fences the first, whose next checkpoint
@@ -347,13 +347,31 @@ class StatefulJob:
                 self._reset(metadata)
                 batch_id = self._next_batch - 1
                 self._changelog.restart(batch_id, metadata.checkpoint_id, directory)
-                return metadata
             except CheckpointError as exc:
                 directory = self._fall_back(directory, exc)
+                continue
+            self._discard_later_checkpoints()
+            return metadata
         self._restore_point = None
         self._reset(None)
         self._changelog.restart(None)
+        self._discard_later_checkpoints()
         return None
+
+    def _discard_later_checkpoints(self) -> None:
+        """Delete the job's completed checkpoints that hold batches after the restore
+        point: like the later manifests, they belong to the abandoned history, and
+        ``restore="latest"`` would resume from one of them (it holds a later batch than
+        this run's manifests) if the run stopped before its first checkpoint completed.
+        One whose ``_metadata`` cannot be read is left to the fallback of a later run."""
+        storage = self._storage
+        for checkpoint_id in storage.completed_checkpoint_ids():
+            try:
+                metadata = storage.load(storage.layout.checkpoint_path(checkpoint_id))
+            except CheckpointError:
+                continue
+            if int(metadata.properties.get("next_batch", 0)) > self._next_batch:
+                storage.discard(checkpoint_id)
 
     def _newest_manifest(self, checkpoints: list[str]) -> BatchManifest | None:
         """The newest batch manifest if it is newer than the newest of the job's completed

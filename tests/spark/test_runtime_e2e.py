@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from statebackend.errors import SourceError
 from statebackend.spark.conf import DEFAULT_SINGLE_STAGE_BYTES, StateBackendConf
 from statebackend.spark.example import (
     checkpointed_totals,
@@ -193,4 +194,60 @@ def test_restoring_an_older_checkpoint_drops_the_output_of_the_abandoned_batches
     assert {user: values[-1] for user, values in counts.items()} == {
         user: totals["count"] for user, totals in expected.items()
     }
+    assert all(values == sorted(set(values)) for values in counts.values()), counts
+
+
+def test_a_run_stopped_after_restoring_an_older_checkpoint_resumes_its_own_batches(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """A run restored from an older checkpoint that stops (here on a malformed line)
+    after committing batches but before its first checkpoint resumes, with "latest", from
+    its own newest batch, not from a checkpoint of the abandoned later batches: the
+    output then holds each user's running count once per batch, ending at the plain-
+    Python count."""
+    conf = StateBackendConf(
+        checkpoint_dir=tmp_path.joinpath("ckpt").as_uri(),
+        local_dir=str(tmp_path / "local"),
+        retained=10,
+    )
+    output = tmp_path / "output"
+
+    def run(batch_size: int, every: int, restore: str, on_malformed: str) -> RunSummary:
+        return user_totals_job(
+            spark_local,
+            job_id="stopped",
+            input_dir=tmp_path / "input",
+            parallelism=2,
+            conf=conf,
+            on_malformed=on_malformed,
+            batch_size=batch_size,
+            checkpoint_every=every,
+            restore=restore,
+            output_dir=str(output),
+        ).run()
+
+    generate_events(tmp_path / "input", 200, 10, PARTITIONS, seed=1)
+    with partition_path(tmp_path / "input", 0).open("a", encoding="utf-8") as f:
+        f.write("not json\n")
+    generate_events(tmp_path / "input", 200, 10, PARTITIONS, seed=2)
+    first = run(batch_size=10, every=2, restore="none", on_malformed="skip")
+    older = first.checkpoints[0]  # of batch 1 or 2: before the malformed line
+    assert len(first.checkpoints) >= 3
+    with pytest.raises(SourceError):  # commits a few small batches, then stops
+        run(batch_size=8, every=100, restore=older, on_malformed="fail")
+    run(batch_size=1000, every=100, restore="latest", on_malformed="skip")
+
+    counts: dict[str, list[int]] = {}
+    for directory in sorted(output.glob("batch-*"), key=lambda d: int(d.name.split("-")[1])):
+        for part in sorted(directory.glob("part-*.jsonl")):
+            for line in part.read_text().splitlines():
+                row = json.loads(line)
+                counts.setdefault(row["user"], []).append(row["count"])
+    events = []
+    for path in sorted((tmp_path / "input").glob("partition-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line != "not json":
+                events.append(json.loads(line))
+    expected = {user: totals["count"] for user, totals in expected_totals(events).items()}
+    assert {user: values[-1] for user, values in counts.items()} == expected
     assert all(values == sorted(set(values)) for values in counts.values()), counts
