@@ -481,9 +481,10 @@ class OutputBuilder:
         frames, self._frames, self._frames_rows = self._frames, [], 0
         if not frames:
             return
+        # The frames' dtypes: pandas infers datetime64 for an object array of datetimes.
         columns = [
-            pd.Series(np.concatenate(values) if len(values) > 1 else values[0])
-            for values in zip(*frames, strict=True)
+            pd.Series(np.concatenate(values) if len(values) > 1 else values[0], dtype=dtype)
+            for values, dtype in zip(zip(*frames, strict=True), self._frames_dtypes, strict=True)
         ]
         try:
             arrays = [
@@ -492,7 +493,8 @@ class OutputBuilder:
             ]
         except _CONVERSION_ERRORS:
             for values in frames:
-                self.ready.append(self._frame_batch([pd.Series(column) for column in values]))
+                series = [pd.Series(column, dtype=column.dtype) for column in values]
+                self.ready.append(self._frame_batch(series))
             return
         self.ready.append(pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema))
 

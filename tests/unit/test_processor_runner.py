@@ -13,6 +13,7 @@ from decimal import Decimal
 from itertools import groupby
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pandas as pd
 import pyarrow as pa
@@ -1020,6 +1021,41 @@ def test_pandas_output_of_many_frames_is_what_each_frame_converted_alone_gives()
         ("d", 4, utc),
     ]
     assert [r["n"] for r in rows[5:]] == [5, 6, 7, 8, 9] and rows[1]["x"] is None
+
+
+def test_pandas_output_objects_are_taken_as_the_objects_they_are() -> None:
+    """An object column of datetimes stays objects: Arrow (and Spark) takes a naive
+    ``datetime`` object as a UTC instant, where a ``datetime64`` column holds wall times
+    of the session time zone; and a value that does not fit is shown as the processor
+    returned it. Frames taken together made their object columns Series again, which
+    pandas infers as ``datetime64``: the objects became wall times of the session zone,
+    and the error showed a ``Timestamp``."""
+    schema = StructType([StructField("user", StringType()), StructField("at", TimestampType())])
+    zone = "America/New_York"
+    noon = datetime.datetime(2024, 7, 1, 12, 0)
+    builder = OutputBuilder(schema, zone)
+    builder.add_frames(
+        [
+            pd.DataFrame({"user": ["a"], "at": pd.Series([noon], dtype=object)}),
+            pd.DataFrame({"user": ["b", "b"], "at": pd.Series([noon, None], dtype=object)}),
+            pd.DataFrame({"user": ["c"], "at": [pd.Timestamp(noon)]}),  # datetime64: wall
+        ]
+    )
+    builder.finish_frames()
+    rows = [row for batch in builder.take_ready() for row in batch.to_pylist()]
+    as_utc = noon.replace(tzinfo=datetime.UTC)
+    as_wall = noon.replace(tzinfo=ZoneInfo(zone)).astimezone(datetime.UTC)
+    assert [(row["user"], row["at"]) for row in rows] == [
+        ("a", as_utc),
+        ("b", as_utc),
+        ("b", None),
+        ("c", as_wall),
+    ]
+    text = StructType([StructField("user", StringType()), StructField("at", StringType())])
+    builder = OutputBuilder(text, zone)
+    builder.add_frames([pd.DataFrame({"user": ["a"], "at": pd.Series([noon], dtype=object)})])
+    with pytest.raises(OutputSchemaError, match=r" \(a datetime\); return string values there$"):
+        builder.finish_frames()
 
 
 class ReusedFrame(StatefulProcessor):
