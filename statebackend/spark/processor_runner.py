@@ -805,6 +805,18 @@ def _batch_collections() -> Iterator[None]:
         gc.set_threshold(*previous)
 
 
+@contextmanager
+def _output_errors_first(output: OutputBuilder) -> Iterator[None]:
+    """Pandas-mode output the processor yielded before it (or anything) raised is
+    converted first: a frame that does not fit is the error, as when each frame was
+    converted as it came (Spark converts each frame as the processor yields it)."""
+    try:
+        yield
+    except Exception:
+        output.finish_frames()
+        raise
+
+
 def run_keyed_subtask(
     spec: ProcessorSpec,
     backend: KeyedStateBackend,
@@ -826,7 +838,7 @@ def run_keyed_subtask(
     if counts is None:
         counts = SubtaskCounts()
 
-    with _batch_collections():
+    with _batch_collections(), _output_errors_first(output):
         counts.method = "init"
         processor.init(handle)
         handle.phase = Phase.INITIALIZED

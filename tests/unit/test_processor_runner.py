@@ -1058,6 +1058,36 @@ def test_pandas_output_objects_are_taken_as_the_objects_they_are() -> None:
         builder.finish_frames()
 
 
+class MisfitThenRaise(StatefulProcessor):
+    """Pandas mode: the first key's output does not fit the output schema (a total that
+    is no number); every later key raises."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.keys: list[str] = []
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[pd.DataFrame], timerValues: TimerValues
+    ) -> Iterator[pd.DataFrame]:
+        list(rows)
+        self.keys.append(key[0])
+        if len(self.keys) > 1:
+            raise RuntimeError("a later key failed")
+        yield pd.DataFrame({"user": [key[0]], "total": ["many"]})
+
+
+def test_a_pandas_output_misfit_is_the_error_though_the_processor_raises_later(
+    backend: KeyedStateBackend,
+) -> None:
+    """A misfit output frame fails the batch with the error naming its column and value,
+    as when each frame was converted as it came (and as in Spark, which converts each
+    frame as the processor yields it), even where the processor raises for a later key
+    before the frames it yielded are converted; it was the later key's error."""
+    spec = _spec(MisfitThenRaise(), use_pandas=True)
+    rows = [("u1", 1), ("u2", 2), ("u3", 3)]
+    with pytest.raises(OutputSchemaError, match=r"^output column 'total' .* it got 'many'"):
+        list(run_keyed_subtask(spec, backend, BatchTimes(0), _batches(rows)))
+
+
 class ReusedFrame(StatefulProcessor):
     """Pandas mode: yields one DataFrame object for every key, changed in place."""
 
