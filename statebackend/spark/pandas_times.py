@@ -24,23 +24,39 @@ import pyarrow as pa
 
 
 def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
-    """Rows of a group as Spark hands them to a pandas processor: maps as dicts, integers
-    inside arrays, maps and structs as Python ints with None for null (not floats with
-    NaN), and timestamp columns as wall times of ``time_zone`` (``session_local_frame``).
-    Top-level integer columns with nulls stay ``float64``, as in Spark, and other
-    columns have the dtypes of Spark's frames (``spark_types``)."""
+    """Rows of a group as Spark hands them to a pandas processor: timestamp columns as
+    wall times of ``time_zone`` (``session_local_frame``), nested columns as
+    ``nested_series`` makes them. Top-level integer columns with nulls stay ``float64``,
+    as in Spark, and other columns have the dtypes of Spark's frames (``spark_types``)."""
     table = spark_types(table)
     nested = [pa.types.is_nested(field.type) for field in table.schema]
     if not any(nested):
         return session_local_frame(table.to_pandas(), time_zone)
-    # Each column converted once, nested ones with the options only they need.
+    # Each column converted once, nested ones as Spark converts them.
     columns = {
-        name: column.to_pandas(integer_object_nulls=True, maps_as_pydicts="strict")
-        if is_nested
-        else column.to_pandas()
+        name: nested_series(column, time_zone) if is_nested else column.to_pandas()
         for name, column, is_nested in zip(table.column_names, table.columns, nested, strict=True)
     }
     return session_local_frame(pd.DataFrame(columns), time_zone)
+
+
+def nested_series(column: pa.ChunkedArray, time_zone: str) -> pd.Series:
+    """A nested column as Spark hands it to a pandas processor, converted by PySpark's
+    own converter: maps and structs as dicts, integers in them as Python ints with None
+    for null, timestamps in them as naive ``pandas.Timestamp`` (wall times of
+    ``time_zone`` for timestamp, not timestamp_ntz), and an array of elements that need
+    converting (structs, maps, timestamps) as ``numpy.array`` of the converted elements
+    (``float64`` where it is empty)."""
+    from pyspark.sql.pandas.types import _create_converter_to_pandas, from_arrow_type
+
+    convert = _create_converter_to_pandas(
+        from_arrow_type(column.type, prefer_timestamp_ntz=True),
+        timezone=_zone(time_zone),
+        struct_in_pandas="dict",
+        error_on_duplicated_field_names=False,
+    )
+    options = {"date_as_object": True, "coerce_temporal_nanoseconds": True}
+    return convert(column.to_pandas(integer_object_nulls=True, **options))
 
 
 def sliceable_frame(table: pa.Table, time_zone: str) -> pd.DataFrame | None:

@@ -1412,6 +1412,75 @@ def test_pandas_mode_columns_have_the_dtypes_spark_s_frames_have(
     assert theirs == expected
 
 
+NESTED_TIME_INPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("ats", ArrayType(TimestampType())),
+        StructField("point", StructType([StructField("at", TimestampType())])),
+        StructField("points", ArrayType(StructType([StructField("x", LongType())]))),
+    ]
+)
+NESTED_TIME_OUTPUT = StructType(
+    [StructField("user", StringType()), StructField("seen", ArrayType(StringType()))]
+)
+
+
+class NestedTimes(StatefulProcessor):
+    """pandas mode: per row, what it gets inside its nested columns, as text: each
+    timestamp of ``ats`` and ``point`` (type and value), and the dtype of ``points``."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        seen = []
+        for frame in rows:
+            values = zip(frame["ats"], frame["point"], frame["points"], strict=True)
+            for ats, point, points in values:
+                stamps = [*ats, point["at"]]
+                seen.append(" ".join(f"{type(t).__name__}:{t}" for t in stamps))
+                seen.append(f"{type(points).__name__}:{points.dtype}:{len(points)}")
+        yield pd.DataFrame({"user": [key[0]], "seen": [sorted(seen)]})
+
+    def close(self) -> None:
+        pass
+
+
+def test_pandas_mode_nested_timestamps_and_empty_arrays_are_spark_s(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """Timestamps inside arrays and structs reach a pandas processor as naive
+    ``Timestamp`` wall times of the session time zone, and an empty array of structs as
+    a float64 ndarray (``numpy.array([])``), as in Spark: ours gave arrays of UTC
+    ``datetime64``, zone-aware datetimes in structs, and object arrays."""
+    zone = "America/New_York"
+    instants = ["2024-07-01T12:00:00Z", "2024-12-01T08:30:00Z"]
+    batches = [
+        [
+            {"user": "a", "ats": instants, "point": {"at": instants[1]}, "points": []},
+            {"user": "b", "ats": [], "point": {"at": instants[0]}, "points": [{"x": 1}]},
+        ]
+    ]
+    case = ParityCase(NESTED_TIME_INPUT, ["user"], NestedTimes, NESTED_TIME_OUTPUT, use_pandas=True)
+    spark_local.conf.set("spark.sql.session.timeZone", zone)
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset("spark.sql.session.timeZone")
+
+    def wall(instant: str) -> str:
+        local = datetime.fromisoformat(instant).astimezone(ZoneInfo(zone))
+        return f"Timestamp:{local.replace(tzinfo=None)}"
+
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for row in batches[0]:
+        stamps = " ".join(wall(t) for t in [*row["ats"], row["point"]["at"]])
+        points = f"ndarray:{'object' if row['points'] else 'float64'}:{len(row['points'])}"
+        expected[(0, (row["user"], tuple(sorted([stamps, points]))))] += 1
+    assert theirs == expected
+    assert ours == expected
+
+
 TIMER_KEY_INPUT = StructType(
     [
         StructField("user", StringType()),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -808,6 +809,43 @@ def test_pandas_mode_input_holds_nested_values_as_spark_hands_them() -> None:
     assert all(type(v) is int for a in frame["a"] for v in a if v is not None)
     assert frame["s"].tolist()[0] == {"i": 2} and type(frame["s"].tolist()[0]["i"]) is int
     assert str(frame["n"].dtype) == "float64"
+
+
+def test_pandas_mode_timestamps_and_empty_arrays_inside_nested_values_are_spark_s() -> None:
+    """Inside arrays, structs and maps, a timestamp reaches a pandas processor as Spark
+    hands it: a naive ``pandas.Timestamp``, the wall time of the session time zone
+    (timestamp_ntz: its own wall time), and an array of structs, maps or timestamps as a
+    ``numpy.array`` of them (``float64`` where empty, what ``numpy.array([])`` is).
+    Arrays of timestamps were ``datetime64`` of UTC wall times, structs and maps held
+    zone-aware datetimes, and empty arrays of structs were of dtype object."""
+    zone = "America/New_York"
+    instant = datetime.datetime(2024, 7, 1, 12, 0, tzinfo=datetime.UTC)
+    wall = pd.Timestamp(instant.astimezone(ZoneInfo(zone)).replace(tzinfo=None))
+    local = datetime.datetime(2024, 11, 3, 1, 30)
+    point = pa.struct([("x", pa.int64()), ("at", pa.timestamp("us", tz="UTC"))])
+    table = pa.table(
+        {
+            "ats": pa.array([[instant, None], []], pa.list_(pa.timestamp("us", tz="UTC"))),
+            "ntz": pa.array([[local], []], pa.list_(pa.timestamp("us"))),
+            "points": pa.array([[{"x": 1, "at": instant}], []], pa.list_(point)),
+            "point": pa.array([{"x": None, "at": instant}, None], point),
+            "m": pa.array([[("k", instant)], []], pa.map_(pa.string(), pa.timestamp("us", "UTC"))),
+        }
+    )
+    frame = pandas_frame(table, zone)
+    first, second = frame.iloc[0], frame.iloc[1]
+    assert first["ats"][0] == wall and first["ats"][1] is pd.NaT  # as Spark: NaT for null
+    assert type(first["ats"][0]) is pd.Timestamp and first["ats"][0].tzinfo is None
+    assert list(first["ntz"]) == [pd.Timestamp(local)] and type(first["ntz"][0]) is pd.Timestamp
+    assert list(first["points"]) == [{"x": 1, "at": wall}]
+    assert type(first["points"][0]["at"]) is pd.Timestamp
+    assert first["point"] == {"x": None, "at": wall} and second["point"] is None
+    assert first["m"] == {"k": wall} and type(first["m"]["k"]) is pd.Timestamp
+    assert second["m"] == {}
+    for name in ("ats", "ntz", "points"):
+        empty = second[name]
+        assert isinstance(empty, np.ndarray) and empty.dtype == np.array([]).dtype == "float64"
+        assert len(empty) == 0
 
 
 class CallRecorder(StatefulProcessor):
