@@ -122,6 +122,10 @@ class ProcessorSpec:
     int_to_decimal: bool = False
     """Pandas mode: an output column of ints fills a decimal column, each int as a
     ``Decimal`` (``spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled``)."""
+    safe_conversion: bool = True
+    """Pandas mode: an output value that a cast would change (a fraction into an integer
+    column, an integer too big for its type) does not fit; else it is cast as Arrow casts
+    unsafely (``spark.sql.execution.pandas.convertToArrowArraySafely``)."""
 
     @property
     def output_schema(self) -> StructType:
@@ -382,13 +386,19 @@ class OutputBuilder:
     that does not fit names its column."""
 
     def __init__(
-        self, schema: StructType, time_zone: str = "UTC", int_to_decimal: bool = False
+        self,
+        schema: StructType,
+        time_zone: str = "UTC",
+        int_to_decimal: bool = False,
+        safe: bool = True,
     ) -> None:
         self.schema = schema
         self.time_zone = time_zone
         """Naive timestamps of pandas-mode output are wall times of this zone."""
         self.int_to_decimal = int_to_decimal
         """Whether a pandas column of ints fills a decimal column (each int a Decimal)."""
+        self.safe = safe
+        """Whether pandas-mode output values a cast would change do not fit (else cast)."""
         self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
         self._struct_fillers = {
@@ -530,15 +540,15 @@ class OutputBuilder:
     def _from_pandas(self, series: Any, type: pa.DataType) -> pa.Array:
         """A pandas-mode output column as Arrow of ``type``, converted as Spark does:
         values Arrow does not take as that type directly (e.g. the text ``"2"`` for a
-        long) are taken as they are and cast safely."""
+        long) are taken as they are and cast, safely unless ``safe`` is off."""
         if pa.types.is_timestamp(type) and type.tz is not None:
             series = utc_series(series, self.time_zone)
         if self.int_to_decimal and pa.types.is_decimal(type) and is_integer_dtype(series.dtype):
             series = series.apply(lambda value: None if pd.isna(value) else Decimal(int(value)))
         try:
-            return pa.Array.from_pandas(series, type=type)
+            return pa.Array.from_pandas(series, type=type, safe=self.safe)
         except pa.ArrowInvalid:
-            return pa.Array.from_pandas(series).cast(type, safe=True)
+            return pa.Array.from_pandas(series).cast(type, safe=self.safe)
 
     def _column(self, position: int, convert: Callable[..., pa.Array], values: Any) -> pa.Array:
         """Output column ``position`` as Arrow: ``convert`` (``pa.array``, ``_from_pandas``)
@@ -832,7 +842,9 @@ def run_keyed_subtask(
         time_mode=spec.time_mode, catalog=spec.catalog, backend=backend, timers=timer_service
     )
     timer_values = times.timer_values(spec.time_mode)
-    output = OutputBuilder(spec.output_schema, spec.time_zone, spec.int_to_decimal)
+    output = OutputBuilder(
+        spec.output_schema, spec.time_zone, spec.int_to_decimal, spec.safe_conversion
+    )
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)
     if counts is None:

@@ -236,6 +236,7 @@ def _watermark_column(df: DataFrame) -> str | None:
 
 MAX_RECORDS_PER_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
 INT_TO_DECIMAL = "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled"
+SAFE_CONVERSION = "spark.sql.execution.pandas.convertToArrowArraySafely"
 
 
 def _max_records_per_batch(spark: Any) -> int:
@@ -776,6 +777,7 @@ def transform_with_state(
         time_zone=str(df.sparkSession.conf.get("spark.sql.session.timeZone")),
         max_records_per_batch=_max_records_per_batch(df.sparkSession),
         int_to_decimal=str(spark.conf.get(INT_TO_DECIMAL, "false")).lower() == "true",
+        safe_conversion=str(spark.conf.get(SAFE_CONVERSION)).lower() == "true",
     )
     return StatefulStream(
         df,

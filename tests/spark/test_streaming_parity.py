@@ -2223,3 +2223,53 @@ def test_pandas_ints_fill_a_decimal_column_with_spark_s_coercion_setting(
             expected[(batch_id, (user, Decimal(total).quantize(Decimal("0.01"))))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- pandas mode: unsafe casts with convertToArrowArraySafely off -------------------------
+
+SAFE_CONVERSION = "spark.sql.execution.pandas.convertToArrowArraySafely"
+UNSAFE_OUTPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("share", LongType()),
+        StructField("scaled", IntegerType()),
+    ]
+)
+
+
+class UnsafeShares(StatefulProcessor):
+    """pandas mode: per key its amounts' sum divided by 3 (a float) into a long column,
+    and the sum plus it times 2**32 (too big for an int) into an int column."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        total = int(sum(frame["amount"].sum() for frame in rows))
+        scaled = total * 2**32 + total
+        yield pd.DataFrame({"user": [key[0]], "share": [total / 3], "scaled": [scaled]})
+
+    def close(self) -> None:
+        pass
+
+
+def test_pandas_output_is_cast_unsafely_with_spark_s_safety_setting_off(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """With ``spark.sql.execution.pandas.convertToArrowArraySafely`` off Spark casts a
+    pandas processor's output as Arrow casts unsafely (a fraction loses it, an int too
+    big keeps its low bits); ours refused such values whatever the setting."""
+    case = ParityCase(INPUT, ["user"], UnsafeShares, UNSAFE_OUTPUT, use_pandas=True)
+    spark_local.conf.set(SAFE_CONVERSION, "false")
+    try:
+        theirs, ours = run_parity(spark_local, case, BATCHES[:2], tmp_path)
+    finally:
+        spark_local.conf.unset(SAFE_CONVERSION)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES[:2]):
+        for user in {r["user"] for r in batch}:
+            total = sum(r["amount"] for r in batch if r["user"] == user)
+            low_bits = (total * 2**32 + total + 2**31) % 2**32 - 2**31
+            expected[(batch_id, (user, int(total / 3), low_bits))] += 1
+    assert theirs == expected
+    assert ours == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import pickle
 import random
 from collections import Counter, defaultdict
@@ -565,6 +566,26 @@ def test_pandas_output_is_cast_safely_as_spark_casts_it() -> None:
         r"return bigint values there$",
     ):
         builder.finish_frames()
+
+
+def test_pandas_output_is_cast_unsafely_with_spark_s_setting_off() -> None:
+    """With ``spark.sql.execution.pandas.convertToArrowArraySafely`` off (``safe``) Spark
+    casts as Arrow casts unsafely: a fraction into a long loses its fraction, an int too
+    big for an int column keeps its low 32 bits (text of a number is cast as ever); ours
+    refused them whatever the setting."""
+    names = {"n": LongType(), "i": IntegerType(), "t": LongType()}
+    schema = StructType([StructField(name, kind) for name, kind in names.items()])
+    fractions, bigs, texts = [1.7, -2.7, float("nan")], [2**40 + 5, 2**31, -3], ["4", "5", "6"]
+    builder = OutputBuilder(schema, safe=False)
+    builder.add_frames([pd.DataFrame({"n": fractions, "i": bigs, "t": texts})])
+    builder.finish_frames()
+    rows = [row for batch in builder.take_ready() for row in batch.to_pylist()]
+    low_bits = [(value + 2**31) % 2**32 - 2**31 for value in bigs]
+    expected = [
+        {"n": None if math.isnan(n) else int(n), "i": i, "t": int(t)}
+        for n, i, t in zip(fractions, low_bits, texts, strict=True)
+    ]
+    assert rows == expected
 
 
 def test_output_of_many_rows_per_key_is_complete_and_in_order(
