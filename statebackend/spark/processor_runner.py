@@ -80,6 +80,9 @@ INITIAL_PREFIX = "__sb_init_"
 CONTROL, INITIAL, INPUT = 0, 1, 2
 """Row kinds: the subtask's control row, an initial-state row, an input row."""
 
+UNLIMITED_BYTES = 2**31 - 1
+"""``max_bytes_per_batch`` that sets no limit (Spark's too)."""
+
 _NUMPY_KINDS = frozenset("biufmMO")
 """The NumPy dtype kinds whose pandas-mode output columns of many frames are converted at
 once: Arrow converts each value of them by itself (bools, ints, floats, timedeltas,
@@ -119,6 +122,10 @@ class ProcessorSpec:
     """Pandas mode: the most rows of a key in one DataFrame that ``handleInputRows`` (or
     ``handleInitialState``) gets, as Spark chunks them
     (``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less: no limit)."""
+    max_bytes_per_batch: int = UNLIMITED_BYTES
+    """Pandas mode: a key's DataFrames also end where their rows reach this many bytes at
+    the average size of the rows seen so far, as Spark bounds them
+    (``spark.sql.execution.arrow.maxBytesPerBatch``; ``UNLIMITED_BYTES``: no limit)."""
     int_to_decimal: bool = False
     """Pandas mode: an output column of ints fills a decimal column, each int as a
     ``Decimal`` (``spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled``)."""
@@ -688,6 +695,9 @@ class _Inputs:
         self._rows: list[Row] = []
         self._frame_of: pa.RecordBatch | None = None
         self._frame: pd.DataFrame | None = None
+        self._sized_of: pa.RecordBatch | None = None
+        self._sized_bytes = self._sized_rows = 0
+        """The last record batch counted, and the bytes and rows of those counted."""
 
     @staticmethod
     def _select(run: Run, names: list[str], as_names: list[str]) -> pa.Table:
@@ -713,9 +723,9 @@ class _Inputs:
 
     def _frames(self, runs: list[Run], names: list[str], as_names: list[str]) -> Iterator[Any]:
         """The rows of ``runs`` (columns ``names`` as ``as_names``) as DataFrames of
-        ``max_records_per_batch`` rows each (the last one fewer), made as they are asked
-        for: as Spark chunks a key's rows for a pandas processor."""
-        size = self._spec.max_records_per_batch
+        ``_frame_rows`` rows each (the last one fewer), made as they are asked for: as
+        Spark chunks a key's rows for a pandas processor."""
+        size = self._frame_rows(runs)
         if names is self._input_names and len(runs) == 1:  # most keys: a slice of a frame
             batch, start, stop = runs[0]
             whole = self.batch_frame(batch) if size <= 0 or stop - start <= size else None
@@ -726,6 +736,28 @@ class _Inputs:
         step = size if size > 0 else max(table.num_rows, 1)
         for offset in range(0, table.num_rows, step):
             yield pandas_frame(table.slice(offset, step), self._spec.time_zone)
+
+    def _frame_rows(self, runs: list[Run]) -> int:
+        """The most rows of one DataFrame of ``runs`` (0: no limit): ``max_records_per_batch``,
+        and, as Spark bounds them by ``max_bytes_per_batch``, the fewest rows that reach it
+        at the average size of the rows of the record batches so far (their input and
+        initial-state columns' Arrow buffers; Spark's batches hold the key and input
+        columns)."""
+        size = self._spec.max_records_per_batch
+        if self._spec.max_bytes_per_batch >= UNLIMITED_BYTES:
+            return size
+        for batch, _, _ in runs:
+            if batch is not self._sized_of:
+                self._sized_of = batch
+                names = self._input_names + self._initial_names
+                present = [name for name in names if batch.schema.get_field_index(name) >= 0]
+                self._sized_bytes += batch.select(present).nbytes
+                control = pc.sum(pc.equal(batch.column(KIND_COLUMN), CONTROL)).as_py()
+                self._sized_rows += batch.num_rows - (control or 0)  # Spark has no such row
+        if not self._sized_bytes:
+            return size
+        limit = max(1, -(-self._spec.max_bytes_per_batch * self._sized_rows // self._sized_bytes))
+        return limit if size <= 0 else min(size, limit)
 
     def input_rows(self, runs: list[Run]) -> Iterator[Any]:
         """The key's input rows: Rows, or DataFrames of at most ``max_records_per_batch``

@@ -84,7 +84,11 @@ from statebackend.spark.arrow_path import (
     combined_input,
 )
 from statebackend.spark.checkpoint_tracker import CheckpointTracker, TrackedCheckpoint
-from statebackend.spark.conf import StateBackendConf, check_max_parallelism_setting
+from statebackend.spark.conf import (
+    StateBackendConf,
+    check_max_parallelism_setting,
+    parse_byte_size,
+)
 from statebackend.spark.job_groups import job_group
 from statebackend.spark.local_state import LocalVersion, accepted_attempts
 from statebackend.spark.processor_handle import (
@@ -235,6 +239,7 @@ def _watermark_column(df: DataFrame) -> str | None:
 
 
 MAX_RECORDS_PER_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
+MAX_BYTES_PER_BATCH = "spark.sql.execution.arrow.maxBytesPerBatch"
 INT_TO_DECIMAL = "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled"
 SAFE_CONVERSION = "spark.sql.execution.pandas.convertToArrowArraySafely"
 
@@ -776,6 +781,9 @@ def transform_with_state(
         event_time_column=_event_time_column(df, mode),
         time_zone=str(df.sparkSession.conf.get("spark.sql.session.timeZone")),
         max_records_per_batch=_max_records_per_batch(df.sparkSession),
+        max_bytes_per_batch=parse_byte_size(
+            MAX_BYTES_PER_BATCH, str(df.sparkSession.conf.get(MAX_BYTES_PER_BATCH))
+        ),
         int_to_decimal=str(spark.conf.get(INT_TO_DECIMAL, "false")).lower() == "true",
         safe_conversion=str(spark.conf.get(SAFE_CONVERSION)).lower() == "true",
     )

@@ -1773,6 +1773,46 @@ def test_pandas_mode_chunks_a_key_s_rows_by_max_records_per_batch_like_spark(
     assert ours == expected
 
 
+WIDE_INPUT = StructType(
+    [
+        StructField("user", StringType()),
+        StructField("amount", LongType()),
+        StructField("text", StringType()),
+    ]
+)
+TEXT_BYTES = 100_000
+MAX_BYTES = 250_000
+
+
+def test_pandas_mode_chunks_a_key_s_rows_by_max_bytes_per_batch_like_spark(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """With ``spark.sql.execution.arrow.maxBytesPerBatch`` a pandas processor gets a
+    key's rows in DataFrames of the fewest rows that reach that many bytes, as in Spark
+    (rows of 100 KB, a limit of 250 KB: 3 rows); ours ignored the limit."""
+    batches = [
+        [
+            {"user": user, "amount": n, "text": "x" * TEXT_BYTES}
+            for n, user in enumerate(["alice"] * 7 + ["bob"] * 2 + ["carol"] * 4)
+        ]
+    ]
+    case = ParityCase(WIDE_INPUT, ["user"], PandasChunks, CHUNK_OUTPUT, use_pandas=True)
+    spark_local.conf.set("spark.sql.execution.arrow.maxBytesPerBatch", str(MAX_BYTES))
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset("spark.sql.execution.arrow.maxBytesPerBatch")
+    per_frame = math.ceil(MAX_BYTES / TEXT_BYTES)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for user in dict.fromkeys(row["user"] for row in batches[0]):
+        amounts = tuple(row["amount"] for row in batches[0] if row["user"] == user)
+        sizes = tuple(min(per_frame, len(amounts) - i) for i in range(0, len(amounts), per_frame))
+        expected[(0, (user, "input", sizes, amounts))] += 1
+        expected[(0, (user, "initial", (), ()))] += 1
+    assert theirs == expected
+    assert ours == expected
+
+
 # -- ListState.get reads when iterated ---------------------------------------------------
 
 LAZY_OUTPUT = StructType(

@@ -1033,6 +1033,55 @@ def test_pandas_mode_frames_are_each_keys_own_rows_converted_alone(
     assert dtypes == ({"int64", "float64"} if nulls else {"int64"})
 
 
+@pytest.mark.parametrize(
+    ("text_bytes", "max_bytes", "max_records"),
+    [(10_000, 25_000, 100), (10_000, 30_000, 100), (10_000, 25_000, 2), (100, 2**31 - 2, 5)],
+)
+def test_pandas_mode_frames_end_at_max_bytes_per_batch(
+    backend: KeyedStateBackend, text_bytes: int, max_bytes: int, max_records: int
+) -> None:
+    """With ``spark.sql.execution.arrow.maxBytesPerBatch`` a key's rows come in
+    DataFrames of the fewest rows that reach that many bytes (rows of ``text_bytes``
+    bytes of text), as Spark cuts them, within ``maxRecordsPerBatch``; they came in
+    DataFrames of ``maxRecordsPerBatch`` rows whatever their size."""
+    rng = random.Random(text_bytes)
+    users = [f"u{i}" for i in range(4)]
+    rows = [(rng.choice(users), n) for n in range(40)]
+    types = {"user": pa.string(), "text": pa.string()}
+    serializer = RowTupleSerializer(KEY_SCHEMA.json())
+    group = {u: assign_to_key_group(serializer.serialize((u,)), MAX_PARALLELISM) for u in users}
+    ordered = sorted(rows, key=lambda row: (group[row[0]], row[0]))
+    table = pa.table(
+        {
+            "user": pa.array([None] + [user for user, _ in ordered], pa.string()),
+            "text": pa.array([None] + [f"{n:x>{text_bytes}}" for _, n in ordered], pa.string()),
+            KIND_COLUMN: pa.array([CONTROL] + [INPUT] * len(rows), pa.int8()),
+            SEQUENCE_COLUMN: pa.array(range(len(rows) + 1), pa.int64()),
+            KEY_GROUP_COLUMN: pa.array([-1] + [group[u] for u, _ in ordered], pa.int32()),
+            SUBTASK_COLUMN: pa.array([0] * (len(rows) + 1), pa.int32()),
+        }
+    )
+    processor = FrameRecorder()
+    spec = _spec(
+        processor,
+        use_pandas=True,
+        input_columns=tuple(types),
+        max_records_per_batch=max_records,
+        max_bytes_per_batch=max_bytes,
+    )
+    list(run_keyed_subtask(spec, backend, BatchTimes(0), table.to_batches(16)))
+    per_frame = min(max_records, math.ceil(max_bytes / text_bytes))
+    expected = []
+    for user in sorted(set(users) & {u for u, _ in rows}, key=lambda u: (group[u], u)):
+        mine = [n for u, n in rows if u == user]
+        expected += [(user, mine[i : i + per_frame]) for i in range(0, len(mine), per_frame)]
+    got = [
+        (key[0], [int(text.lstrip("x")) for text in frame["text"]])
+        for key, frame in processor.frames
+    ]
+    assert got == expected
+
+
 def test_pandas_output_of_many_frames_is_what_each_frame_converted_alone_gives() -> None:
     """Frames taken together (same dtypes converted at once, across a frame of an
     extension dtype, one whose values convert only by a cast, one of another dtype) give
