@@ -16,28 +16,49 @@ from __future__ import annotations
 
 import datetime
 import re
+from functools import partial
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 
-def pandas_frame(table: pa.Table, time_zone: str) -> pd.DataFrame:
+def pandas_frame(table: pa.Table, time_zone: str, int_extension: bool = False) -> pd.DataFrame:
     """Rows of a group as Spark hands them to a pandas processor: timestamp columns as
     wall times of ``time_zone`` (``session_local_frame``), nested columns as
     ``nested_series`` makes them. Top-level integer columns with nulls stay ``float64``,
-    as in Spark, and other columns have the dtypes of Spark's frames (``spark_types``)."""
-    table = spark_types(table)
-    nested = [pa.types.is_nested(field.type) for field in table.schema]
-    if not any(nested):
+    as in Spark, and other columns have the dtypes of Spark's frames (``spark_types``).
+    With ``int_extension`` (Spark's ``preferIntExtensionDtype``) integer columns keep
+    their width, and one with nulls is of objects (``int_objects``)."""
+    table = spark_types(table, widen_ints=not int_extension)
+    special = [
+        partial(nested_series, time_zone=time_zone)
+        if pa.types.is_nested(field.type)
+        else int_objects
+        if int_extension and pa.types.is_integer(field.type) and column.null_count
+        else None
+        for field, column in zip(table.schema, table.columns, strict=True)
+    ]
+    if not any(special):
         return session_local_frame(table.to_pandas(), time_zone)
     # Each column converted once, nested ones as Spark converts them.
     columns = {
-        name: nested_series(column, time_zone) if is_nested else column.to_pandas()
-        for name, column, is_nested in zip(table.column_names, table.columns, nested, strict=True)
+        name: column.to_pandas() if convert is None else convert(column)
+        for name, column, convert in zip(table.column_names, table.columns, special, strict=True)
     }
     return session_local_frame(pd.DataFrame(columns), time_zone)
+
+
+def int_objects(column: pa.ChunkedArray) -> pd.Series:
+    """An integer column with nulls as Spark's frames hold it with
+    ``preferIntExtensionDtype``: objects, NumPy scalars of the column's width and
+    ``pandas.NA`` for null (Spark builds the frame from an ``Int8``... column's values)."""
+    typed = column.fill_null(0).to_numpy()
+    values = np.fromiter(typed, dtype=object, count=len(typed))  # NumPy scalars
+    values[column.is_null().to_numpy(zero_copy_only=False)] = pd.NA
+    return pd.Series(values, dtype=object)
 
 
 def nested_series(column: pa.ChunkedArray, time_zone: str) -> pd.Series:
@@ -59,7 +80,9 @@ def nested_series(column: pa.ChunkedArray, time_zone: str) -> pd.Series:
     return convert(column.to_pandas(integer_object_nulls=True, **options))
 
 
-def sliceable_frame(table: pa.Table, time_zone: str) -> pd.DataFrame | None:
+def sliceable_frame(
+    table: pa.Table, time_zone: str, int_extension: bool = False
+) -> pd.DataFrame | None:
     """``pandas_frame(table)``, made once for many groups of its rows, if every slice of
     it (with a fresh index: ``frame.iloc[a:b].reset_index(drop=True)``) equals
     ``pandas_frame`` of the same rows of ``table``; None where a group's frame depends
@@ -73,7 +96,7 @@ def sliceable_frame(table: pa.Table, time_zone: str) -> pd.DataFrame | None:
             pa.types.is_integer(field.type) or pa.types.is_boolean(field.type)
         ):
             return None
-    table = spark_types(table)
+    table = spark_types(table, widen_ints=not int_extension)
     if any(
         pa.types.is_timestamp(field.type) and field.type.tz is None and field.type.unit != "ns"
         for field in table.schema
@@ -91,16 +114,18 @@ _WIDER = {
 """Arrow's types whose pandas dtypes are narrower than pandas infers from Python values."""
 
 
-def spark_types(table: pa.Table) -> pa.Table:
+def spark_types(table: pa.Table, widen_ints: bool = True) -> pa.Table:
     """``table`` with the types whose pandas dtypes Spark's frames have: Spark builds each
     DataFrame of a pandas processor from its rows' values, so pandas infers ``int64`` for
     byte, short and int columns, ``float64`` for float and ``datetime64[ns]`` for
     timestamp_ntz columns (Arrow's types give int8, int16, int32, float32,
     datetime64[us]). Cast in Arrow, before ``to_pandas``: a pandas ``astype`` of each
     key's frame costs more than making it. A timestamp_ntz column outside the years
-    datetime64[ns] holds keeps its unit (Spark fails there)."""
+    datetime64[ns] holds keeps its unit (Spark fails there). Without ``widen_ints``
+    integer columns keep their type (as with ``preferIntExtensionDtype``)."""
     for position, field in enumerate(table.schema):
-        wider = _WIDER.get(field.type)
+        kept = not widen_ints and pa.types.is_integer(field.type)
+        wider = None if kept else _WIDER.get(field.type)
         if wider is None and pa.types.is_timestamp(field.type):
             if field.type.tz is not None or field.type.unit == "ns":
                 continue

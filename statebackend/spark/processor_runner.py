@@ -129,6 +129,10 @@ class ProcessorSpec:
     int_to_decimal: bool = False
     """Pandas mode: an output column of ints fills a decimal column, each int as a
     ``Decimal`` (``spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled``)."""
+    int_extension: bool = False
+    """Pandas mode: integer columns keep their width (``int8`` for byte) and one with
+    nulls is of NumPy scalars and ``pandas.NA``, integer keys NumPy scalars, as Spark
+    makes them (``spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype``)."""
     safe_conversion: bool = True
     """Pandas mode: an output value that a cast would change (a fraction into an integer
     column, an integer too big for its type) does not fit; else it is cast as Arrow casts
@@ -718,7 +722,8 @@ class _Inputs:
         (``sliceable_frame``; the last batch's kept)."""
         if batch is not self._frame_of:
             table = _input_table(batch, self._input_names)
-            self._frame_of, self._frame = batch, sliceable_frame(table, self._spec.time_zone)
+            frame = sliceable_frame(table, self._spec.time_zone, self._spec.int_extension)
+            self._frame_of, self._frame = batch, frame
         return self._frame
 
     def _frames(self, runs: list[Run], names: list[str], as_names: list[str]) -> Iterator[Any]:
@@ -735,7 +740,8 @@ class _Inputs:
         table = pa.concat_tables([self._select(run, names, as_names) for run in runs])
         step = size if size > 0 else max(table.num_rows, 1)
         for offset in range(0, table.num_rows, step):
-            yield pandas_frame(table.slice(offset, step), self._spec.time_zone)
+            rows = table.slice(offset, step)
+            yield pandas_frame(rows, self._spec.time_zone, self._spec.int_extension)
 
     def _frame_rows(self, runs: list[Run]) -> int:
         """The most rows of one DataFrame of ``runs`` (0: no limit): ``max_records_per_batch``,
@@ -897,7 +903,7 @@ def run_keyed_subtask(
             set_current_key, handle_input_rows = backend.set_current_key, processor.handleInputRows
             input_rows, ready = inputs.input_rows, output.ready
             read_ahead = _read_ahead_of(backend, spec.key_columns)
-            shown_key = _shown_key(spec)
+            shown_key = _shown_key(spec, backend.key_serializer)
             batch_rows = inputs.batch_rows
             runs = _keys(batches, spec.key_columns, read_ahead, blocks=not spec.use_pandas)
             for item in runs:
@@ -941,12 +947,35 @@ def run_keyed_subtask(
             yield output.flush()
 
 
-def _shown_key(spec: ProcessorSpec) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+_KEY_INTS = {"byte": np.int8, "short": np.int16, "integer": np.int32, "long": np.int64}
+"""Spark's integer types, as NumPy scalars of their width (``int_extension``)."""
+
+
+def _shown_key(
+    spec: ProcessorSpec, serializer: Any
+) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """The key as the processor gets it: as it is in Row mode; in pandas mode with its
-    timestamps as wall times of the session time zone (``pandas_times``)."""
+    timestamps as wall times of the session time zone (``pandas_times``), and with
+    ``int_extension`` its integers NumPy scalars (``pandas.NA`` for null), as Spark
+    takes the key from a row of its frame."""
     if not spec.use_pandas:
         return _unchanged
-    return partial(session_local_key, time_zone=spec.time_zone)
+    local = partial(session_local_key, time_zone=spec.time_zone)
+    fields = []
+    if spec.int_extension and isinstance(serializer, RowTupleSerializer):
+        fields = json.loads(serializer.schema_json)["fields"]
+    ints = [(i, _KEY_INTS[f["type"]]) for i, f in enumerate(fields) if f["type"] in _KEY_INTS]
+    if not ints:
+        return local
+
+    def shown(key: tuple[Any, ...]) -> tuple[Any, ...]:
+        values = list(local(key))
+        for position, scalar in ints:
+            value = values[position]
+            values[position] = pd.NA if value is None else scalar(value)
+        return tuple(values)
+
+    return shown
 
 
 def _timer_key(spec: ProcessorSpec, serializer: Any) -> Callable[[tuple[Any, ...]], Row]:

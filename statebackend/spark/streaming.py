@@ -242,6 +242,7 @@ MAX_RECORDS_PER_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
 MAX_BYTES_PER_BATCH = "spark.sql.execution.arrow.maxBytesPerBatch"
 INT_TO_DECIMAL = "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled"
 SAFE_CONVERSION = "spark.sql.execution.pandas.convertToArrowArraySafely"
+INT_EXTENSION = "spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype"
 
 
 def _max_records_per_batch(spark: Any) -> int:
@@ -786,6 +787,7 @@ def transform_with_state(
         ),
         int_to_decimal=str(spark.conf.get(INT_TO_DECIMAL, "false")).lower() == "true",
         safe_conversion=str(spark.conf.get(SAFE_CONVERSION)).lower() == "true",
+        int_extension=str(spark.conf.get(INT_EXTENSION, "false")).lower() == "true",
     )
     return StatefulStream(
         df,

@@ -2313,3 +2313,76 @@ def test_pandas_output_is_cast_unsafely_with_spark_s_safety_setting_off(
             expected[(batch_id, (user, int(total / 3), low_bits))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- pandas mode: integer widths with preferIntExtensionDtype ------------------------------
+
+INT_EXTENSION = "spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype"
+INT_WIDTH_INPUT = StructType(
+    [
+        StructField("k", IntegerType()),
+        StructField("b", ByteType()),
+        StructField("s", ShortType()),
+        StructField("l", LongType()),
+    ]
+)
+INT_WIDTH_OUTPUT = StructType(
+    [StructField("key", StringType()), StructField("seen", ArrayType(StringType()))]
+)
+INT_WIDTHS = {"k": "int32", "b": "int8", "s": "int16", "l": "int64"}
+
+
+class IntWidths(StatefulProcessor):
+    """pandas mode: per key, its key's type and per column of its frame the dtype and the
+    types of its values, as text."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        frame = pd.concat(list(rows))
+        seen = [
+            f"{name}:{frame[name].dtype}:" + ",".join(type(v).__name__ for v in frame[name])
+            for name in frame.columns
+        ]
+        yield pd.DataFrame({"key": [f"{type(key[0]).__name__}:{key[0]}"], "seen": [seen]})
+
+    def close(self) -> None:
+        pass
+
+
+def test_pandas_mode_ints_keep_their_width_with_spark_s_extension_dtype_setting(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """With ``spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype`` a pandas
+    processor's integer columns keep their width (``int8`` for byte: ``int`` values as
+    pandas iterates them), one with nulls holds NumPy scalars and ``pandas.NA``, and an
+    integer key is a NumPy scalar, as in Spark; ours widened them to int64 (nulls to
+    float64 NaN) whatever the setting."""
+    batches = [
+        [
+            {"k": 1, "b": 5, "s": 300, "l": 2**40},
+            {"k": 2, "b": -3, "s": None, "l": 7},
+            {"k": 2, "b": 4, "s": 9, "l": None},
+        ]
+    ]
+    case = ParityCase(INT_WIDTH_INPUT, ["k"], IntWidths, INT_WIDTH_OUTPUT, use_pandas=True)
+    spark_local.conf.set(INT_EXTENSION, "true")
+    try:
+        theirs, ours = run_parity(spark_local, case, batches, tmp_path)
+    finally:
+        spark_local.conf.unset(INT_EXTENSION)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for key in (1, 2):
+        mine = [row for row in batches[0] if row["k"] == key]
+        seen = []
+        for name, width in INT_WIDTHS.items():
+            values = [row[name] for row in mine]
+            if None in values:
+                kinds = ["NAType" if v is None else width for v in values]
+                seen.append(f"{name}:object:" + ",".join(kinds))
+            else:
+                seen.append(f"{name}:{width}:" + ",".join("int" for _ in values))
+        expected[(0, (f"int32:{key}", tuple(seen)))] += 1
+    assert theirs == expected
+    assert ours == expected

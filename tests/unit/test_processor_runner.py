@@ -41,6 +41,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.errors import OutputSchemaError, SerializationError
@@ -1080,6 +1081,69 @@ def test_pandas_mode_frames_end_at_max_bytes_per_batch(
         for key, frame in processor.frames
     ]
     assert got == expected
+
+
+INT_KEY_SCHEMA = StructType([StructField("k", IntegerType())])
+SPARK_INT_WIDTHS = {"k": "int32", "b": "int8", "s": "int16", "l": "int64"}
+"""Spark's integer types (integer, byte, short, long) as pandas names their widths."""
+
+
+@pytest.mark.parametrize("batch_rows", [2, 100])
+def test_pandas_mode_ints_keep_their_width_with_spark_s_extension_dtype_setting(
+    batch_rows: int,
+) -> None:
+    """With ``spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype`` Spark's
+    frames keep each integer column's width (``int8`` for byte) and a column with
+    nulls holds NumPy scalars of it and ``pandas.NA``; an integer key is a NumPy scalar
+    too. Ours widened them to int64, nulls to float64 NaN, whatever the setting."""
+    serializer = RowTupleSerializer(INT_KEY_SCHEMA.json())
+    rows = [(1, 5, 300, 2**40), (2, -3, None, 7), (2, 4, 9, None), (1, 6, 301, 1)]
+    group = {k: assign_to_key_group(serializer.serialize((k,)), MAX_PARALLELISM) for k in (1, 2)}
+    ordered = sorted(rows, key=lambda row: (group[row[0]], row[0]))
+    records = [(None,) * 4, *ordered]
+    widths = {"k": pa.int32(), "b": pa.int8(), "s": pa.int16(), "l": pa.int64()}
+    table = pa.table(
+        {
+            **{
+                name: pa.array([record[i] for record in records], kind)
+                for i, (name, kind) in enumerate(widths.items())
+            },
+            KIND_COLUMN: pa.array([CONTROL] + [INPUT] * len(rows), pa.int8()),
+            SEQUENCE_COLUMN: pa.array(range(len(records)), pa.int64()),
+            KEY_GROUP_COLUMN: pa.array([-1] + [group[row[0]] for row in ordered], pa.int32()),
+            SUBTASK_COLUMN: pa.array([0] * len(records), pa.int32()),
+        }
+    )
+    backend = HeapKeyedStateBackend(
+        max_parallelism=MAX_PARALLELISM,
+        key_group_range=KeyGroupRange(0, MAX_PARALLELISM - 1),
+        key_serializer=serializer,
+        clock=BatchClock(0),
+    )
+    processor = FrameRecorder()
+    spec = _spec(
+        processor,
+        use_pandas=True,
+        key_columns=("k",),
+        input_columns=tuple(widths),
+        int_extension=True,
+    )
+    list(run_keyed_subtask(spec, backend, BatchTimes(0), table.to_batches(batch_rows)))
+    for key, frame in processor.frames:
+        assert len(key) == 1 and type(key[0]) is np.int32
+        mine = [row for row in ordered if row[0] == key[0]]
+        for i, name in enumerate(widths):
+            values = [row[i] for row in mine]
+            if None in values:
+                assert frame[name].dtype == object
+                assert [type(v).__name__ for v in frame[name]] == [
+                    "NAType" if v is None else SPARK_INT_WIDTHS[name] for v in values
+                ]
+                assert [None if v is pd.NA else int(v) for v in frame[name]] == values
+            else:
+                assert str(frame[name].dtype) == SPARK_INT_WIDTHS[name]
+                assert frame[name].tolist() == values
+    assert sorted(int(key[0]) for key, _ in processor.frames) == [1, 2]
 
 
 def test_pandas_output_of_many_frames_is_what_each_frame_converted_alone_gives() -> None:
