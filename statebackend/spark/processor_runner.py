@@ -133,6 +133,9 @@ class ProcessorSpec:
     """Pandas mode: integer columns keep their width (``int8`` for byte) and one with
     nulls is of NumPy scalars and ``pandas.NA``, integer keys NumPy scalars, as Spark
     makes them (``spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype``)."""
+    output_by_name: bool = True
+    """Pandas mode: output frames' columns labelled by strings are taken by name, else by
+    position (``spark.sql.legacy.execution.pandas.groupedMap.assignColumnsByName``)."""
     safe_conversion: bool = True
     """Pandas mode: an output value that a cast would change (a fraction into an integer
     column, an integer too big for its type) does not fit; else it is cast as Arrow casts
@@ -402,6 +405,7 @@ class OutputBuilder:
         time_zone: str = "UTC",
         int_to_decimal: bool = False,
         safe: bool = True,
+        by_name: bool = True,
     ) -> None:
         self.schema = schema
         self.time_zone = time_zone
@@ -409,6 +413,9 @@ class OutputBuilder:
         self.int_to_decimal = int_to_decimal
         """Whether a pandas column of ints fills a decimal column (each int a Decimal)."""
         self.safe = safe
+        self.by_name = by_name
+        """Whether pandas-mode output columns are taken by name where labelled (else by
+        position)."""
         """Whether pandas-mode output values a cast would change do not fit (else cast)."""
         self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
@@ -521,11 +528,11 @@ class OutputBuilder:
 
     def _output_positions(self, frame: pd.DataFrame) -> list[int]:
         """Where the output schema's columns are in a pandas-mode output frame: by name if
-        its column labels are strings, else by position."""
+        its column labels are strings (and ``by_name``), else by position."""
         labels = frame.columns.tolist()
         if labels == self.names:
             return list(range(len(labels)))
-        if not all(isinstance(label, str) for label in labels):
+        if not self.by_name or not all(isinstance(label, str) for label in labels):
             if len(labels) < len(self.names):
                 raise OutputSchemaError(
                     f"output DataFrame has {len(labels)} columns, the output schema "
@@ -881,7 +888,11 @@ def run_keyed_subtask(
     )
     timer_values = times.timer_values(spec.time_mode)
     output = OutputBuilder(
-        spec.output_schema, spec.time_zone, spec.int_to_decimal, spec.safe_conversion
+        spec.output_schema,
+        spec.time_zone,
+        spec.int_to_decimal,
+        spec.safe_conversion,
+        spec.output_by_name,
     )
     emit = output.add_frames if spec.use_pandas else output.add_rows
     inputs = _Inputs(spec)

@@ -243,6 +243,7 @@ MAX_BYTES_PER_BATCH = "spark.sql.execution.arrow.maxBytesPerBatch"
 INT_TO_DECIMAL = "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled"
 SAFE_CONVERSION = "spark.sql.execution.pandas.convertToArrowArraySafely"
 INT_EXTENSION = "spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype"
+BY_NAME = "spark.sql.legacy.execution.pandas.groupedMap.assignColumnsByName"
 
 
 def _max_records_per_batch(spark: Any) -> int:
@@ -788,6 +789,7 @@ def transform_with_state(
         int_to_decimal=str(spark.conf.get(INT_TO_DECIMAL, "false")).lower() == "true",
         safe_conversion=str(spark.conf.get(SAFE_CONVERSION)).lower() == "true",
         int_extension=str(spark.conf.get(INT_EXTENSION, "false")).lower() == "true",
+        output_by_name=str(spark.conf.get(BY_NAME, "true")).lower() == "true",
     )
     return StatefulStream(
         df,

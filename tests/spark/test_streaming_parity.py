@@ -2386,3 +2386,49 @@ def test_pandas_mode_ints_keep_their_width_with_spark_s_extension_dtype_setting(
         expected[(0, (f"int32:{key}", tuple(seen)))] += 1
     assert theirs == expected
     assert ours == expected
+
+
+# -- pandas mode: output columns by position with assignColumnsByName off -----------------
+
+BY_NAME = "spark.sql.legacy.execution.pandas.groupedMap.assignColumnsByName"
+SWAPPED_OUTPUT = StructType([StructField("total", LongType()), StructField("rows", LongType())])
+
+
+class SwappedColumns(StatefulProcessor):
+    """pandas mode: per key a frame labelled ``rows``, ``total`` (the schema's other order)
+    holding its row count and its amounts' sum."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: TimerValues) -> Iterator[Any]:
+        frames = list(rows)
+        count, total = sum(len(f) for f in frames), int(sum(f["amount"].sum() for f in frames))
+        yield pd.DataFrame({"rows": [count], "total": [total]})
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("by_name", [True, False])
+def test_pandas_output_columns_by_name_or_position_with_spark_s_setting(
+    spark_local: SparkSession, tmp_path: Path, by_name: bool
+) -> None:
+    """With ``spark.sql.legacy.execution.pandas.groupedMap.assignColumnsByName`` off
+    Spark takes a pandas processor's output columns by position (on: by name); ours took
+    them by name whatever the setting."""
+    case = ParityCase(INPUT, ["user"], SwappedColumns, SWAPPED_OUTPUT, use_pandas=True)
+    spark_local.conf.set(BY_NAME, str(by_name).lower())
+    try:
+        theirs, ours = run_parity(spark_local, case, BATCHES[:2], tmp_path)
+    finally:
+        spark_local.conf.unset(BY_NAME)
+    expected: Counter[tuple[int, tuple[Any, ...]]] = Counter()
+    for batch_id, batch in enumerate(BATCHES[:2]):
+        for user in {r["user"] for r in batch}:
+            amounts = [r["amount"] for r in batch if r["user"] == user]
+            by_label = {"rows": len(amounts), "total": sum(amounts)}
+            values = (by_label["total"], by_label["rows"]) if by_name else tuple(by_label.values())
+            expected[(batch_id, values)] += 1
+    assert theirs == expected
+    assert ours == expected

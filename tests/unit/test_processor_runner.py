@@ -569,6 +569,22 @@ def test_pandas_output_is_cast_safely_as_spark_casts_it() -> None:
         builder.finish_frames()
 
 
+def test_pandas_output_columns_go_by_position_with_spark_s_by_name_setting_off() -> None:
+    """With ``spark.sql.legacy.execution.pandas.groupedMap.assignColumnsByName`` off Spark
+    takes a pandas processor's output columns by position, whatever their labels (on: by
+    name); ours took them by name whatever the setting."""
+    schema = StructType([StructField("a", LongType()), StructField("b", LongType())])
+    frame = pd.DataFrame({"b": [1, 3], "a": [2, 4]})
+    for by_name in (True, False):
+        builder = OutputBuilder(schema, by_name=by_name)
+        builder.add_frames([frame])
+        builder.finish_frames()
+        rows = [row for batch in builder.take_ready() for row in batch.to_pylist()]
+        columns = ["a", "b"] if by_name else list(frame.columns)
+        expected = [dict(zip(["a", "b"], values, strict=True)) for values in frame[columns].values]
+        assert rows == expected
+
+
 def test_pandas_output_is_cast_unsafely_with_spark_s_setting_off() -> None:
     """With ``spark.sql.execution.pandas.convertToArrowArraySafely`` off (``safe``) Spark
     casts as Arrow casts unsafely: a fraction into a long loses its fraction, an int too
