@@ -528,11 +528,12 @@ class OutputBuilder:
 
     def _output_positions(self, frame: pd.DataFrame) -> list[int]:
         """Where the output schema's columns are in a pandas-mode output frame: by name if
-        its column labels are strings (and ``by_name``), else by position."""
+        any of its column labels is a string (and ``by_name``), as Spark takes them, else
+        by position."""
         labels = frame.columns.tolist()
         if labels == self.names:
             return list(range(len(labels)))
-        if not self.by_name or not all(isinstance(label, str) for label in labels):
+        if not self.by_name or not any(isinstance(label, str) for label in labels):
             if len(labels) < len(self.names):
                 raise OutputSchemaError(
                     f"output DataFrame has {len(labels)} columns, the output schema "

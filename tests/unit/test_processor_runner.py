@@ -585,6 +585,22 @@ def test_pandas_output_columns_go_by_position_with_spark_s_by_name_setting_off()
         assert rows == expected
 
 
+def test_pandas_output_columns_go_by_name_where_any_label_is_a_string() -> None:
+    """Spark takes an output frame's columns by name where any of its labels is a string
+    (positions only where none is); ours took them by position unless all were strings:
+    columns labelled ``b``, ``a`` and ``0`` (one added unnamed) came swapped, and a frame
+    without a schema column was taken as it was."""
+    schema = StructType([StructField("a", LongType()), StructField("b", LongType())])
+    frame = pd.DataFrame({"b": [1], "a": [2], 0: [3]})
+    builder = OutputBuilder(schema)
+    builder.add_frames([frame])
+    builder.finish_frames()
+    rows = [row for batch in builder.take_ready() for row in batch.to_pylist()]
+    assert rows == [{"a": int(frame["a"][0]), "b": int(frame["b"][0])}]
+    with pytest.raises(OutputSchemaError, match=r"^output DataFrame has no column 'a' "):
+        builder.add_frames([pd.DataFrame({"b": [1], 0: [2]})])
+
+
 def test_pandas_output_is_cast_unsafely_with_spark_s_setting_off() -> None:
     """With ``spark.sql.execution.pandas.convertToArrowArraySafely`` off (``safe``) Spark
     casts as Arrow casts unsafely: a fraction into a long loses its fraction, an int too
