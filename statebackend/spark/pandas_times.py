@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import re
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -68,16 +69,30 @@ def nested_series(column: pa.ChunkedArray, time_zone: str) -> pd.Series:
     ``time_zone`` for timestamp, not timestamp_ntz), and an array of elements that need
     converting (structs, maps, timestamps) as ``numpy.array`` of the converted elements
     (``float64`` where it is empty)."""
-    from pyspark.sql.pandas.types import _create_converter_to_pandas, from_arrow_type
+    from pyspark.sql.pandas.types import from_arrow_type
 
-    convert = _create_converter_to_pandas(
-        from_arrow_type(column.type, prefer_timestamp_ntz=True),
+    convert = _spark_converter(from_arrow_type(column.type, prefer_timestamp_ntz=True), time_zone)
+    options = {"date_as_object": True, "coerce_temporal_nanoseconds": True}
+    return convert(column.to_pandas(integer_object_nulls=True, **options))
+
+
+def nested_value(data_type: Any, time_zone: str) -> Callable[[Any], Any]:
+    """A function making a nested value of Spark type ``data_type`` (a struct as a dict,
+    as Arrow gives it) what ``nested_series`` makes of it."""
+    convert = _spark_converter(data_type, time_zone)
+    return lambda value: value if value is None else convert(pd.Series([value], dtype=object))[0]
+
+
+def _spark_converter(data_type: Any, time_zone: str) -> Callable[[pd.Series], pd.Series]:
+    """PySpark's converter of a pandas column of ``data_type`` for a pandas processor."""
+    from pyspark.sql.pandas.types import _create_converter_to_pandas
+
+    return _create_converter_to_pandas(
+        data_type,
         timezone=_zone(time_zone),
         struct_in_pandas="dict",
         error_on_duplicated_field_names=False,
     )
-    options = {"date_as_object": True, "coerce_temporal_nanoseconds": True}
-    return convert(column.to_pandas(integer_object_nulls=True, **options))
 
 
 def sliceable_frame(

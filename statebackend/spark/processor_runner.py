@@ -56,6 +56,7 @@ from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedContext, KeyedFunction
 from statebackend.spark.arrow_keys import murmur3_32, serialized_keys
 from statebackend.spark.pandas_times import (
+    nested_value,
     pandas_frame,
     session_local_key,
     session_wall_time,
@@ -963,28 +964,37 @@ _KEY_INTS = {"byte": np.int8, "short": np.int16, "integer": np.int32, "long": np
 """Spark's integer types, as NumPy scalars of their width (``int_extension``)."""
 
 
+def _key_int(scalar: Callable[[Any], Any], value: Any) -> Any:
+    """An integer key value as a NumPy scalar (``pandas.NA`` for null)."""
+    return pd.NA if value is None else scalar(value)
+
+
 def _shown_key(
     spec: ProcessorSpec, serializer: Any
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
-    """The key as the processor gets it: as it is in Row mode; in pandas mode with its
-    timestamps as wall times of the session time zone (``pandas_times``), and with
-    ``int_extension`` its integers NumPy scalars (``pandas.NA`` for null), as Spark
-    takes the key from a row of its frame."""
+    """The key as the processor gets it: as it is in Row mode; in pandas mode, as Spark
+    takes the key from a row of its frame, with its timestamps as wall times of the
+    session time zone (``pandas_times``), its structs as ``nested_value`` makes them, and
+    with ``int_extension`` its integers NumPy scalars (``pandas.NA`` for null)."""
     if not spec.use_pandas:
         return _unchanged
     local = partial(session_local_key, time_zone=spec.time_zone)
     fields = []
-    if spec.int_extension and isinstance(serializer, RowTupleSerializer):
-        fields = json.loads(serializer.schema_json)["fields"]
-    ints = [(i, _KEY_INTS[f["type"]]) for i, f in enumerate(fields) if f["type"] in _KEY_INTS]
-    if not ints:
+    if isinstance(serializer, RowTupleSerializer):
+        fields = StructType.fromJson(json.loads(serializer.schema_json)).fields
+    fixes: list[tuple[int, Callable[[Any], Any]]] = []
+    for position, field in enumerate(fields):
+        if isinstance(field.dataType, StructType):
+            fixes.append((position, nested_value(field.dataType, spec.time_zone)))
+        elif spec.int_extension and field.dataType.typeName() in _KEY_INTS:
+            fixes.append((position, partial(_key_int, _KEY_INTS[field.dataType.typeName()])))
+    if not fixes:
         return local
 
     def shown(key: tuple[Any, ...]) -> tuple[Any, ...]:
         values = list(local(key))
-        for position, scalar in ints:
-            value = values[position]
-            values[position] = pd.NA if value is None else scalar(value)
+        for position, fix in fixes:
+            values[position] = fix(values[position])
         return tuple(values)
 
     return shown

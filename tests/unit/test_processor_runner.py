@@ -68,6 +68,7 @@ from statebackend.spark.processor_runner import (
     _read_ahead_of,
     _row_maker,
     _run_starts,
+    _shown_key,
     checkpointed_part,
     run_keyed_subtask,
 )
@@ -1176,6 +1177,25 @@ def test_pandas_mode_ints_keep_their_width_with_spark_s_extension_dtype_setting(
                 assert str(frame[name].dtype) == SPARK_INT_WIDTHS[name]
                 assert frame[name].tolist() == values
     assert sorted(int(key[0]) for key, _ in processor.frames) == [1, 2]
+
+
+def test_pandas_mode_struct_keys_hold_wall_times_as_spark_gives_them() -> None:
+    """A pandas processor's struct key value is a dict whose timestamps are naive
+    ``pandas.Timestamp`` wall times of the session time zone, as Spark takes the key
+    from its frame (and as the frame's own column holds it); it held the zone-aware
+    datetimes Arrow gives."""
+    zone = "America/New_York"
+    place = StructType([StructField("at", TimestampType()), StructField("x", IntegerType())])
+    key_schema = StructType([StructField("user", StringType()), StructField("place", place)])
+    spec = _spec(CallRecorder(), use_pandas=True, time_zone=zone)
+    shown = _shown_key(spec, RowTupleSerializer(key_schema.json()))
+    instant = datetime.datetime(2024, 7, 1, 12, 0, tzinfo=datetime.UTC)
+    user, value = shown(("a", {"at": instant, "x": 1}))
+    wall = instant.astimezone(ZoneInfo(zone)).replace(tzinfo=None)
+    assert user == "a" and value == {"at": pd.Timestamp(wall), "x": 1}
+    assert type(value["at"]) is pd.Timestamp and value["at"].tzinfo is None
+    assert shown(("b", None)) == ("b", None)
+    assert shown(("c", {"at": None, "x": None})) == ("c", {"at": None, "x": None})
 
 
 def test_pandas_output_of_many_frames_is_what_each_frame_converted_alone_gives() -> None:
