@@ -414,10 +414,10 @@ class OutputBuilder:
         self.int_to_decimal = int_to_decimal
         """Whether a pandas column of ints fills a decimal column (each int a Decimal)."""
         self.safe = safe
+        """Whether pandas-mode output values a cast would change do not fit (else cast)."""
         self.by_name = by_name
         """Whether pandas-mode output columns are taken by name where labelled (else by
         position)."""
-        """Whether pandas-mode output values a cast would change do not fit (else cast)."""
         self.arrow_schema = output_arrow_schema(schema)
         self.names = [field.name for field in schema.fields]
         self._struct_fillers = {
