@@ -504,15 +504,11 @@ COMMAND_SCRIPT = "import sys; from statebackend.cli import main; sys.exit(main()
 """What the installed ``statebackend`` script runs."""
 
 
-@pytest.mark.parametrize("how", ["-m", "script"])
-@pytest.mark.parametrize("module", ["rocksdict", "fsspec", "statebackend.cli.commands"])
-def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(
-    tmp_path: Path, how: str, module: str
-) -> None:
-    """Ctrl-C while the command was still importing (``from statebackend.cli import main``
-    loaded the whole package before ``main`` caught anything) printed a traceback and
-    ended the process by SIGINT. The process gets SIGINT as ``module`` starts to be
-    imported (``tests.sigint``)."""
+def _list_with_sigint(
+    tmp_path: Path, how: str, **moment: str
+) -> tuple[Storage, Any, subprocess.CompletedProcess[str]]:
+    """A job with one checkpoint, and ``statebackend list`` of it run as ``how`` (``-m``
+    or a script) in a process that gets SIGINT at ``moment`` (``tests.sigint.env``)."""
     storage = Storage(tmp_path.as_uri())
     job = make_job(storage, tmp_path)
     job.process(10, seed=5)
@@ -523,8 +519,21 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(
         capture_output=True,
         text=True,
         timeout=120,
-        env=sigint.env(at_import=module),
+        env=sigint.env(**moment),
     )
+    return storage, job, result
+
+
+@pytest.mark.parametrize("how", ["-m", "script"])
+@pytest.mark.parametrize("module", ["rocksdict", "fsspec", "statebackend.cli.commands"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(
+    tmp_path: Path, how: str, module: str
+) -> None:
+    """Ctrl-C while the command was still importing (``from statebackend.cli import main``
+    loaded the whole package before ``main`` caught anything) printed a traceback and
+    ended the process by SIGINT. The process gets SIGINT as ``module`` starts to be
+    imported (``tests.sigint``)."""
+    _, job, result = _list_with_sigint(tmp_path, how, at_import=module)
     assert (result.returncode, result.stdout) == (130, ""), result.stderr
     assert result.stderr.splitlines() == ["statebackend: interrupted"]
     job.checkpoints.close()
@@ -539,18 +548,7 @@ def test_ctrl_c_after_the_command_did_its_work_keeps_its_status(
     returned, turned a success into a traceback and an end by SIGINT (status 130 in a
     shell); while the process exited, into a traceback. The process gets SIGINT at those
     moments (``tests.sigint``)."""
-    storage = Storage(tmp_path.as_uri())
-    job = make_job(storage, tmp_path)
-    job.process(10, seed=5)
-    job.checkpoint()
-    start = ["-m", "statebackend"] if how == "-m" else ["-c", COMMAND_SCRIPT]
-    result = subprocess.run(
-        [sys.executable, *start, "list", job.job_dir],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=sigint.env(**moment),
-    )
+    storage, job, result = _list_with_sigint(tmp_path, how, **moment)
     assert cli(capsys, storage, "list", job.job_dir) == (0, result.stdout, "")
     assert (result.returncode, result.stderr) == (0, "")
     job.checkpoints.close()

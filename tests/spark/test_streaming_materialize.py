@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming import StreamingQueryException
+from pyspark.sql.streaming import StreamingQuery, StreamingQueryException
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
@@ -52,6 +52,20 @@ def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
 def job_storage(tmp_path: Path, job_id: str) -> tuple[CheckpointStorage, ChangelogStorage]:
     storage = CheckpointStorage((tmp_path / "ours").as_uri(), job_id)
     return storage, ChangelogStorage(storage)
+
+
+def _ticking_parquet_query(
+    spark: SparkSession, input_dir: Path, out: Path, checkpoint: Path
+) -> StreamingQuery:
+    """Job ``totals`` at parallelism 2 over ``input_dir``, to parquet, a trigger every 10 ms."""
+    return (
+        stateful_query(spark, input_dir, "totals", 2)
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="10 milliseconds")
+        .start()
+    )
 
 
 def test_materializations_become_the_base_and_a_rescaled_restart_is_exact(
@@ -152,14 +166,7 @@ def test_a_materialization_completing_after_its_manifest_was_deleted_becomes_the
     batches = make_batches(8, seed=44)
     input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
     write_batch_files(input_dir, batches)
-    query = (
-        stateful_query(spark, input_dir, "totals", 2)
-        .writeStream.format("parquet")
-        .option("path", str(out))
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(processingTime="10 milliseconds")
-        .start()
-    )
+    query = _ticking_parquet_query(spark, input_dir, out, checkpoint)
     try:
         query.processAllAvailable()
     finally:
@@ -190,14 +197,7 @@ def test_stop_completes_a_materialization_still_pending_and_the_restart_builds_o
     batches = make_batches(3, seed=47)
     input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
     write_batch_files(input_dir, batches[:2])
-    query = (
-        stateful_query(spark, input_dir, "totals", 2)
-        .writeStream.format("parquet")
-        .option("path", str(out))
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(processingTime="10 milliseconds")
-        .start()
-    )
+    query = _ticking_parquet_query(spark, input_dir, out, checkpoint)
     try:
         deadline = time.monotonic() + 120
         while not any(progress["batchId"] == 1 for progress in query.recentProgress):
