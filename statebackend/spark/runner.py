@@ -371,6 +371,11 @@ class StatefulJob:
             except CheckpointError:
                 continue
             if int(metadata.properties.get("next_batch", 0)) > self._next_batch:
+                _log.warning(
+                    "deleting checkpoint %s: it holds batches after the restore point %s",
+                    storage.layout.checkpoint_path(checkpoint_id),
+                    self._restore_point or "(none)",
+                )
                 storage.discard(checkpoint_id)
 
     def _newest_manifest(self, checkpoints: list[str]) -> BatchManifest | None:

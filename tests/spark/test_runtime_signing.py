@@ -39,7 +39,7 @@ def _run(spark: SparkSession, tmp_path: Path, parallelism: int) -> RunSummary:
 
 
 def test_a_signed_job_restores_and_refuses_tampering(
-    spark_local: SparkSession, tmp_path: Path
+    spark_local: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "key").write_text("a signing key of more than 16 bytes\n")
     generate_events(tmp_path / "input", 300, 30, 2, 1)
@@ -68,7 +68,9 @@ def test_a_signed_job_restores_and_refuses_tampering(
     newest = summary.last_checkpoint
     assert newest is not None
     assert_matches_python(spark_local, tmp_path, newest)
-    data_file.write_bytes(original)
+    # Its batches were redone from the previous checkpoint: the changed one is deleted.
+    assert not Path(last.removeprefix("file://")).exists()
+    assert f"deleting checkpoint {last}: it holds batches after" in caplog.text
 
     # A changed _metadata: refused before anything is restored; the run falls back again.
     metadata_file = Path(metadata_path(newest).removeprefix("file://"))
