@@ -363,20 +363,25 @@ class StatefulJob:
         point: like the later manifests, they belong to the abandoned history, and
         ``restore="latest"`` would resume from one of them (it holds a later batch than
         this run's manifests) if the run stopped before its first checkpoint completed.
-        One whose ``_metadata`` cannot be read is left to the fallback of a later run."""
+        Those the run fell back from are deleted even if their ``_metadata`` cannot be
+        read (it might be readable again next run); any other such one is left to the
+        fallback of a later run."""
         storage = self._storage
         for checkpoint_id in storage.completed_checkpoint_ids():
-            try:
-                metadata = storage.load(storage.layout.checkpoint_path(checkpoint_id))
-            except CheckpointError:
-                continue
-            if int(metadata.properties.get("next_batch", 0)) > self._next_batch:
-                _log.warning(
-                    "deleting checkpoint %s: it holds batches after the restore point %s",
-                    storage.layout.checkpoint_path(checkpoint_id),
-                    self._restore_point or "(none)",
-                )
-                storage.discard(checkpoint_id)
+            directory = storage.layout.checkpoint_path(checkpoint_id)
+            if directory not in self._fallen_back_from:
+                try:
+                    metadata = storage.load(directory)
+                except CheckpointError:
+                    continue
+                if int(metadata.properties.get("next_batch", 0)) <= self._next_batch:
+                    continue
+            _log.warning(
+                "deleting checkpoint %s: it holds batches after the restore point %s",
+                directory,
+                self._restore_point or "(none)",
+            )
+            storage.discard(checkpoint_id)
 
     def _newest_manifest(self, checkpoints: list[str]) -> BatchManifest | None:
         """The newest batch manifest if it is newer than the newest of the job's completed
@@ -412,6 +417,7 @@ class StatefulJob:
         newer; raises ``exc`` (JobFailedError after an earlier fallback) if there is none."""
         lineage = self._lineage
         older = lineage[: lineage.index(unreadable) if unreadable in lineage else len(lineage)]
+        self._fallen_back_from.update(lineage[len(older) :])
         self._lineage = older
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         if not older:
@@ -507,6 +513,8 @@ class StatefulJob:
         self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
         own = [storage.layout.checkpoint_path(n) for n in storage.completed_checkpoint_ids()]
         self._lineage = self._initial_lineage(storage, own)
+        self._fallen_back_from: set[str] = set()
+        """The checkpoints this run could not restore and fell back from."""
         self._run_id = uuid.uuid4().hex[:12]
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
         """This run's metrics history: a record per batch, checkpoint, restore, failure."""

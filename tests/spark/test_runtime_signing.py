@@ -79,6 +79,12 @@ def test_a_signed_job_restores_and_refuses_tampering(
     metadata_file.write_text(json.dumps(document))
     with pytest.raises(CheckpointCorruptedError, match="signature does not match"):
         storage.load(newest)
-    (fallback,) = _run(spark_local, tmp_path, 2).fallbacks
+    summary = _run(spark_local, tmp_path, 2)
+    (fallback,) = summary.fallbacks
     assert fallback.startswith(f"{newest} -> ") and "signature does not match" in fallback
+    # Deleted although its _metadata cannot be read: were the change undone, "latest"
+    # would otherwise resume the batches this run redid.
+    assert not Path(newest.removeprefix("file://")).exists()
+    assert summary.last_checkpoint is not None
+    assert_matches_python(spark_local, tmp_path, summary.last_checkpoint)
     storage.close()
