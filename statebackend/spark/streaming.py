@@ -49,7 +49,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from pyspark.errors import PySparkException
@@ -109,6 +109,11 @@ from statebackend.spark.streaming_commit import (
     BatchCommitter,
     batch_output,
     check_same_query,
+)
+from statebackend.spark.streaming_output import (
+    OutputTransforms,
+    TransformedStream,
+    no_writer_error,
 )
 from statebackend.spark.streaming_restore import restore_location, restore_point
 from statebackend.spark.streaming_writer import OUTPUT_MODES, StatefulStreamWriter
@@ -283,9 +288,11 @@ def _batch_metrics(
     return with_job_seconds(combine_batches(batch_id, [p for p, _ in subtasks]), seconds, subtasks)
 
 
-class StatefulStream:
+class StatefulStream(OutputTransforms):
     """A DataFrame transformed with state: write it with ``writeStream`` (streaming
-    input) or get one batch's output with ``toDF()`` (batch input)."""
+    input) or get one batch's output with ``toDF()`` (batch input); ``select``,
+    ``withColumn``, ``transform``... change each batch's output before its sink
+    (``streaming_output``)."""
 
     def __init__(
         self,
@@ -415,24 +422,28 @@ class StatefulStream:
     @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
         """A writer mirroring DataStreamWriter; each micro-batch runs through our backend."""
+        return self.stream_writer(None)
+
+    def stream_writer(self, transformed: TransformedStream | None) -> StatefulStreamWriter:
+        """The writer of ``writeStream``, publishing the output through ``transformed``'s
+        functions if given."""
         if not self.df.isStreaming:
             raise ConfigurationError(
                 "writeStream needs a streaming DataFrame: for a batch DataFrame use toDF()"
             )
-        return StatefulStreamWriter(self)
+        return StatefulStreamWriter(self, transformed)
+
+    def transform(
+        self, func: Callable[..., DataFrame], *args: Any, **kwargs: Any
+    ) -> TransformedStream:
+        """A stream whose every batch's output is ``func(output, *args, **kwargs)`` before
+        its sink, as ``DataFrame.transform`` (``streaming_output``)."""
+        return TransformedStream(self, ()).transform(func, *args, **kwargs)
 
     @property
     def write(self) -> NoReturn:
-        """Not a writer: ConfigurationError saying how to write the output (``toDF()``
-        runs a batch DataFrame's batch, which ``.write`` must not do unasked)."""
-        if self.df.isStreaming:
-            raise ConfigurationError(
-                "transform_with_state of a streaming DataFrame has no .write: use writeStream"
-            )
-        raise ConfigurationError(
-            "transform_with_state of a batch DataFrame has no .write: run the batch with "
-            "toDF() and write its result (stateful.toDF().write...)"
-        )
+        """Not a writer: ConfigurationError saying how to write the output."""
+        raise no_writer_error(self.df)
 
     def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming
         """Run the (batch) input as the job's next batch and return its output, read

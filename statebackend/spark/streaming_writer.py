@@ -32,6 +32,7 @@ from statebackend.spark.streaming_ticks import with_ticks, without_ticks
 
 if TYPE_CHECKING:
     from statebackend.spark.streaming import StatefulStream
+    from statebackend.spark.streaming_output import TransformedStream
 
 OUTPUT_MODES = {"update": "Update", "append": "Append"}
 DEFAULT_SOURCE_KEY = "spark.sql.sources.default"
@@ -69,10 +70,11 @@ class StatefulStreamWriter:
     """Mirrors ``DataStreamWriter`` (format, option, options, outputMode, partitionBy,
     clusterBy, trigger, queryName, foreach, foreachBatch, start, toTable); the query
     itself is a ``foreachBatch`` query that publishes each committed batch to the sink
-    (``streaming_commit``)."""
+    (``streaming_commit``), through ``transformed``'s functions if given."""
 
-    def __init__(self, stream: StatefulStream) -> None:
+    def __init__(self, stream: StatefulStream, transformed: TransformedStream | None) -> None:
         self._stream = stream
+        self._transformed = transformed
         self._format: str | None = None
         self._options: dict[str, str] = {}
         self._trigger: dict[str, Any] = {}
@@ -161,6 +163,8 @@ class StatefulStreamWriter:
         stream = self._stream
         batch_id = manifest.batch_id
         output = stream.output(manifest)
+        if self._transformed is not None:
+            output = self._transformed.apply(output)
         if self._foreach_batch is not None:
             self._foreach_batch(output, batch_id)
             return
@@ -177,7 +181,13 @@ class StatefulStreamWriter:
             output.sparkSession.conf.get(DEFAULT_SOURCE_KEY, "parquet")
         )
         file_format = sink_format.lower()  # Spark takes its formats' names in any case
-        if table is None and file_format == "parquet" and not self._partition_by:
+        # Untransformed, the staged parquet files are the batch's output as they are.
+        if (
+            table is None
+            and file_format == "parquet"
+            and not self._partition_by
+            and self._transformed is None
+        ):
             publish_parquet(storage, manifest, options["path"], stream.conf.storage_options)
             return
         if table is None and file_format in FILE_FORMATS:
@@ -252,8 +262,12 @@ class StatefulStreamWriter:
                 "no sink: give .format(...).option('path', ...), toTable(name), foreachBatch "
                 "or foreach"
             )
+        spark = stream.df.sparkSession
+        no_rows = spark.createDataFrame([], stream.output_schema)
+        if self._transformed is not None:
+            no_rows = self._transformed.apply(no_rows)
         if table is not None:
-            check_table(stream.df.sparkSession, table, stream.output_schema, self._format)
+            check_table(spark, table, no_rows.schema, self._format)
         checkpoint = self._options.get("checkpointLocation")
         if not checkpoint:
             raise ConfigurationError(
@@ -289,10 +303,9 @@ class StatefulStreamWriter:
                     raise
                 raise stopped from None
 
-        spark = stream.df.sparkSession
         if table is not None and not spark.catalog.tableExists(table):
             # As Spark's toTable does, before any batch: not inside one a kill can cut short.
-            self._create_table(table, spark.createDataFrame([], stream.output_schema))
+            self._create_table(table, no_rows)
         keyed = stream.with_key_groups(stream.df)
         source = keyed if tick is None else with_ticks(keyed, tick)
         writer = source.writeStream.foreachBatch(run).option("checkpointLocation", checkpoint)

@@ -1,0 +1,154 @@
+"""Per-batch transformations of ``transform_with_state``'s output before its sink.
+
+Spark's ``transformWithState`` returns a streaming DataFrame, which users go on with:
+``.select(...)``, ``.withColumn("date", to_date("ts"))`` for a partitioned sink, a join
+with a static table. Ours is a ``StatefulStream`` (a ``foreachBatch`` query underneath),
+so these methods record a function that each committed batch's output goes through
+before it is published, as ``DataFrame.transform`` would apply it to that batch:
+
+    stateful.withColumn("date", F.to_date("ts")).writeStream.partitionBy("date")...
+
+The function runs on the driver once per published batch (and again on a re-run of the
+batch, which must give the same rows for the sink to hold each once: no
+``current_timestamp()`` or random columns). It sees one batch's rows: a row-wise change
+or a join with a static DataFrame is what the same query gives in Spark; an aggregation
+or a ``dropDuplicates`` in it works within each batch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql.types import StructType
+
+from statebackend.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from statebackend.spark.streaming import StatefulStream
+    from statebackend.spark.streaming_writer import StatefulStreamWriter
+
+OutputFunction = Callable[[DataFrame], DataFrame]
+"""A function of one batch's output DataFrame, returning the DataFrame to publish."""
+
+
+class OutputTransforms:
+    """``DataFrame``'s row-wise methods on a stateful stream's output, each returning a
+    ``TransformedStream`` whose batches go through it (module docstring)."""
+
+    def transform(
+        self, func: Callable[..., DataFrame], *args: Any, **kwargs: Any
+    ) -> TransformedStream:
+        """A stream whose every batch's output is ``func(output, *args, **kwargs)``, as
+        ``DataFrame.transform`` (``func`` must return a DataFrame)."""
+        raise NotImplementedError
+
+    def select(self, *cols: Column | str | list[Column | str]) -> TransformedStream:
+        """The output's ``select(*cols)``, batch by batch."""
+        return self.transform(DataFrame.select, *cols)
+
+    def selectExpr(self, *expr: str | list[str]) -> TransformedStream:  # noqa: N802
+        """The output's ``selectExpr(*expr)``, batch by batch."""
+        return self.transform(DataFrame.selectExpr, *expr)
+
+    def filter(self, condition: Column | str) -> TransformedStream:
+        """The output's rows for which ``condition`` holds, batch by batch."""
+        return self.transform(DataFrame.filter, condition)
+
+    where = filter
+
+    def withColumn(self, colName: str, col: Column) -> TransformedStream:  # noqa: N802,N803
+        """The output with column ``colName`` added or replaced, batch by batch."""
+        return self.transform(DataFrame.withColumn, colName, col)
+
+    def withColumns(self, colsMap: dict[str, Column]) -> TransformedStream:  # noqa: N802,N803
+        """The output with the columns of ``colsMap`` added or replaced, batch by batch."""
+        return self.transform(DataFrame.withColumns, colsMap)
+
+    def withColumnRenamed(self, existing: str, new: str) -> TransformedStream:  # noqa: N802
+        """The output with column ``existing`` renamed ``new``, batch by batch."""
+        return self.transform(DataFrame.withColumnRenamed, existing, new)
+
+    def drop(self, *cols: Column | str) -> TransformedStream:
+        """The output without ``cols``, batch by batch."""
+        return self.transform(DataFrame.drop, *cols)
+
+
+def no_writer_error(df: DataFrame) -> ConfigurationError:
+    """What ``.write`` of a stateful stream of ``df`` raises: it says how to write the
+    output (``toDF()`` runs a batch DataFrame's batch, which ``.write`` must not do
+    unasked)."""
+    if df.isStreaming:
+        return ConfigurationError(
+            "transform_with_state of a streaming DataFrame has no .write: use writeStream"
+        )
+    return ConfigurationError(
+        "transform_with_state of a batch DataFrame has no .write: run the batch with "
+        "toDF() and write its result (stateful.toDF().write...)"
+    )
+
+
+def _checked(
+    func: Callable[..., DataFrame], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OutputFunction:
+    """``func`` bound to ``args``/``kwargs``; ConfigurationError naming it when a batch's
+    result is not a DataFrame."""
+
+    def apply(output: DataFrame) -> DataFrame:
+        result = func(output, *args, **kwargs)
+        if not isinstance(result, DataFrame):
+            raise ConfigurationError(
+                f"transform function {getattr(func, '__name__', func)!r} returned a "
+                f"{type(result).__name__}, not a DataFrame: return the changed DataFrame"
+            )
+        return result
+
+    return apply
+
+
+class TransformedStream(OutputTransforms):
+    """A ``StatefulStream`` whose batches' output goes through ``functions`` in order
+    before the sink (or ``toDF()``); its state, job and metrics are the stream's."""
+
+    def __init__(self, stream: StatefulStream, functions: tuple[OutputFunction, ...]) -> None:
+        self.stream = stream
+        self.functions = functions
+        self.metrics = stream.metrics
+        """The stream's metrics history (``StatefulStream.metrics``)."""
+
+    def transform(
+        self, func: Callable[..., DataFrame], *args: Any, **kwargs: Any
+    ) -> TransformedStream:
+        """This stream's output further transformed by ``func(output, *args, **kwargs)``."""
+        return TransformedStream(self.stream, (*self.functions, _checked(func, args, kwargs)))
+
+    def apply(self, output: DataFrame) -> DataFrame:
+        """``output`` (one batch's rows) through the functions in order."""
+        for function in self.functions:
+            output = function(output)
+        return output
+
+    def output_schema(self) -> StructType:
+        """The schema of the published rows: the functions applied to no rows of the
+        stream's output schema (an error in a function, e.g. an unknown column, is raised
+        here, before any batch runs)."""
+        spark = self.stream.df.sparkSession
+        return self.apply(spark.createDataFrame([], self.stream.output_schema)).schema
+
+    @property
+    def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
+        """The stream's writer (``StatefulStream.writeStream``) publishing the transformed
+        output."""
+        self.output_schema()
+        return self.stream.stream_writer(self)
+
+    @property
+    def write(self) -> NoReturn:
+        """Not a writer: ConfigurationError saying how to write the output."""
+        raise no_writer_error(self.stream.df)
+
+    def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming
+        """The stream's ``toDF()`` (runs a batch DataFrame as the next batch), transformed."""
+        self.output_schema()
+        return self.apply(self.stream.toDF())

@@ -1,0 +1,173 @@
+"""``select``/``withColumn``/``filter``/``transform``... on transform_with_state's output:
+each committed batch's rows go through them before the sink, as the same methods on
+Spark's transformWithState DataFrame give (compared with Spark's own operator and with
+plain Python), into partitioned and plain parquet paths, ``toTable`` and ``toDF``;
+a function that cannot apply to the output is an error before any batch."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.errors import AnalysisException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from statebackend.errors import ConfigurationError
+from statebackend.spark.streaming import transform_with_state
+from tests.spark.jobs import streaming_session
+from tests.spark.streaming_parity import ROCKSDB_PROVIDER, write_batches
+from tests.spark.test_streaming_api import OUTPUT, Totals
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BATCHES = [
+    [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}, {"user": "a", "amount": 4}],
+    [{"user": "a", "amount": 5}, {"user": "c", "amount": 7}],
+    [{"user": "b", "amount": 1}, {"user": "c", "amount": 3}],
+]
+
+
+def expected(keep: int) -> list[tuple[str, int, int]]:
+    """Per batch, each user of the batch with its running total, its parity and twice the
+    total, for totals above ``keep``: ``Totals``' Update-mode output, then the
+    transformation of ``_transformed``, in plain Python."""
+    totals: dict[str, int] = defaultdict(int)
+    rows = []
+    for batch in BATCHES:
+        for user in sorted({event["user"] for event in batch}):
+            totals[user] += sum(e["amount"] for e in batch if e["user"] == user)
+            if totals[user] > keep:
+                rows.append((user.upper(), totals[user] % 2, 2 * totals[user]))
+    return sorted(rows)
+
+
+def _transformed(output: DataFrame, keep: int) -> DataFrame:
+    """The query's continuation, as a user writes it on Spark's transformWithState."""
+    return (
+        output.withColumn("parity", F.col("total") % 2)
+        .where(F.col("total") > keep)
+        .withColumnRenamed("total", "amount")
+        .select(F.upper("user").alias("user"), "parity", (F.col("amount") * 2).alias("double"))
+    )
+
+
+@pytest.fixture
+def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
+    provider = ("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    with streaming_session(spark_local, tmp_path, provider) as session:
+        write_batches(tmp_path / "input", BATCHES)
+        yield session
+
+
+def _source(spark: SparkSession, tmp_path: Path) -> DataFrame:
+    return (
+        spark.readStream.schema("user string, amount long")
+        .option("maxFilesPerTrigger", 1)
+        .json(str(tmp_path / "input"))
+    )
+
+
+def _rows(frame: DataFrame) -> list[tuple[str, int, int]]:
+    return sorted((r.user, r.parity, r.double) for r in frame.collect())
+
+
+@pytest.mark.parametrize("partition_by", [["parity"], []])
+def test_output_transformed_before_a_parquet_sink_as_sparks_query_gives(
+    spark: SparkSession, tmp_path: Path, partition_by: list[str]
+) -> None:
+    """Chained methods (partitioned by a column they add, or into a plain path, which
+    then goes through Spark's writer, not the staged files) against Spark's own
+    transformWithState with the same continuation, and plain Python."""
+    ours, theirs = tmp_path / "ours-out", tmp_path / "spark-out"
+    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "chained")
+    chained = (
+        stateful.withColumn("parity", F.col("total") % 2)
+        .where(F.col("total") > 3)
+        .withColumnRenamed("total", "amount")
+        .select(F.upper("user").alias("user"), "parity", (F.col("amount") * 2).alias("double"))
+    )
+    writer = chained.writeStream.format("parquet")
+    if partition_by:
+        writer = writer.partitionBy(*partition_by)
+    query = (
+        writer.option("path", str(ours))
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+
+    spark_query = (
+        _transformed(
+            _source(spark, tmp_path)
+            .groupBy("user")
+            .transformWithState(Totals(), OUTPUT, "Update", "None"),
+            3,
+        )
+        .writeStream.format("parquet")
+        .partitionBy(*partition_by)
+        .option("path", str(theirs))
+        .option("checkpointLocation", str(tmp_path / "spark-ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    spark_query.awaitTermination()
+
+    assert _rows(spark.read.parquet(str(ours))) == _rows(spark.read.parquet(str(theirs)))
+    assert _rows(spark.read.parquet(str(ours))) == expected(3)
+    if partition_by:
+        assert {p.name for p in ours.iterdir() if p.is_dir()} == {"parity=0", "parity=1"}
+
+
+def test_transform_to_table_and_to_df(spark: SparkSession, tmp_path: Path) -> None:
+    """``transform(func, *args)`` as ``DataFrame.transform``: a table sink is created with
+    the transformed columns; on a batch DataFrame ``toDF()`` returns the transformed
+    batch."""
+    query = (
+        transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "table")
+        .transform(_transformed, 0)
+        .writeStream.format("parquet")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .toTable("transformed_totals")
+    )
+    try:
+        query.awaitTermination()
+        assert spark.table("transformed_totals").columns == ["user", "parity", "double"]
+        assert _rows(spark.table("transformed_totals")) == expected(0)
+    finally:
+        spark.sql("DROP TABLE IF EXISTS transformed_totals")
+
+    batch = spark.createDataFrame(
+        [(e["user"], e["amount"]) for e in BATCHES[0]], "user string, amount long"
+    )
+    frame = (
+        transform_with_state(batch, "user", Totals(), OUTPUT, "batch")
+        .transform(_transformed, 3)
+        .toDF()
+    )
+    assert _rows(frame) == [("A", 1, 10)]
+
+
+def test_a_continuation_that_cannot_apply_is_an_error_before_any_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """An unknown column is Spark's AnalysisException at ``writeStream``, a function
+    returning no DataFrame our ConfigurationError naming it; no batch ran."""
+    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "bad")
+    with pytest.raises(AnalysisException, match="amount"):
+        stateful.select("user", "amount").writeStream  # noqa: B018 - the property checks
+
+    def count_rows(output: DataFrame) -> int:
+        return output.count()
+
+    with pytest.raises(ConfigurationError, match="'count_rows' returned a int, not a DataFrame"):
+        stateful.transform(count_rows).writeStream  # noqa: B018
+    assert not (tmp_path / "ours" / "bad" / "changelog").exists()
+    with pytest.raises(ConfigurationError, match="has no .write: use writeStream"):
+        stateful.select("user").write  # noqa: B018
