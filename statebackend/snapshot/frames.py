@@ -56,6 +56,28 @@ def _decompress(code: int, payload: bytes, raw_length: int) -> bytes:
     return payload
 
 
+LZ4_MAX_RATIO = 255
+"""An LZ4 block of n bytes decompresses to at most 255 n bytes (a byte of a match's
+length adds at most 255 to it)."""
+
+
+def _most_raw_bytes(code: int, payload: bytes) -> int:
+    """The most bytes a frame's ``payload`` of codec ``code`` can decompress to: its
+    length stored, 255 times it for LZ4, the content size a zstd frame declares (zstd
+    frames this module writes always declare it; one that does not is no frame of ours)."""
+    if code == 1:
+        return LZ4_MAX_RATIO * len(payload)
+    if code == 2:
+        import zstandard
+
+        try:
+            declared = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError:
+            return 0
+        return max(declared, 0)
+    return len(payload)
+
+
 def encode_frame(data: bytes, codec: int) -> bytes:
     """One frame holding ``data``; falls back to no compression when it does not help."""
     payload = _compress(codec, data) if codec else data
@@ -86,8 +108,15 @@ def decode_frames(data: bytes, where: str) -> Iterator[bytes]:
         if codec >= len(CODECS):
             raise CheckpointCorruptedError(f"{where}: unknown frame codec {codec}")
         # The header is not covered by the crc: a damaged codec or raw length must still
-        # come out as corruption, never as a codec's own error or as other bytes.
+        # come out as corruption, never as a codec's own error, as other bytes or as a
+        # buffer of the raw length allocated before the payload is seen to hold it.
         start = position - FRAME_HEADER.size
+        most = _most_raw_bytes(codec, payload)
+        if raw_length > most:
+            raise CheckpointCorruptedError(
+                f"{where}: the frame at byte {start} says it holds {raw_length} bytes, but its "
+                f"{length} {CODECS[codec]} bytes hold at most {most}"
+            )
         try:
             raw = _decompress(codec, payload, raw_length)
         except Exception as exc:
