@@ -101,11 +101,16 @@ def _encode_element(element: bytes | tuple[bytes, bytes]) -> bytes:
     return element
 
 
-def _decode_element(data: bytes, mode: DistributionMode) -> bytes | tuple[bytes, bytes]:
+def _decode_element(data: bytes, mode: DistributionMode, where: str) -> bytes | tuple[bytes, bytes]:
     if mode is not DistributionMode.BROADCAST:
         return data
-    (length,) = _KEY_LENGTH.unpack_from(data)
     start = _KEY_LENGTH.size
+    length = _KEY_LENGTH.unpack_from(data)[0] if len(data) >= start else None
+    if length is None or start + length > len(data):
+        raise CheckpointCorruptedError(
+            f"{where}: a broadcast entry of {len(data)} bytes has no key of the length it "
+            f"gives: the file is damaged, restore from an earlier checkpoint"
+        )
     return data[start : start + length], data[start + length :]
 
 
@@ -155,10 +160,10 @@ class OperatorStateReader:
             return
         start = spans[0][0]
         end = spans[-1][0] + spans[-1][1]
+        where = self.location(subtask)
         if handle.inline is not None:
-            data, where = handle.inline[start:end], f"inline operator state of subtask {subtask}"
+            data = handle.inline[start:end]
         else:
-            where = f"{self.directory}/{handle.path}"
             data = self.read_range(where, start, end - start)
         for offset, length, crc in spans:
             element = data[offset - start : offset - start + length]
@@ -167,6 +172,13 @@ class OperatorStateReader:
             if zlib.crc32(element) != crc:
                 raise CheckpointCorruptedError(f"{where}: checksum mismatch ({what})")
             yield element
+
+    def location(self, subtask: int) -> str:
+        """Where old subtask ``subtask``'s blob is: its file, or inline in ``_metadata``."""
+        handle = self.handles[subtask]
+        if handle is None or handle.inline is not None:
+            return f"inline operator state of subtask {subtask}"
+        return f"{self.directory}/{handle.path}"
 
     def restore_cut(
         self, subtask: int, new_parallelism: int, names: Collection[str] | None = None
@@ -207,7 +219,8 @@ class _StoredOperatorState:
     def read_elements(self, name: str, begin: int, end: int) -> Sequence[Entry]:
         info = self._states()[name]
         data = self.reader.elements(self.subtask, info.elements[begin:end], f"state {name!r}")
-        return [_decode_element(element, info.mode) for element in data]
+        where = f"{self.reader.location(self.subtask)} (state {name!r})"
+        return [_decode_element(element, info.mode, where) for element in data]
 
     def read_raw(self, begin: int, end: int) -> Sequence[bytes]:
         spans = () if self.handle is None else self.handle.raw[begin:end]

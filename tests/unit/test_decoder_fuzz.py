@@ -18,8 +18,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.operator import OperatorStateBackend
 from statebackend.errors import CheckpointCorruptedError
+from statebackend.keygroups import KeyGroupRange
+from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.snapshot.frames import FRAME_HEADER, decode_frames, encode_frame
+from statebackend.snapshot.keyed_format import (
+    FullKeyedStateHandle,
+    encode_keyed_cut,
+    read_composite_runs,
+    read_keyed_entries,
+)
+from statebackend.snapshot.operator_format import (
+    OperatorStateHandle,
+    OperatorStateReader,
+    encode_operator_cut,
+)
+from statebackend.state.descriptors import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ValueStateDescriptor,
+)
 
 FUZZ = settings(
     max_examples=150,
@@ -148,3 +168,192 @@ def test_a_huge_raw_length_allocates_nothing_of_its_size(
     with pytest.raises(CheckpointCorruptedError, match="chk-1/f"):
         list(decode_frames(frame, "chk-1/f"))
     assert peak_allocation(lambda: list(decode_frames(frame, "chk-1/f"))) < MEMORY_LIMIT
+
+
+# -- the full keyed format ---------------------------------------------------------------
+
+
+def _keyed_file(codec: int) -> tuple[bytes, FullKeyedStateHandle, list[Any], list[Any]]:
+    """A real backend's cut of value, map and list state over a few key groups, encoded:
+    the file, its handle, and what ``read_keyed_entries`` and ``read_composite_runs``
+    read of it."""
+    backend = HeapKeyedStateBackend(
+        max_parallelism=8, key_group_range=KeyGroupRange(0, 7), key_serializer=StrSerializer()
+    )
+    count = backend.get_state(ValueStateDescriptor("count", IntSerializer()))
+    tags = backend.get_state(MapStateDescriptor("tags", StrSerializer(), StrSerializer()))
+    seen = backend.get_state(ListStateDescriptor("seen", IntSerializer()))
+    for n in range(12):
+        backend.set_current_key(f"user-{n}")
+        count.update(n * 1000)
+        tags.put(f"t{n}", "x" * n)
+        seen.add(n)
+        seen.add(-n)
+    cut = backend.sync_cut()
+    index: list[tuple[int, int, int]] = []
+    data = b"".join(encode_keyed_cut(cut, codec, index))
+    handle = FullKeyedStateHandle(
+        path="f",
+        size=len(data),
+        checksum="",
+        key_group_range=cut.key_group_range,
+        key_groups=tuple(index),
+        compression="none",
+        states=tuple(cut.states),
+        key_serializer=cut.key_serializer,
+    )
+    cut.release()
+    backend.dispose()
+
+    def read_range(path: str, start: int, length: int) -> bytes:
+        return data[start : start + length]
+
+    everything = KeyGroupRange(0, 7)
+    entries = list(read_keyed_entries(read_range, "f", handle, everything))
+    runs = list(read_composite_runs(read_range, "f", handle, everything))
+    assert len(entries) == 36
+    return data, handle, entries, runs
+
+
+_KEYED = {codec: _keyed_file(codec) for codec in (0, 1)}
+
+
+@FUZZ
+@given(st.sampled_from([0, 1]), st.data())
+def test_damaged_keyed_files_read_back_or_are_corruption(codec: int, data: st.DataObject) -> None:
+    file, handle, entries, runs = _KEYED[codec]
+    broken = data.draw(damaged(file))
+
+    def read_range(path: str, start: int, length: int) -> bytes:
+        return broken[start : start + length]
+
+    everything = KeyGroupRange(0, 7)
+    errors = (CheckpointCorruptedError,)
+    read_back(
+        lambda: list(read_keyed_entries(read_range, "f", handle, everything)), entries, "f", errors
+    )
+    read_back(
+        lambda: list(read_composite_runs(read_range, "f", handle, everything)), runs, "f", errors
+    )
+
+
+@FUZZ
+@given(st.sampled_from([0, 1]), st.data())
+def test_damaged_entries_in_whole_frames_decode_or_are_corruption(
+    codec: int, data: st.DataObject
+) -> None:
+    file, handle, _, _ = _KEYED[codec]
+    group, offset, length = data.draw(st.sampled_from(handle.key_groups))
+    payload = b"".join(decode_frames(file[offset : offset + length], "f"))
+    frame = encode_frame(data.draw(damaged(payload)), 0)
+    broken = file[:offset] + frame
+    one = FullKeyedStateHandle(
+        **{
+            **handle.__dict__,
+            "key_groups": ((group, offset, len(frame)),),
+            "size": len(broken),
+        }
+    )
+
+    def read_range(path: str, start: int, length: int) -> bytes:
+        return broken[start : start + length]
+
+    for reader in (read_keyed_entries, read_composite_runs):
+        try:
+            list(reader(read_range, "f", one, KeyGroupRange(group, group)))  # type: ignore[operator]
+        except CheckpointCorruptedError as exc:
+            check_error(exc, "f")
+
+
+# -- the operator-state format -----------------------------------------------------------
+
+
+def _operator_blob() -> tuple[OperatorStateHandle, dict[str, list[Any]], list[bytes]]:
+    backend = OperatorStateBackend()
+    backend.get_list_state("offsets", IntSerializer()).update([1, 2, 3])
+    backend.get_union_list_state("seen", StrSerializer()).update(["a", "bc"])
+    broadcast = backend.get_broadcast_state("rules", StrSerializer(), IntSerializer())
+    broadcast.put("r1", 10)
+    broadcast.put("", 0)
+    backend.set_raw_state([b"raw-0", b""])
+    cut = backend.sync_cut()
+    blob, states, raw = encode_operator_cut(cut)
+    handle = OperatorStateHandle(None, len(blob), "crc32:0", states, raw, blob)
+    expected = {name: list(state.entries) for name, state in cut.states.items()}
+    return handle, expected, list(cut.raw)
+
+
+_OPERATOR = _operator_blob()
+
+
+def _operator_read(handle: OperatorStateHandle) -> tuple[dict[str, list[Any]], list[bytes]]:
+    reader = OperatorStateReader([handle], "chk-1", lambda path, start, length: b"")
+    cut = reader.restore_cut(0, 1)
+    return {name: list(state.entries) for name, state in cut.states.items()}, list(cut.raw)
+
+
+@FUZZ
+@given(st.data())
+def test_damaged_operator_state_reads_back_or_is_corruption(data: st.DataObject) -> None:
+    handle, expected, raw = _OPERATOR
+    assert handle.inline is not None
+    broken = OperatorStateHandle(
+        None,
+        handle.size,
+        handle.checksum,
+        handle.states,
+        handle.raw,
+        data.draw(damaged(handle.inline)),
+    )
+    read_back(
+        lambda: _operator_read(broken),
+        (expected, raw),
+        "inline operator state of subtask 0",
+        (CheckpointCorruptedError,),
+    )
+
+
+def _with_crcs(handle: OperatorStateHandle, blob: bytes) -> OperatorStateHandle:
+    """``handle`` over ``blob``, every element's span and crc32 made to match it."""
+    states = {}
+    for name, info in handle.states.items():
+        spans = tuple(
+            (offset, length, zlib.crc32(blob[offset : offset + length]))
+            for offset, length, _ in info.elements
+        )
+        states[name] = type(info)(info.mode, info.serializers, spans)
+    return OperatorStateHandle(None, len(blob), handle.checksum, states, handle.raw, blob)
+
+
+@FUZZ
+@given(st.data())
+def test_damaged_operator_elements_with_matching_crcs_decode_or_are_corruption(
+    data: st.DataObject,
+) -> None:
+    """A broadcast element whose crc32 matches but whose key length runs past it."""
+    handle, _, _ = _OPERATOR
+    assert handle.inline is not None
+    (offset, length, _), *_ = handle.states["rules"].elements
+    element = handle.inline[offset : offset + length]
+    broken = data.draw(damaged(element))
+    blob = handle.inline[:offset] + broken + handle.inline[offset + length :]
+    spans = tuple(
+        (o + (len(broken) - length if o > offset else 0), len(broken) if o == offset else n, 0)
+        for o, n, _ in handle.states["rules"].elements
+    )
+    info = handle.states["rules"]
+    moved = OperatorStateHandle(
+        None,
+        len(blob),
+        handle.checksum,
+        {"rules": type(info)(info.mode, info.serializers, spans)},
+        (),
+        blob,
+    )
+    try:
+        entries, _ = _operator_read(_with_crcs(moved, blob))
+    except CheckpointCorruptedError as exc:
+        check_error(exc, "operator state")
+        return
+    (key, value), *_ = entries["rules"]  # the entry is what the element's bytes hold
+    assert struct.pack(">I", len(key)) + key + value == broken
