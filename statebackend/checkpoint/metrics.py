@@ -34,8 +34,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from typing import Any, NamedTuple, TypeVar
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
@@ -200,7 +201,31 @@ def record_from_json(data: dict[str, Any]) -> MetricsRecord | None:
         return None
     fields = {name: value for name, value in data.items() if name != "kind"}
     if cls is CheckpointMetrics:
-        fields["subtasks"] = tuple(SubtaskState(**s) for s in fields.get("subtasks", ()))
+        subtasks = fields.get("subtasks", ())
+        if not isinstance(subtasks, list | tuple):
+            raise TypeError(f"subtasks {subtasks!r} is not a list")
+        fields["subtasks"] = tuple(_typed(SubtaskState, **s) for s in subtasks)
+    return _typed(cls, **fields)
+
+
+_FIELD_TYPES: dict[str, Callable[[Any], bool]] = {
+    "int": lambda value: type(value) is int,
+    "int | None": lambda value: value is None or type(value) is int,
+    "float": lambda value: type(value) in (int, float),
+    "str": lambda value: type(value) is str,
+    "tuple[SubtaskState, ...]": lambda value: isinstance(value, tuple),
+}
+"""Whether a value read from JSON fits a record field, by the field's annotation."""
+
+
+def _typed(cls: type[Any], **fields: Any) -> Any:
+    """``cls(**fields)``; TypeError if a field's value is not of the field's type (a
+    number given as text would otherwise fail later, where the record is used)."""
+    types = {f.name: str(f.type) for f in dataclass_fields(cls)}
+    for name, value in fields.items():
+        check = _FIELD_TYPES.get(types.get(name, ""))
+        if check is not None and not check(value):
+            raise TypeError(f"{name} {value!r} is not of type {types[name]}")
     return cls(**fields)
 
 

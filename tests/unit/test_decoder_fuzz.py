@@ -8,10 +8,12 @@ never an allocation sized by a damaged length field."""
 
 from __future__ import annotations
 
+import json
 import struct
 import tracemalloc
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +22,20 @@ from hypothesis import strategies as st
 
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.operator import OperatorStateBackend
-from statebackend.errors import CheckpointCorruptedError
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.metrics import (
+    BatchMetrics,
+    CheckpointMetrics,
+    FailureMetrics,
+    MetricsHistory,
+    RestoreMetrics,
+    SubtaskState,
+    list_segments,
+    read_history,
+    record_from_json,
+    record_to_json,
+)
+from statebackend.errors import MALFORMED_DOCUMENT, CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import IntSerializer, StrSerializer
 from statebackend.snapshot.frames import FRAME_HEADER, decode_frames, encode_frame
@@ -357,3 +372,114 @@ def test_damaged_operator_elements_with_matching_crcs_decode_or_are_corruption(
         return
     (key, value), *_ = entries["rules"]  # the entry is what the element's bytes hold
     assert struct.pack(">I", len(key)) + key + value == broken
+
+
+# -- JSON documents ----------------------------------------------------------------------
+
+_JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.just([]),
+    st.just({}),
+    st.just([[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]),
+    st.just(["a", 1, None]),
+)
+
+
+def _paths(document: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """The path of every value in a JSON document, the document's own first."""
+    yield path
+    if isinstance(document, dict):
+        for key, value in document.items():
+            yield from _paths(value, (*path, key))
+    elif isinstance(document, list):
+        for index, value in enumerate(document):
+            yield from _paths(value, (*path, index))
+
+
+@st.composite
+def damaged_json(draw: st.DrawFn, document: Any, keep: frozenset[str] = frozenset()) -> Any:
+    """A deep copy of ``document`` with one to three values replaced by a value of
+    another type or removed (a key of a dict or an item of a list); the top-level keys in
+    ``keep`` are left alone."""
+    document = json.loads(json.dumps(document))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in _paths(document) if p and p[0] not in keep]
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        parent = document
+        for step in path[:-1]:
+            parent = parent[step]
+        if draw(st.booleans()):
+            parent[path[-1]] = json.loads(json.dumps(draw(_JSON_VALUES)))
+        else:
+            del parent[path[-1]]
+    return document
+
+
+# -- the metrics history -----------------------------------------------------------------
+
+
+def _metrics_records() -> list[Any]:
+    return [
+        BatchMetrics(3, 100, 90, 12, source_seconds=0.5, changelog_bytes=4096, at=1.5),
+        CheckpointMetrics(
+            7, 3, 1000, 20, 30, 0.1, 0.2, 0.5, (SubtaskState("op", 0, 1000, 12),), at=2.5
+        ),
+        CheckpointMetrics(8, None, 0, 0, 0, 0.0, 0.0, 0.0, (), at=3),
+        RestoreMetrics("file:///c/job/chk-7", 1050, 1.25, 2, at=4.5),
+        FailureMetrics(None, "boom", "retry", at=5.5),
+    ]
+
+
+def _use(record: Any) -> None:
+    """What the report and the log do with a record."""
+    record.describe()
+    if isinstance(record, CheckpointMetrics):
+        assert isinstance(record.uploaded_bytes, int)
+        sum(s.state_bytes for s in record.subtasks)
+    json.dumps(record_to_json(record))
+
+
+@FUZZ
+@given(st.sampled_from(_metrics_records()), st.data())
+def test_damaged_metrics_lines_read_back_or_are_skipped(record: Any, data: st.DataObject) -> None:
+    document = data.draw(damaged_json(record_to_json(record), keep=frozenset({"kind"})))
+    try:
+        read = record_from_json(document)
+    except MALFORMED_DOCUMENT:
+        return  # read_history skips the line with a warning
+    assert read is not None
+    as_read = record_to_json(read)  # the document's values, the defaults for those it lacks
+    assert json.dumps(as_read, sort_keys=True) == json.dumps(
+        {**as_read, **document}, sort_keys=True
+    )
+    _use(read)
+
+
+def test_a_metrics_history_with_damaged_lines_reads_the_others(tmp_path: Path) -> None:
+    fs = open_filesystem(tmp_path.as_uri())
+    job_dir = (tmp_path / "job").as_uri()
+    history = MetricsHistory(fs, job_dir, "run")
+    for record in _metrics_records():
+        history.record(record)
+    ((_, segment),) = list_segments(fs, f"{job_dir}/metrics")
+    lines = fs.read_file(segment).splitlines()
+    damaged_lines = [
+        lines[0].replace(b'"records_in":100', b'"records_in":"100"'),
+        lines[1].replace(b'"full_bytes":1000', b'"full_bytes":null'),
+        lines[2].replace(b'"batch_id":null', b'"batch_id":1.5'),
+        lines[3].replace(b'"seconds":1.25', b'"seconds":"1.25"'),
+        b"[1, 2]",
+        b"\xff\xfe",
+        b"{" * 100_000,
+        lines[4],
+    ]
+    assert damaged_lines[:4] != lines[:4]
+    fs.write_file(segment, [b"\n".join(damaged_lines)])
+    (entry,) = read_history(fs, job_dir)
+    assert entry.record == _metrics_records()[4]
