@@ -56,6 +56,7 @@ from statebackend.serializers import (
     resolve_serializer,
     serializer_from_config,
 )
+from statebackend.serializers.base import config_problem
 from statebackend.state.descriptors import MapStateDescriptor, StateDescriptor, StateKind
 from statebackend.state.interfaces import State
 from statebackend.state.timers import TimerService, is_timer_state
@@ -84,9 +85,33 @@ class StateMetaInfo:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StateMetaInfo:
         """The inverse of ``to_json``."""
-        if not isinstance(data["name"], str):
-            raise TypeError(f"state name {data['name']!r} is not a string")
-        return cls(data["name"], StateKind(data["kind"]), dict(data["serializers"]))
+        name, kind, serializers = data["name"], StateKind(data["kind"]), data["serializers"]
+        if not isinstance(name, str):
+            raise TypeError(f"state name {name!r} is not a string")
+        check_serializer_configs(f"state {name!r}", serializers, _roles(name, kind))
+        return cls(name, kind, dict(serializers))
+
+
+def _roles(name: str, kind: StateKind) -> tuple[str, ...]:
+    """The serializer roles every snapshot of state ``name`` of ``kind`` records (a
+    timer store's are its own)."""
+    if is_timer_state(name):
+        return ()
+    return ("user_key", "value") if kind is StateKind.MAP else ("value",)
+
+
+def check_serializer_configs(what: str, serializers: Any, roles: tuple[str, ...]) -> None:
+    """TypeError unless ``serializers``, read from a snapshot for ``what``, maps each of
+    ``roles`` (and maybe others) to a well-formed serializer config."""
+    if not isinstance(serializers, dict):
+        raise TypeError(f"{what} has serializers {serializers!r}, not a JSON object")
+    missing = [role for role in roles if role not in serializers]
+    if missing:
+        raise TypeError(f"{what} has no {' or '.join(missing)} serializer")
+    for config in serializers.values():
+        problem = config_problem(config)
+        if problem is not None:
+            raise TypeError(f"{what}: {problem}")
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,22 @@ def serializer_from_config(config: SerializerConfig) -> Serializer[Any]:
     return cls.from_config(config)
 
 
+def config_problem(config: Any) -> str | None:
+    """Why ``config``, read from a snapshot, is no serializer config (a JSON object with a
+    text ``identity``, its nested ``fields`` a list of configs and its ``inner`` a
+    config), or None if it is one."""
+    if not isinstance(config, dict) or not isinstance(config.get("identity"), str):
+        return f"{describe_value(config)} is no serializer config: it has no text identity"
+    fields = config.get("fields", [])
+    if not isinstance(fields, list):
+        return f"{describe_value(config)} is no serializer config: its fields are no list"
+    for nested in [*fields, *([config["inner"]] if "inner" in config else [])]:
+        problem = config_problem(nested)
+        if problem is not None:
+            return problem
+    return None
+
+
 def register_serializer(cls: type[Serializer[Any]]) -> None:
     """Make a serializer class known to ``serializer_from_config`` by its identity."""
     _REGISTRY[cls.identity] = cls

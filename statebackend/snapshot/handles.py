@@ -18,6 +18,7 @@ from statebackend.backends.stores import Entry
 from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
+from statebackend.serializers.base import config_problem
 
 Relocate = Callable[[str], str]
 """Maps a handle's stored path to another (a savepoint copy, a moved directory)."""
@@ -77,8 +78,9 @@ def keyed_state_json(
 
 def keyed_state_from_json(data: dict[str, Any]) -> dict[str, Any]:
     """The inverse of ``keyed_state_json``, as keyword arguments of a handle."""
-    if not isinstance(data["key_serializer"], dict):
-        raise TypeError(f"key serializer {data['key_serializer']!r} is no serializer config")
+    problem = config_problem(data["key_serializer"])
+    if problem is not None:
+        raise TypeError(f"key serializer: {problem}")
     return {
         "key_group_range": KeyGroupRange.from_json(data["key_group_range"]),
         "states": tuple(StateMetaInfo.from_json(m) for m in data["states"]),

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from struct import Struct
 from typing import Any
 
-from statebackend.backends.operator import Entry, OperatorStateCut
+from statebackend.backends.keyed import check_serializer_configs
+from statebackend.backends.operator import KEY_ROLE, VALUE_ROLE, Entry, OperatorStateCut
 from statebackend.backends.operator_redistribution import redistribute_cut
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.redistribution import DistributionMode, StateLayout
@@ -83,8 +84,8 @@ class OperatorStateHandle:
             checksum=data["checksum"],
             states={
                 name: OperatorStateInfo(
-                    DistributionMode(info["mode"]),
-                    dict(info["serializers"]),
+                    mode := DistributionMode(info["mode"]),
+                    _serializers(name, mode, info["serializers"]),
                     tuple((int(o), int(n), int(c)) for o, n, c in info["elements"]),
                 )
                 for name, info in data["states"].items()
@@ -92,6 +93,14 @@ class OperatorStateHandle:
             raw=tuple((int(o), int(n), int(c)) for o, n, c in data.get("raw", [])),
             inline=None if inline is None else base64.b64decode(inline),
         )
+
+
+def _serializers(name: str, mode: DistributionMode, stored: Any) -> dict[str, SerializerConfig]:
+    """The serializer configs of operator state ``name`` as read from its handle;
+    TypeError if they are not those of its ``mode``."""
+    roles = (KEY_ROLE, VALUE_ROLE) if mode is DistributionMode.BROADCAST else (VALUE_ROLE,)
+    check_serializer_configs(f"operator state {name!r}", stored, roles)
+    return dict(stored)
 
 
 def _encode_element(element: bytes | tuple[bytes, bytes]) -> bytes:

@@ -8,6 +8,7 @@ never an allocation sized by a damaged length field."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import tracemalloc
@@ -20,9 +21,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from statebackend.backends.changelog import ChangeSet, StateChanges
 from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.operator import OperatorStateBackend
+from statebackend.backends.stores import CurrentKey
+from statebackend.backends.timers import TimerClocks, TimerSnapshotInfo
+from statebackend.checkpoint import manifest as manifest_module
+from statebackend.checkpoint import metadata as metadata_module
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
 from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.manifest import BatchManifest, BatchRecords
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.metrics import (
     BatchMetrics,
     CheckpointMetrics,
@@ -35,9 +45,21 @@ from statebackend.checkpoint.metrics import (
     record_from_json,
     record_to_json,
 )
-from statebackend.errors import MALFORMED_DOCUMENT, CheckpointCorruptedError
-from statebackend.keygroups import KeyGroupRange
-from statebackend.serializers import IntSerializer, StrSerializer
+from statebackend.checkpoint.signing import document_bytes
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import (
+    MALFORMED_DOCUMENT,
+    CheckpointCorruptedError,
+    ConfigurationError,
+    IncompatibleStateError,
+)
+from statebackend.keygroups import (
+    KeyGroupRange,
+    assign_to_key_group,
+    compute_key_group_range_for_operator_index,
+)
+from statebackend.serializers import IntSerializer, StrSerializer, reading_serializer
+from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes
 from statebackend.snapshot.frames import FRAME_HEADER, decode_frames, encode_frame
 from statebackend.snapshot.keyed_format import (
     FullKeyedStateHandle,
@@ -53,8 +75,11 @@ from statebackend.snapshot.operator_format import (
 from statebackend.state.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
+    StateKind,
     ValueStateDescriptor,
 )
+from statebackend.state.timers import is_timer_state
+from statebackend.tools.listing import describe_roles
 
 FUZZ = settings(
     max_examples=150,
@@ -379,6 +404,7 @@ def test_damaged_operator_elements_with_matching_crcs_decode_or_are_corruption(
 _JSON_VALUES = st.one_of(
     st.none(),
     st.booleans(),
+    st.integers(-3, 3),
     st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
@@ -454,9 +480,10 @@ def test_damaged_metrics_lines_read_back_or_are_skipped(record: Any, data: st.Da
     except MALFORMED_DOCUMENT:
         return  # read_history skips the line with a warning
     assert read is not None
-    as_read = record_to_json(read)  # the document's values, the defaults for those it lacks
-    assert json.dumps(as_read, sort_keys=True) == json.dumps(
-        {**as_read, **document}, sort_keys=True
+    as_read = record_to_json(read)  # the document's values, defaults for those it lacks
+    given_values = {name: value for name, value in document.items() if name != "subtasks"}
+    assert json.dumps({**as_read, **given_values}, sort_keys=True) == json.dumps(
+        as_read, sort_keys=True
     )
     _use(read)
 
@@ -483,3 +510,188 @@ def test_a_metrics_history_with_damaged_lines_reads_the_others(tmp_path: Path) -
     fs.write_file(segment, [b"\n".join(damaged_lines)])
     (entry,) = read_history(fs, job_dir)
     assert entry.record == _metrics_records()[4]
+
+
+# -- _metadata ---------------------------------------------------------------------------
+
+
+def _write_checkpoint(root: Path) -> tuple[CheckpointStorage, str]:
+    """A real two-subtask checkpoint of keyed state (full format, lz4) and operator state
+    (inline for subtask 0, in a file for subtask 1) under ``root``."""
+    storage = CheckpointStorage(root.as_uri(), "job", compression="lz4")
+    coordinator = CheckpointCoordinator(storage, max_parallelism=8)
+    n = coordinator.trigger({"op": 2})
+    checkpoint = ""
+    for subtask in range(2):
+        backend = HeapKeyedStateBackend(
+            max_parallelism=8,
+            key_group_range=compute_key_group_range_for_operator_index(8, 2, subtask),
+            key_serializer=IntSerializer(),
+        )
+        count = backend.get_state(ValueStateDescriptor("count", IntSerializer()))
+        for key in range(40):
+            if assign_to_key_group(IntSerializer().serialize(key), 8) in backend.key_group_range:
+                backend.set_current_key(key)
+                count.update(key)
+        backend.timer_service.register_event_time_timer(1000 + subtask)
+        operator = OperatorStateBackend()
+        operator.get_list_state("offsets", StrSerializer()).update(["x" * 30_000] * subtask)
+        operator.get_broadcast_state("rules", StrSerializer(), IntSerializer()).put("r", 1)
+        target = storage.snapshot_target(n, "op", subtask)
+        keyed = backend.snapshot(n, target).result()
+        operator_state = target.write_operator_snapshot(n, operator.sync_cut()).result()
+        ack = SubtaskAck("op", subtask, 2, keyed, operator_state, coordinator.run_id)
+        checkpoint = coordinator.acknowledge(n, ack) or checkpoint
+        backend.dispose()
+    return storage, checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Any]]:
+    storage, path = _write_checkpoint(tmp_path_factory.mktemp("fuzz"))
+    document = json.loads(storage.fs.read_file(f"{path}/_metadata"))
+    yield storage, path, document
+    storage.close()
+
+
+_METADATA = "file:///c/job/chk-1/_metadata"
+
+
+def _metadata_bytes(document: Any) -> bytes:
+    """``document`` as a ``_metadata`` file whose checksum matches it (one that anyone
+    who edits the file can compute)."""
+    document = dict(document) if isinstance(document, dict) else document
+    if isinstance(document, dict):
+        document.pop("checksum", None)
+        return document_bytes(document, metadata_module._canonical, None)
+    return json.dumps(document).encode()
+
+
+@settings(FUZZ, max_examples=300)
+@given(st.data())
+def test_damaged_metadata_loads_as_written_or_is_corruption(
+    checkpoint: tuple[Any, str, Any], data: st.DataObject
+) -> None:
+    _, _, document = checkpoint
+    broken = data.draw(damaged_json(document, keep=frozenset({"checksum"})))
+    try:
+        metadata = CheckpointMetadata.from_bytes(_metadata_bytes(broken), _METADATA)
+    except (CheckpointCorruptedError, IncompatibleStateError) as exc:
+        check_error(exc, _METADATA)
+        return
+    # What loaded is what the document says: it writes back to the same document.
+    again = CheckpointMetadata.from_bytes(metadata.to_bytes(), _METADATA)
+    assert again == metadata
+    metadata.files()
+    metadata.state_bytes()
+    _use_serializers(metadata)
+
+
+def _use_serializers(metadata: CheckpointMetadata) -> None:
+    """What ``inspect`` and ``read`` do with the loaded serializer configs: describe them
+    and build the serializers of each state's roles (a config of an unknown serializer
+    is an error of ours, naming it)."""
+    configs = []
+    for op in metadata.operators.values():
+        for ack in op.subtasks:
+            if ack.keyed is not None:
+                configs.append({"key": ack.keyed.key_serializer})
+                configs += [
+                    meta.serializers for meta in ack.keyed.states if not is_timer_state(meta.name)
+                ]
+            if ack.operator_state is not None:
+                configs += [info.serializers for info in ack.operator_state.states.values()]
+    for serializers in configs:
+        describe_roles(serializers)
+        for config in serializers.values():
+            with contextlib.suppress(IncompatibleStateError, ConfigurationError):
+                reading_serializer(config, allow_pickle=False)
+
+
+@FUZZ
+@given(st.data())
+def test_damaged_metadata_bytes_are_corruption(
+    checkpoint: tuple[Any, str, Any], data: st.DataObject
+) -> None:
+    storage, path, _ = checkpoint
+    raw = storage.fs.read_file(f"{path}/_metadata")
+    broken = data.draw(damaged(raw))
+    read_back(
+        lambda: CheckpointMetadata.from_bytes(broken, _METADATA),
+        CheckpointMetadata.from_bytes(raw, _METADATA),
+        _METADATA,
+        (CheckpointCorruptedError, IncompatibleStateError),
+    )
+
+
+# -- batch manifests ---------------------------------------------------------------------
+
+
+def _manifest() -> BatchManifest:
+    """Manifest 2 of a job whose operator ran batches 1 and 2 at parallelism 2, a state
+    added in batch 2 (so its handles have two kinds of meta info)."""
+    batches = []
+    for batch in (1, 2):
+        states = [StateMetaInfo("count", StateKind.VALUE, {"value": IntSerializer().config()})]
+        if batch == 2:
+            states.append(StateMetaInfo("tags", StateKind.MAP, {}))
+        handles = []
+        for subtask in range(2):
+            key_groups = compute_key_group_range_for_operator_index(8, 2, subtask)
+            changes = {
+                "count": StateChanges(
+                    {CurrentKey.of(key_groups.start, b"k").prefix: b"v" * batch}, {}
+                )
+            }
+            change_set = ChangeSet(
+                {}, 8, key_groups, states, changes, TimerSnapshotInfo.empty(TimerClocks())
+            )
+            data, index = encode_changes(change_set, 0)
+            handles.append(
+                ChangelogHandle(
+                    path=f"../changelog/{batch}/op-{subtask}",
+                    size=len(data),
+                    checksum=f"crc32:{zlib.crc32(data):08x}",
+                    key_group_range=key_groups,
+                    key_groups=tuple(index),
+                    compression="none",
+                    batch_id=batch,
+                    operator_id="op",
+                    subtask=subtask,
+                    attempt="a",
+                    changes=1,
+                    states=tuple(states),
+                    key_serializer=IntSerializer().config(),
+                )
+            )
+        batches.append(BatchRecords(batch, 2, tuple(handles)))
+    return BatchManifest("job", 2, 8, None, {"op": tuple(batches)}, {}, 12.5)
+
+
+_MANIFEST = _manifest()
+_MANIFEST_FILE = "file:///c/job/manifests/2"
+
+
+@settings(FUZZ, max_examples=300)
+@given(st.data())
+def test_damaged_manifests_load_as_written_or_are_corruption(data: st.DataObject) -> None:
+    document = json.loads(_MANIFEST.to_bytes())
+    document.pop("checksum")
+    broken = data.draw(damaged_json(document, keep=frozenset({"kind"})))
+    try:
+        manifest = BatchManifest.from_bytes(
+            document_bytes(broken, manifest_module._compact, None), _MANIFEST_FILE
+        )
+    except (CheckpointCorruptedError, IncompatibleStateError) as exc:
+        check_error(exc, _MANIFEST_FILE)
+        return
+    assert BatchManifest.from_bytes(manifest.to_bytes(), _MANIFEST_FILE) == manifest
+    # Each record has the meta info its "meta" index names in the document's table.
+    metas = broken["state_meta"]
+    for operator_id, operator in broken["operators"].items():
+        batches = zip(operator["batches"], manifest.operators[operator_id], strict=True)
+        for batch, records in batches:
+            for written, handle in zip(batch["subtasks"], records.subtasks, strict=True):
+                assert 0 <= written["meta"] < len(metas)
+                meta = metas[written["meta"]]
+                assert handle.states == tuple(StateMetaInfo.from_json(m) for m in meta["states"])
