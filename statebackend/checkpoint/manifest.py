@@ -133,8 +133,19 @@ class BatchRecords:
         return cls(
             int(data["batch_id"]),
             int(data["parallelism"]),
-            tuple(ChangelogHandle.from_json({**h, **metas[h["meta"]]}) for h in data["subtasks"]),
+            tuple(
+                ChangelogHandle.from_json({**h, **_meta(metas, h["meta"])})
+                for h in data["subtasks"]
+            ),
         )
+
+
+def _meta(metas: list[dict[str, Any]], index: Any) -> dict[str, Any]:
+    """Entry ``index`` of a manifest's meta-info table; IndexError unless ``index`` is one
+    of its positions (a negative one would name another entry)."""
+    if type(index) is not int or not 0 <= index < len(metas):
+        raise IndexError(f"meta info index {index!r} is not in 0..{len(metas) - 1}")
+    return metas[index]
 
 
 class _MetaTable:

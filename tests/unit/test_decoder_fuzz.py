@@ -634,7 +634,8 @@ def _manifest() -> BatchManifest:
     for batch in (1, 2):
         states = [StateMetaInfo("count", StateKind.VALUE, {"value": IntSerializer().config()})]
         if batch == 2:
-            states.append(StateMetaInfo("tags", StateKind.MAP, {}))
+            tags = {"user_key": StrSerializer().config(), "value": IntSerializer().config()}
+            states.append(StateMetaInfo("tags", StateKind.MAP, tags))
         handles = []
         for subtask in range(2):
             key_groups = compute_key_group_range_for_operator_index(8, 2, subtask)
@@ -695,3 +696,15 @@ def test_damaged_manifests_load_as_written_or_are_corruption(data: st.DataObject
                 assert 0 <= written["meta"] < len(metas)
                 meta = metas[written["meta"]]
                 assert handle.states == tuple(StateMetaInfo.from_json(m) for m in meta["states"])
+
+
+@pytest.mark.parametrize("meta", [-1, -2, 2, 1.0, "1", None])
+def test_a_manifest_record_naming_no_meta_info_entry_is_corruption(meta: Any) -> None:
+    """A record's ``meta`` index outside the table (a negative one indexes from its end:
+    another state list) is damage, not another entry."""
+    document = json.loads(_MANIFEST.to_bytes())
+    document.pop("checksum")
+    document["operators"]["op"]["batches"][1]["subtasks"][0]["meta"] = meta
+    data = document_bytes(document, manifest_module._compact, None)
+    with pytest.raises(CheckpointCorruptedError, match=f"{_MANIFEST_FILE}: malformed"):
+        BatchManifest.from_bytes(data, _MANIFEST_FILE)
