@@ -15,7 +15,7 @@ from struct import Struct
 from typing import Any
 
 from statebackend.backends.stores import CurrentKey, StateStore
-from statebackend.errors import StateAccessError
+from statebackend.errors import SerializationError, StateAccessError
 from statebackend.serializers import Serializer
 from statebackend.state.descriptors import (
     AggregatingStateDescriptor,
@@ -47,13 +47,19 @@ def encode_list(elements: Iterable[bytes]) -> bytes:
 
 
 def decode_list(data: bytes) -> list[bytes]:
-    """The element bytes of an encoded list."""
+    """The element bytes of an encoded list; SerializationError if ``data`` is none (an
+    element's length runs past the end)."""
     view, position, elements = memoryview(data), 0, []
     while position < len(view):
-        (length,) = _ELEMENT_LENGTH.unpack_from(view, position)
-        position += _ELEMENT_LENGTH.size
-        elements.append(bytes(view[position : position + length]))
-        position += length
+        end = position + _ELEMENT_LENGTH.size
+        length = _ELEMENT_LENGTH.unpack_from(view, position)[0] if end <= len(view) else None
+        if length is None or end + length > len(view):
+            raise SerializationError(
+                f"a list state's value of {len(view)} bytes is malformed: its element at byte "
+                f"{position} runs past its end; the state's stored bytes are damaged"
+            )
+        elements.append(bytes(view[end : end + length]))
+        position = end + length
     return elements
 
 

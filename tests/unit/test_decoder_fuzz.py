@@ -9,6 +9,8 @@ never an allocation sized by a damaged length field."""
 from __future__ import annotations
 
 import contextlib
+import datetime
+import decimal
 import json
 import struct
 import tracemalloc
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 from statebackend.backends.changelog import ChangeSet, StateChanges
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
+from statebackend.backends.keyed_states import decode_list, encode_list
 from statebackend.backends.operator import OperatorStateBackend
 from statebackend.backends.stores import CurrentKey
 from statebackend.backends.timers import TimerClocks, TimerSnapshotInfo
@@ -52,13 +55,24 @@ from statebackend.errors import (
     CheckpointCorruptedError,
     ConfigurationError,
     IncompatibleStateError,
+    SerializationError,
 )
 from statebackend.keygroups import (
     KeyGroupRange,
     assign_to_key_group,
     compute_key_group_range_for_operator_index,
 )
-from statebackend.serializers import IntSerializer, StrSerializer, reading_serializer
+from statebackend.serializers import (
+    BoolSerializer,
+    BytesSerializer,
+    FloatSerializer,
+    IntSerializer,
+    JsonSerializer,
+    RowTupleSerializer,
+    StrSerializer,
+    TupleSerializer,
+    reading_serializer,
+)
 from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes
 from statebackend.snapshot.frames import FRAME_HEADER, decode_frames, encode_frame
 from statebackend.snapshot.keyed_format import (
@@ -79,6 +93,7 @@ from statebackend.state.descriptors import (
     ValueStateDescriptor,
 )
 from statebackend.state.timers import is_timer_state
+from statebackend.state.ttl import TtlSerializer, TtlValue
 from statebackend.tools.listing import describe_roles
 
 FUZZ = settings(
@@ -708,3 +723,109 @@ def test_a_manifest_record_naming_no_meta_info_entry_is_corruption(meta: Any) ->
     data = document_bytes(document, manifest_module._compact, None)
     with pytest.raises(CheckpointCorruptedError, match=f"{_MANIFEST_FILE}: malformed"):
         BatchManifest.from_bytes(data, _MANIFEST_FILE)
+
+
+# -- values: serializers and list state ------------------------------------------------
+
+_ROW_SCHEMA = json.dumps(
+    {
+        "type": "struct",
+        "fields": [
+            {"name": name, "type": kind, "nullable": True, "metadata": {}}
+            for name, kind in [
+                ("i", "integer"),
+                ("s", "string"),
+                ("d", "double"),
+                ("b", "binary"),
+                ("day", "date"),
+                ("t", "timestamp"),
+                ("n", "timestamp_ntz"),
+                ("m", "decimal(10,2)"),
+                ("a", {"type": "array", "elementType": "long", "containsNull": True}),
+                (
+                    "kv",
+                    {
+                        "type": "map",
+                        "keyType": "string",
+                        "valueType": "boolean",
+                        "valueContainsNull": True,
+                    },
+                ),
+                (
+                    "st",
+                    {
+                        "type": "struct",
+                        "fields": [{"name": "x", "type": "short", "nullable": False}],
+                    },
+                ),
+            ]
+        ],
+    }
+)
+_SERIALIZERS = [
+    (IntSerializer(), 7),
+    (FloatSerializer(), 2.5),
+    (BoolSerializer(), True),
+    (StrSerializer(), "héllo"),
+    (BytesSerializer(), b"\x00\xff"),
+    (JsonSerializer(), {"a": [1, 2.5, None, "x"]}),
+    (TupleSerializer(StrSerializer(), IntSerializer()), ("k", 3)),
+    (TtlSerializer(StrSerializer()), TtlValue("v", 1_000)),
+    (
+        RowTupleSerializer(_ROW_SCHEMA),
+        (
+            1,
+            "s",
+            1.5,
+            b"b",
+            datetime.date(2024, 1, 2),
+            datetime.datetime(2024, 1, 2, 3, 4, 5),
+            datetime.datetime(2024, 1, 2, 3, 4, 5),
+            decimal.Decimal("12.34"),
+            [1, None, 3],
+            {"k": True, "n": None},
+            (5,),
+        ),
+    ),
+    (RowTupleSerializer(json.dumps({"type": "struct", "fields": []})), ()),
+    (
+        RowTupleSerializer(
+            json.dumps(
+                {"type": "struct", "fields": [{"name": "k", "type": "string", "nullable": True}]}
+            )
+        ),
+        ("key",),
+    ),
+]
+
+
+@FUZZ
+@given(st.sampled_from(_SERIALIZERS), st.data())
+def test_damaged_values_decode_or_are_serialization_errors(
+    case: tuple[Any, Any], data: st.DataObject
+) -> None:
+    """Value bytes have no checksum of their own (their frame has): damage decodes to
+    some value or is the serializers' SerializationError, never another exception."""
+    serializer, value = case
+    encoded = serializer.serialize(value)
+    assert serializer.deserialize(encoded) == value
+    broken = data.draw(st.one_of(damaged(encoded), st.binary(max_size=64)))
+    with contextlib.suppress(SerializationError):
+        serializer.deserialize(broken)
+    assert peak_allocation(lambda: serializer.deserialize(broken)) < MEMORY_LIMIT
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=20), max_size=5), st.data())
+def test_damaged_list_values_decode_exactly_or_are_serialization_errors(
+    elements: list[bytes], data: st.DataObject
+) -> None:
+    encoded = encode_list(elements)
+    assert decode_list(encoded) == elements
+    broken = data.draw(damaged(encoded))
+    try:
+        decoded = decode_list(broken)
+    except SerializationError as exc:
+        check_error(exc, "list state")
+        return
+    assert encode_list(decoded) == broken  # every byte is in an element, none made up
