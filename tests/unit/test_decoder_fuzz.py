@@ -16,6 +16,7 @@ import struct
 import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statebackend.backends.changelog import ChangeSet, StateChanges
+from statebackend.backends.changelog import ChangeSet, MapKeyChanges, StateChanges
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.keyed_states import decode_list, encode_list
@@ -73,8 +74,14 @@ from statebackend.serializers import (
     TupleSerializer,
     reading_serializer,
 )
-from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes
-from statebackend.snapshot.frames import FRAME_HEADER, decode_frames, encode_frame
+from statebackend.snapshot.changelog_format import (
+    ChangelogHandle,
+    encode_changes,
+    encode_operator_state,
+    read_changes,
+    read_operator_state,
+)
+from statebackend.snapshot.frames import CODECS, FRAME_HEADER, decode_frames, encode_frame
 from statebackend.snapshot.keyed_format import (
     FullKeyedStateHandle,
     encode_keyed_cut,
@@ -97,7 +104,7 @@ from statebackend.state.ttl import TtlSerializer, TtlValue
 from statebackend.tools.listing import describe_roles
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=600,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -582,7 +589,7 @@ def _metadata_bytes(document: Any) -> bytes:
     return json.dumps(document).encode()
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=1000)
 @given(st.data())
 def test_damaged_metadata_loads_as_written_or_is_corruption(
     checkpoint: tuple[Any, str, Any], data: st.DataObject
@@ -688,7 +695,7 @@ _MANIFEST = _manifest()
 _MANIFEST_FILE = "file:///c/job/manifests/2"
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=1000)
 @given(st.data())
 def test_damaged_manifests_load_as_written_or_are_corruption(data: st.DataObject) -> None:
     document = json.loads(_MANIFEST.to_bytes())
@@ -829,3 +836,133 @@ def test_damaged_list_values_decode_exactly_or_are_serialization_errors(
         check_error(exc, "list state")
         return
     assert encode_list(decoded) == broken  # every byte is in an element, none made up
+
+
+# -- changelog records -------------------------------------------------------------------
+
+
+def _changelog_record(codec: int) -> tuple[bytes, ChangelogHandle, list[Any], Any]:
+    """A record of value and map changes (puts, deletes, a cleared map key) over a few key
+    groups with the subtask's operator state after them: the file, its handle, what
+    ``read_changes`` reads and the operator state ``read_operator_state`` gives."""
+    value_state = StateMetaInfo("count", StateKind.VALUE, {"value": IntSerializer().config()})
+    map_state = StateMetaInfo(
+        "tags",
+        StateKind.MAP,
+        {"user_key": StrSerializer().config(), "value": IntSerializer().config()},
+    )
+    values: dict[bytes, bytes | None] = {
+        CurrentKey.of(group, f"k{group}".encode()).prefix: (None if group == 3 else b"v" * group)
+        for group in range(6)
+    }
+    maps = {
+        CurrentKey.of(1, b"m").prefix: MapKeyChanges(True, {b"a": b"1", b"b": None}),
+        CurrentKey.of(4, b"m").prefix: MapKeyChanges(False, {b"c": b"22"}),
+    }
+    key_groups = KeyGroupRange(0, 7)
+    change_set = ChangeSet(
+        {},
+        8,
+        key_groups,
+        [value_state, map_state],
+        {"count": StateChanges(values, {}), "tags": StateChanges({}, maps)},
+        TimerSnapshotInfo.empty(TimerClocks()),
+    )
+    data, index = encode_changes(change_set, codec)
+    operator = OperatorStateBackend()
+    operator.get_list_state("offsets", IntSerializer()).update([1, 2])
+    operator.get_broadcast_state("rules", StrSerializer(), IntSerializer()).put("r", 1)
+    frame, info = encode_operator_state(operator.sync_cut(), len(data), codec)
+    data += frame
+    handle = ChangelogHandle(
+        path="../changelog/1/op-0",
+        size=len(data),
+        checksum="crc32:0",
+        key_group_range=key_groups,
+        key_groups=tuple(index),
+        compression=CODECS[codec],
+        batch_id=1,
+        operator_id="op",
+        subtask=0,
+        attempt="a",
+        changes=len(values) + 3,
+        states=(value_state, map_state),
+        key_serializer=StrSerializer().config(),
+        operator_state=info,
+    )
+    read_range = _ranges(data)
+    changes = list(read_changes(read_range, "r", handle, key_groups))
+    assert len(changes) == 10
+    operator_state = read_operator_state(read_range, "r", handle)
+    return data, handle, changes, operator_state
+
+
+def _ranges(data: bytes) -> Callable[[str, int, int], bytes]:
+    def read_range(path: str, start: int, length: int) -> bytes:
+        return data[start : start + length]
+
+    return read_range
+
+
+_RECORDS = {codec: _changelog_record(codec) for codec in (0, 1, 2)}
+
+
+@FUZZ
+@given(st.sampled_from([0, 1, 2]), st.data())
+def test_damaged_changelog_records_read_back_or_are_corruption(
+    codec: int, data: st.DataObject
+) -> None:
+    file, handle, changes, operator_state = _RECORDS[codec]
+    read_range = _ranges(data.draw(damaged(file)))
+    errors = (CheckpointCorruptedError,)
+    everything = KeyGroupRange(0, 7)
+    read_back(lambda: list(read_changes(read_range, "r", handle, everything)), changes, "r", errors)
+    read_back(lambda: read_operator_state(read_range, "r", handle), operator_state, "r", errors)
+
+
+@FUZZ
+@given(st.sampled_from([0, 1, 2]), st.data())
+def test_damaged_changes_in_whole_frames_decode_or_are_corruption(
+    codec: int, data: st.DataObject
+) -> None:
+    file, handle, _, _ = _RECORDS[codec]
+    group, offset, length = data.draw(st.sampled_from(handle.key_groups))
+    payload = b"".join(decode_frames(file[offset : offset + length], "r"))
+    frame = encode_frame(data.draw(damaged(payload)), 0)
+    one = replace(handle, key_groups=((group, offset, len(frame)),), operator_state=None)
+    read_range = _ranges(file[:offset] + frame)
+    try:
+        read = list(read_changes(read_range, "r", one, KeyGroupRange(group, group)))
+    except CheckpointCorruptedError as exc:
+        check_error(exc, "r")
+        return
+    names = [meta.name for meta in handle.states]
+    again = b"".join(  # the changes read are exactly the payload's bytes
+        struct.pack(">BHI", change.op, names.index(name), len(change.key))
+        + change.key
+        + struct.pack(">I", len(change.user_key))
+        + change.user_key
+        + struct.pack(">I", len(change.value))
+        + change.value
+        for name, _, change in read
+    )
+    assert again == frame[FRAME_HEADER.size :]
+
+
+@FUZZ
+@given(st.sampled_from([0, 1, 2]), st.data())
+def test_damaged_operator_state_of_a_record_is_corruption(codec: int, data: st.DataObject) -> None:
+    """The record's operator-state frame's payload (its JSON header and blob) damaged and
+    framed again."""
+    file, handle, _, _ = _RECORDS[codec]
+    info = handle.operator_state
+    assert info is not None
+    payload = b"".join(decode_frames(file[info.offset :], "r"))
+    frame = encode_frame(data.draw(damaged(payload)), 0)
+    broken = replace(handle, operator_state=replace(info, length=len(frame)))
+    try:
+        stored = read_operator_state(_ranges(file[: info.offset] + frame), "r", broken)
+        assert stored is not None
+        _operator_read(stored)
+    except CheckpointCorruptedError as exc:
+        check_error(exc, "r")
