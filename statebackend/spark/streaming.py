@@ -73,7 +73,12 @@ from statebackend.checkpoint.metrics import (
     records_of,
     with_job_seconds,
 )
-from statebackend.errors import ConfigurationError, ProcessorFailedError, StateBackendError
+from statebackend.errors import (
+    CheckpointError,
+    ConfigurationError,
+    ProcessorFailedError,
+    StateBackendError,
+)
 from statebackend.keygroups import check_parallelism, compute_default_max_parallelism
 from statebackend.serializers import RowTupleSerializer
 from statebackend.spark.api import KeyedFunction
@@ -587,13 +592,22 @@ class StatefulStream(OutputTransforms):
         """Make the job's newest completed checkpoint the base of the next manifests if an
         earlier run completed it after its last batch (so that no manifest of that run
         could build on it) and it cut batch b <= ``newest``'s with the attempts manifest
-        b accepted; the batch of the base the next manifests build on."""
+        b accepted (one whose ``_metadata`` cannot be read is not: the manifests hold the
+        state without it); the batch of the base the next manifests build on."""
         base = -1 if newest.base is None else newest.base.batch_id
         storage, changelog = self.committer.storage, self.committer.changelog
         completed = storage.completed_checkpoint_ids()
         if not completed:
             return base
-        metadata = storage.load(completed[-1])
+        try:
+            metadata = storage.load(completed[-1])
+        except CheckpointError as exc:  # the manifests hold the state without it
+            _log.warning(
+                "%s is not adopted as the base of the next manifests: %s",
+                storage.layout.checkpoint_path(completed[-1]),
+                str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc),
+            )
+            return base
         batch_id = metadata.properties.get("batch_id")
         if (
             not isinstance(batch_id, int)

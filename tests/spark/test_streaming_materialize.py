@@ -255,3 +255,34 @@ def test_a_lost_state_directory_fails_the_query_instead_of_starting_empty(
     with pytest.raises(StreamingQueryException, match="has no committed batch"):
         run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
     assert read_output(spark, out) == expected_output(batches[:2])
+
+
+def test_a_damaged_materialization_no_manifest_builds_on_yet_is_not_adopted(
+    spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The materialization after batch 1 completes in the availableNow run's last batch,
+    so no manifest builds on it yet; its ``_metadata`` is then damaged. The next run (at
+    parallelism 3) goes on from the newest manifest (no base: the records of batches 0
+    and 1), warning about the checkpoint, instead of failing at every start; output and
+    state equal plain Python."""
+    batches = make_batches(4, seed=48)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:2])
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    storage, changelog = job_storage(tmp_path, "totals")
+    (damaged,) = storage.completed_checkpoint_ids()
+    assert storage.load(damaged).properties["batch_id"] == 1
+    newest = changelog.latest_manifest()
+    assert newest is not None and newest.batch_id == 1 and newest.base is None
+    metadata = tmp_path / "ours" / "totals" / f"chk-{damaged}" / "_metadata"
+    metadata.write_bytes(metadata.read_bytes()[:-40])
+
+    write_batch_files(input_dir, batches[2:], first=2)
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=3)
+    written = read_output(spark, out)
+    assert written == expected_output(batches)
+    assert max(written.values()) == 1
+    base = changelog.load_manifest(2).base
+    assert base is None or base.checkpoint_id != damaged, base
+    assert f"chk-{damaged}" in caplog.text
+    assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
