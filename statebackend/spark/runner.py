@@ -504,6 +504,13 @@ class StatefulJob:
         )
         try:
             storage.check_job_id_case()
+            binding = storage.layout.spark_binding_path
+            if storage.fs.exists(binding):  # before a restore deletes its manifests
+                raise ConfigurationError(
+                    f"job {self.job_id!r} in {storage.layout.checkpoint_dir} is the state of "
+                    f"a streaming query ({binding}): a StatefulJob run would replace its "
+                    f"batches; run with another job id"
+                )
             return self._run(storage, started)
         finally:
             storage.close()

@@ -25,8 +25,11 @@ from pyspark.sql import functions as F
 
 from statebackend.checkpoint.metrics import BatchMetrics, read_history, records_of
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.cli import main
 from statebackend.errors import ConfigurationError
 from statebackend.spark.arrow_path import OPERATOR_ID
+from statebackend.spark.conf import StateBackendConf
+from statebackend.spark.example import generate_events, user_totals_job
 from statebackend.spark.state_reader import read_state
 from statebackend.spark.streaming import transform_with_state
 from tests.conftest import Storage
@@ -249,6 +252,54 @@ def test_checkpoint_location_is_bound_to_one_job(spark: SparkSession, tmp_path: 
     with pytest.raises(ConfigurationError, match=r"job 'bound'.*belongs to checkpointLocation"):
         start("bound", other)
     start("bound", first)  # its own location still works
+
+
+@pytest.mark.parametrize("restore", ["none", "savepoint"])
+def test_a_stateful_job_refuses_the_state_of_a_streaming_query(
+    spark: SparkSession, tmp_path: Path, restore: str
+) -> None:
+    """A ``StatefulJob`` given the job_id of a streaming query, restoring nothing or a
+    savepoint (which deletes the manifests after its restore point), is one
+    ConfigurationError before it touches the job directory, as ``toDF()`` on it is: the
+    query's manifests stay, and the query goes on exactly (plain Python) instead of taking
+    the other job's batches for its own (rows missing, state reset)."""
+    batches = make_batches(4, seed=17)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:2])
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    job_dir = tmp_path / "ours" / "totals"
+    before = sorted(path.name for path in (job_dir / "manifests").iterdir())
+    generate_events(tmp_path / "events", 20, 5, 2, seed=1)
+    if restore == "savepoint":  # a savepoint of another StatefulJob
+        other = StateBackendConf(checkpoint_dir=(tmp_path / "other").as_uri())
+        summary = user_totals_job(
+            spark, job_id="other", input_dir=tmp_path / "events", parallelism=2, conf=other
+        ).run()
+        checkpoint_of_other = summary.last_checkpoint
+        assert checkpoint_of_other is not None
+        savepoint = tmp_path / "savepoint"
+        assert (
+            main(["savepoint", "create", "--from", checkpoint_of_other, "--to", str(savepoint)])
+            == 0
+        )
+        restore = str(savepoint)
+    conf = StateBackendConf(checkpoint_dir=(tmp_path / "ours").as_uri())
+    with pytest.raises(ConfigurationError, match=r"job 'totals' .* a streaming query"):
+        user_totals_job(
+            spark,
+            job_id="totals",
+            input_dir=tmp_path / "events",
+            parallelism=2,
+            conf=conf,
+            restore=restore,
+        ).run()
+    assert sorted(path.name for path in (job_dir / "manifests").iterdir()) == before
+
+    write_batch_files(input_dir, batches[2:], first=2)
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    written = read_output(spark, out)
+    assert written == expected_output(batches)
+    assert state_totals(spark, job_dir) == expected_totals(batches)
 
 
 def test_a_restart_keeps_time_mode_output_mode_and_key(spark: SparkSession, tmp_path: Path) -> None:
