@@ -425,6 +425,16 @@ class StatefulStream(OutputTransforms):
             )
 
     @property
+    def schema(self) -> StructType:
+        """The output schema (``output_schema``), as ``DataFrame.schema``."""
+        return self.output_schema
+
+    @property
+    def isStreaming(self) -> bool:  # noqa: N802 - mirrors DataFrame.isStreaming
+        """Whether the input is a streaming DataFrame (then write with ``writeStream``)."""
+        return bool(self.df.isStreaming)
+
+    @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
         """A writer mirroring DataStreamWriter; each micro-batch runs through our backend."""
         return self.stream_writer(None)

@@ -44,6 +44,20 @@ class OutputTransforms:
         ``DataFrame.transform`` (``func`` must return a DataFrame)."""
         raise NotImplementedError
 
+    @property
+    def schema(self) -> StructType:
+        """The schema of each batch's output rows, as ``DataFrame.schema``."""
+        raise NotImplementedError
+
+    @property
+    def columns(self) -> list[str]:
+        """The names of the output's columns, as ``DataFrame.columns``."""
+        return self.schema.fieldNames()
+
+    def printSchema(self) -> None:  # noqa: N802 - mirrors DataFrame.printSchema
+        """Print the output's schema as ``DataFrame.printSchema`` does."""
+        print(self.schema.treeString())
+
     def select(self, *cols: Column | str | list[Column | str]) -> TransformedStream:
         """The output's ``select(*cols)``, batch by batch."""
         return self.transform(DataFrame.select, *cols)
@@ -129,7 +143,8 @@ class TransformedStream(OutputTransforms):
             output = function(output)
         return output
 
-    def output_schema(self) -> StructType:
+    @property
+    def schema(self) -> StructType:
         """The schema of the published rows: the functions applied to no rows of the
         stream's output schema (an error in a function, e.g. an unknown column, is raised
         here, before any batch runs)."""
@@ -137,10 +152,15 @@ class TransformedStream(OutputTransforms):
         return self.apply(spark.createDataFrame([], self.stream.output_schema)).schema
 
     @property
+    def isStreaming(self) -> bool:  # noqa: N802 - mirrors DataFrame.isStreaming
+        """Whether the stream's input is a streaming DataFrame."""
+        return self.stream.isStreaming
+
+    @property
     def writeStream(self) -> StatefulStreamWriter:  # noqa: N802 - mirrors DataFrame.writeStream
         """The stream's writer (``StatefulStream.writeStream``) publishing the transformed
         output."""
-        self.output_schema()
+        self.schema  # noqa: B018 - a function that cannot apply fails here
         return self.stream.stream_writer(self)
 
     @property
@@ -150,5 +170,5 @@ class TransformedStream(OutputTransforms):
 
     def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming
         """The stream's ``toDF()`` (runs a batch DataFrame as the next batch), transformed."""
-        self.output_schema()
+        self.schema  # noqa: B018 - a function that cannot apply fails before the batch
         return self.apply(self.stream.toDF())

@@ -154,6 +154,22 @@ def test_transform_to_table_and_to_df(spark: SparkSession, tmp_path: Path) -> No
     assert _rows(frame) == [("A", 1, 10)]
 
 
+def test_schema_columns_and_print_schema_as_a_dataframe_gives_them(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _source(spark, tmp_path)
+    stateful = transform_with_state(source, "user", Totals(), OUTPUT, "schema")
+    chained = stateful.transform(_transformed, 3)
+    like = _transformed(spark.createDataFrame([], OUTPUT), 3)
+    assert stateful.columns == ["user", "total"] and stateful.isStreaming
+    assert chained.schema == like.schema and chained.columns == like.columns
+    assert chained.isStreaming
+    like.printSchema()
+    expected = capsys.readouterr().out
+    chained.printSchema()
+    assert capsys.readouterr().out == expected
+
+
 def test_a_continuation_that_cannot_apply_is_an_error_before_any_batch(
     spark: SparkSession, tmp_path: Path
 ) -> None:
