@@ -300,15 +300,22 @@ def test_damaged_keyed_files_read_back_or_are_corruption(codec: int, data: st.Da
     )
 
 
+def _damaged_group(file: bytes, key_groups: Any, data: st.DataObject) -> tuple[int, int, bytes]:
+    """A key group of ``file`` drawn from its ``key_groups`` (group, offset, length): the
+    group, its offset, and its entries damaged in one uncompressed frame whose crc32
+    matches (what a decoder behind the checksum sees)."""
+    group, offset, length = data.draw(st.sampled_from(key_groups))
+    payload = b"".join(decode_frames(file[offset : offset + length], "damaged"))
+    return group, offset, encode_frame(data.draw(damaged(payload)), 0)
+
+
 @FUZZ
 @given(st.sampled_from([0, 1]), st.data())
 def test_damaged_entries_in_whole_frames_decode_or_are_corruption(
     codec: int, data: st.DataObject
 ) -> None:
     file, handle, _, _ = _KEYED[codec]
-    group, offset, length = data.draw(st.sampled_from(handle.key_groups))
-    payload = b"".join(decode_frames(file[offset : offset + length], "f"))
-    frame = encode_frame(data.draw(damaged(payload)), 0)
+    group, offset, frame = _damaged_group(file, handle.key_groups, data)
     broken = file[:offset] + frame
     one = FullKeyedStateHandle(
         **{
@@ -317,10 +324,7 @@ def test_damaged_entries_in_whole_frames_decode_or_are_corruption(
             "size": len(broken),
         }
     )
-
-    def read_range(path: str, start: int, length: int) -> bytes:
-        return broken[start : start + length]
-
+    read_range = _ranges(broken)
     for reader in (read_keyed_entries, read_composite_runs):
         try:
             list(reader(read_range, "f", one, KeyGroupRange(group, group)))  # type: ignore[operator]
@@ -927,9 +931,7 @@ def test_damaged_changes_in_whole_frames_decode_or_are_corruption(
     codec: int, data: st.DataObject
 ) -> None:
     file, handle, _, _ = _RECORDS[codec]
-    group, offset, length = data.draw(st.sampled_from(handle.key_groups))
-    payload = b"".join(decode_frames(file[offset : offset + length], "r"))
-    frame = encode_frame(data.draw(damaged(payload)), 0)
+    group, offset, frame = _damaged_group(file, handle.key_groups, data)
     one = replace(handle, key_groups=((group, offset, len(frame)),), operator_state=None)
     read_range = _ranges(file[:offset] + frame)
     try:
