@@ -113,6 +113,8 @@ from statebackend.spark.streaming_commit import (
     RESTORED_FROM,
     BatchCommitter,
     batch_output,
+    bound_restore,
+    check_bound_restore,
     check_same_query,
 )
 from statebackend.spark.streaming_output import (
@@ -347,6 +349,10 @@ class StatefulStream(OutputTransforms):
         storage = self.committer.storage
         storage.check_job_id_case()
         requested = None if restore_from is None else restore_location(storage, restore_from)
+        newest = self.committer.newest_batch()
+        bound = bound_restore(storage) if newest is None else None
+        if bound is not None:  # a start before the first batch committed: as first started
+            requested = check_bound_restore(job_id, bound, requested)
         self.query[RESTORED_FROM] = requested
         self.restore_dir: str | None = None
         """The savepoint or checkpoint the job's first batch restores (``restore_from``
@@ -356,7 +362,6 @@ class StatefulStream(OutputTransforms):
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._generation[:12])
         """The query's metrics history: a record per batch (``metrics.latest`` is the
         newest of each kind, as ``StreamingQuery.lastProgress``)."""
-        newest = self.committer.newest_batch()
         if newest is not None:
             committed = self.committer.changelog.load_manifest(newest)
             check_same_query(committed, self.query, job_id)

@@ -219,9 +219,56 @@ _BIND_TRIES = 3
 at most once per side."""
 
 
-def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]) -> str:
+def bound_restore(storage: CheckpointStorage) -> tuple[str, str | None] | None:
+    """The checkpointLocation the job of ``storage`` is bound to and the ``restore_from``
+    its first start recorded with the binding (None: it started from empty state); None
+    if the job is not bound, or was bound by an older release that recorded none."""
+    job_side = _read_json(storage.fs, storage.layout.spark_binding_path)
+    if job_side is None or RESTORED_FROM not in job_side:
+        return None
+    recorded = job_side[RESTORED_FROM]
+    return str(job_side["checkpoint_location"]), None if recorded is None else str(recorded)
+
+
+def _same_restore(one: object, other: object) -> bool:
+    """Whether two recorded ``restore_from`` are the same (None: empty state)."""
+    if isinstance(one, str) and isinstance(other, str):
+        return spark_location(one) == spark_location(other)
+    return one is None and other is None
+
+
+def _started(restored_from: object) -> str:
+    return "from empty state" if restored_from is None else f"with restore_from={restored_from}"
+
+
+def check_bound_restore(
+    job_id: str, bound: tuple[str, str | None], requested: str | None
+) -> str | None:
+    """The ``restore_from`` a start of a job that has committed no batch goes on from:
+    the one recorded at its first start (``bound``: ``bound_restore``), also when none is
+    given now. ConfigurationError naming both if another one is given."""
+    location, recorded = bound
+    if requested is None or _same_restore(recorded, requested):
+        return recorded
+    raise ConfigurationError(
+        f"state job {job_id!r} was first started {_started(recorded)} (checkpointLocation "
+        f"{location}) and has committed no batch yet: restore_from={requested} applies to a "
+        f"job's first start only; drop restore_from to go on as first started, or start a "
+        f"new job_id with a new checkpointLocation from it"
+    )
+
+
+def bind(
+    storage: CheckpointStorage,
+    checkpoint_location: str,
+    options: dict[str, Any],
+    restored_from: str | None = None,
+) -> str:
     """Bind the Spark ``checkpointLocation`` to the job of ``storage`` (first start) or
-    check that they are bound to each other; the binding's id.
+    check that they are bound to each other; the binding's id. The first start records
+    ``restored_from`` (the state its first batch starts from) with the binding, so that a
+    restart before a batch committed goes on from it (``bound_restore``); a start with
+    another one is a ConfigurationError (``check_bound_restore``).
 
     Raises ConfigurationError naming both sides if either is bound to another partner,
     if the job has a partner location whose binding file is gone, or if an unbound job
@@ -232,7 +279,7 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
     """
     with _BINDING:
         for _ in range(_BIND_TRIES):
-            binding_id = _bind(storage, checkpoint_location, options)
+            binding_id = _bind(storage, checkpoint_location, options, restored_from)
             if binding_id is not None:
                 return binding_id
     raise ConfigurationError(
@@ -242,7 +289,10 @@ def bind(storage: CheckpointStorage, checkpoint_location: str, options: dict[str
 
 
 def _bind(
-    storage: CheckpointStorage, checkpoint_location: str, options: dict[str, Any]
+    storage: CheckpointStorage,
+    checkpoint_location: str,
+    options: dict[str, Any],
+    restored_from: str | None,
 ) -> str | None:
     """``bind``'s one try: the binding's id, or None if another driver wrote a binding
     file between this try's read and its write."""
@@ -295,9 +345,14 @@ def _bind(
         won = False
         try:
             job_path = storage.layout.spark_binding_path
-            won = _create_json(
-                storage.fs, job_path, {"checkpoint_location": location, "binding_id": binding_id}
-            ) or _holds_binding(storage.fs, job_path, binding_id)
+            job_binding = {
+                "checkpoint_location": location,
+                "binding_id": binding_id,
+                RESTORED_FROM: restored_from,
+            }
+            won = _create_json(storage.fs, job_path, job_binding) or _holds_binding(
+                storage.fs, job_path, binding_id
+            )
         finally:
             # Unbind if the job's storage cannot be written (a missing bucket, no access),
             # so that a start with the storage corrected is not refused, or if another
@@ -311,6 +366,13 @@ def _bind(
         raise ConfigurationError(
             f"checkpointLocation {location} and state job {storage.job_id!r} were bound in "
             f"different runs: use a new checkpointLocation and a new job_id"
+        )
+    elif RESTORED_FROM in job_side and not _same_restore(job_side[RESTORED_FROM], restored_from):
+        # transform_with_state read the job before a start of it bound it.
+        raise ConfigurationError(
+            f"state job {storage.job_id!r} was first started {_started(job_side[RESTORED_FROM])} "
+            f"(checkpointLocation {location}), this query {_started(restored_from)}: call "
+            f"transform_with_state again to go on as first started"
         )
     return binding_id
 

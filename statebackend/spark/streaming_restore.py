@@ -13,7 +13,9 @@ own storage, with the job's max parallelism, a ``transform_with_state`` operator
 the same key columns, and states the processor can read. As Flink's "no claim" mode, the
 job never writes, deletes or keeps depending on it: its first batch is also a
 materialization, and once that completes later manifests build on the job's own
-checkpoint.
+checkpoint. The query's first start records it with the binding (``streaming_commit.bind``):
+a restart before the first batch committed goes on from it, also without ``restore_from``,
+and one with another ``restore_from`` is refused.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from statebackend.spark.job_groups import current_job_group
 from statebackend.spark.query_stop import stop_interruption
 from statebackend.spark.streaming_commit import (
     FILE_FORMATS,
+    RESTORED_FROM,
     bind,
     check_sink_path_is_new,
     is_bound,
@@ -286,7 +287,7 @@ class StatefulStreamWriter:
         if first_start and self._publishes_files(table) and stream.committer.newest_batch() is None:
             path = self._options["path"]
             check_sink_path_is_new(storage, path, options, len(self._partition_by))
-        stream.binding_id = bind(storage, checkpoint, options)
+        stream.binding_id = bind(storage, checkpoint, options, stream.query[RESTORED_FROM])
         stream.ends_when_caught_up = "processingTime" not in trigger and bool(trigger)
         offsets = BatchTimesReader(location_filesystem(checkpoint, storage, options), checkpoint)
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pyspark import cloudpickle
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming import StatefulProcessor
+from pyspark.sql.streaming import StatefulProcessor, StreamingQueryException
 
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.filesystem import open_filesystem
@@ -38,6 +40,8 @@ from tests.spark.test_streaming_exactly_once import (
 )
 
 MAX_PARALLELISM = "spark.statebackend.max-parallelism"
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture
@@ -293,3 +297,71 @@ def test_a_query_whose_job_id_differs_only_in_case_from_an_existing_job_is_refus
         _run(spark, tmp_path / "in-v1", tmp_path / "out-V1", tmp_path / "ckpt-V1", "V1", 2)
     assert sorted(os.listdir(ours)) == ["v1"]
     assert {path: path.read_bytes() for path in ours.rglob("*") if path.is_file()} == before
+
+
+class FailsWhileFlagged(StatefulProcessor):
+    """``UserTotals`` that raises while the file ``flag`` exists (its first batch fails,
+    then the same batch runs once the flag is gone)."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+        self.totals = example.UserTotals()
+
+    def init(self, handle: Any) -> None:
+        self.totals.init(handle)
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        if os.path.exists(self.flag):
+            raise RuntimeError("flagged to fail")
+        return self.totals.handleInputRows(key, rows, timerValues)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_restore_from_survives_a_restart_without_it_before_the_first_commit(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Job v2 starts from v1's savepoint and its first batch fails (nothing committed);
+    the query is started again with the same checkpointLocation but without
+    ``restore_from``: it goes on from the savepoint it was first started from, as a
+    restart after committed batches resumes from the job's own state (plain Python over
+    v1's and v2's input). Another ``restore_from`` before the first commit is refused,
+    naming both."""
+    batches = make_batches(6, seed=74)
+    savepoint = _old_job(spark, tmp_path, batches[:3])
+    write_batch_files(tmp_path / "in-v2", batches[3:])
+    flag = tmp_path / "fail"
+    flag.write_text("")
+
+    def start(restore_from: str | None) -> None:
+        stateful = transform_with_state(
+            _source(spark, tmp_path / "in-v2"),
+            key_by="user",
+            processor=FailsWhileFlagged(str(flag)),
+            output_schema=example.OUTPUT_SCHEMA,
+            job_id="v2",
+            parallelism=3,
+            restore_from=restore_from,
+        )
+        query = (
+            stateful.writeStream.format("parquet")
+            .option("path", str(tmp_path / "out-v2"))
+            .option("checkpointLocation", str(tmp_path / "ckpt-v2"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    with pytest.raises(StreamingQueryException, match="flagged to fail"):
+        start(str(savepoint))
+    assert not list((tmp_path / "ours" / "v2").glob("manifests/*"))
+    flag.unlink()
+    other = tmp_path / "savepoints" / "other"
+    shutil.copytree(savepoint, other)
+    with pytest.raises(ConfigurationError, match="was first started with restore_from") as raised:
+        start(str(other))
+    assert str(savepoint) in str(raised.value) and str(other) in str(raised.value)
+    start(None)
+    assert read_output(spark, tmp_path / "out-v2") == _shifted(expected_output(batches), 3)
+    assert state_totals(spark, tmp_path / "ours" / "v2") == expected_totals(batches)

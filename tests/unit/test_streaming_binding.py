@@ -16,7 +16,12 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem, RetryPolicy
 from statebackend.checkpoint.layout import LOCATION_BINDING_FILE
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointError, ConfigurationError
-from statebackend.spark.streaming_commit import bind, spark_location
+from statebackend.spark.streaming_commit import (
+    bind,
+    bound_restore,
+    check_bound_restore,
+    spark_location,
+)
 
 
 def test_a_first_start_that_cannot_write_the_job_side_leaves_the_location_unbound(
@@ -64,6 +69,36 @@ def test_an_unbound_job_with_batches_is_not_bound_to_a_new_location(tmp_path: Pa
         bind(storage, location, {})
     assert not (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
     assert not storage.fs.exists(storage.layout.spark_binding_path)
+
+
+def test_a_first_start_records_its_restore_from_with_the_binding(tmp_path: Path) -> None:
+    """The first start's ``restore_from`` (or empty state) is recorded with the binding:
+    a start before a batch committed goes on from it without ``restore_from`` and with it
+    however it is spelled, and is refused naming both with another one (also when the
+    first start was from empty state, or when the stream read the job before another
+    start of it bound it)."""
+    savepoint, other = str(tmp_path / "sp"), str(tmp_path / "sp2")
+    storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
+    location = str(tmp_path / "spark")
+    binding = bind(storage, location, {}, savepoint)
+    bound = bound_restore(storage)
+    assert bound == (location, savepoint)
+    for given in (None, savepoint, Path(savepoint).as_uri()):
+        assert check_bound_restore("job", bound, given) == savepoint, given
+    with pytest.raises(ConfigurationError, match="first started with restore_from=") as raised:
+        check_bound_restore("job", bound, other)
+    assert savepoint in str(raised.value) and other in str(raised.value)
+    with pytest.raises(ConfigurationError, match="this query from empty state"):
+        bind(storage, location, {}, None)
+    assert bind(storage, location, {}, savepoint) == binding
+
+    empty = CheckpointStorage((tmp_path / "ckpt").as_uri(), "empty")
+    bind(empty, str(tmp_path / "spark-empty"), {})
+    bound = bound_restore(empty)
+    assert bound == (str(tmp_path / "spark-empty"), None)
+    assert check_bound_restore("empty", bound, None) is None
+    with pytest.raises(ConfigurationError, match="was first started from empty state"):
+        check_bound_restore("empty", bound, savepoint)
 
 
 def test_the_job_is_found_bound_under_every_spelling_of_its_checkpoint_dir(
@@ -142,6 +177,10 @@ def test_a_binding_written_by_a_try_whose_response_was_lost_binds(tmp_path: Path
     binding = bind(storage, location, {})
     assert fs.fsspec.lost
     job_side = json.loads(fs.read_file(storage.layout.spark_binding_path))
-    assert job_side == {"checkpoint_location": location, "binding_id": binding}
+    assert job_side == {
+        "checkpoint_location": location,
+        "binding_id": binding,
+        "restored_from": None,
+    }
     assert (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
     assert bind(storage, location, {}) == binding
