@@ -63,7 +63,12 @@ from statebackend.checkpoint.filesystem import (
     normalize_url,
     open_filesystem,
 )
-from statebackend.checkpoint.layout import LOCATION_BINDING_FILE, batch_ids, join
+from statebackend.checkpoint.layout import (
+    LOCATION_BINDING_FILE,
+    SPARK_BINDING_FILE,
+    batch_ids,
+    join,
+)
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
 from statebackend.checkpoint.signing import FILE_CHECKSUM
@@ -272,8 +277,9 @@ def bind(
 
     Raises ConfigurationError naming both sides if either is bound to another partner,
     if the job has a partner location whose binding file is gone, or if an unbound job
-    holds batches already (``toDF()`` ran them): a new Spark checkpoint would take the
-    job's committed batches for its own re-runs and skip its own first batches.
+    holds batches already (``toDF()`` or a ``StatefulJob`` ran them, or both binding
+    files were deleted): a new Spark checkpoint would take the job's committed batches
+    for its own re-runs and skip its own first batches.
     One binds at a time in this process (``_BINDING``); drivers in other processes
     race for each binding file, which is created only if absent (``create_exclusive``).
     """
@@ -327,12 +333,14 @@ def _bind(
         committed = ChangelogStorage(storage).manifest_ids()
         if committed:
             raise ConfigurationError(
-                f"state job {storage.job_id!r} in {storage.layout.checkpoint_dir} holds "
-                f"batches {committed[0]}..{committed[-1]} that no streaming query ran "
-                f"(toDF() did), and checkpointLocation {location} is new: a query would "
-                f"take them for its own. To go on from that state, start the query with a "
-                f"new job_id and restore_from a savepoint of it (statebackend savepoint "
-                f"create {storage.layout.job_dir}/latest --to DIR)"
+                f"state job {storage.job_id!r} in {storage.layout.checkpoint_dir} has "
+                f"committed batches {committed[0]}..{committed[-1]} but is bound to no Spark "
+                f"checkpointLocation, and checkpointLocation {location} is bound to no job: "
+                f"a query would take those batches for its own. Restore the query's "
+                f"checkpointLocation and the job's {SPARK_BINDING_FILE} if they were deleted; "
+                f"else, to go on from that state, start the query with a new job_id and "
+                f"restore_from a savepoint of it (statebackend savepoint create "
+                f"{storage.layout.job_dir}/latest --to DIR)"
             )
     created = theirs is None
     if theirs is None:

@@ -518,7 +518,9 @@ def test_a_job_is_either_a_queries_state_or_run_by_to_df_not_both(
             .trigger(availableNow=True)
         )
 
-    with pytest.raises(ConfigurationError, match="'backfilled' .* holds batches 0..0"):
+    with pytest.raises(
+        ConfigurationError, match="'backfilled' .* has committed batches 0..0 but is bound to no"
+    ):
         stream("backfilled").start()
     stream("streamed").start().awaitTermination()
     assert [tuple(r) for r in spark.read.parquet(str(tmp_path / "streamed")).collect()] == [

@@ -65,10 +65,37 @@ def test_an_unbound_job_with_batches_is_not_bound_to_a_new_location(tmp_path: Pa
     storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
     ChangelogStorage(storage).commit(0, {}, max_parallelism=8, properties={})
     location = str(tmp_path / "spark")
-    with pytest.raises(ConfigurationError, match="holds batches 0..0 that no streaming query"):
+    with pytest.raises(
+        ConfigurationError, match="has committed batches 0..0 but is bound to no Spark"
+    ):
         bind(storage, location, {})
     assert not (tmp_path / "spark" / LOCATION_BINDING_FILE).exists()
     assert not storage.fs.exists(storage.layout.spark_binding_path)
+
+
+def test_the_refusal_of_an_unbound_job_with_batches_says_what_is_known(tmp_path: Path) -> None:
+    """A job whose query committed a batch, and whose checkpointLocation and
+    ``spark-binding.json`` were then both deleted, is refused to a new start as a job
+    ``toDF()`` ran is: the message says what is known (batches, no binding) and what to
+    do, and does not name ``toDF()``, which did not run them."""
+    storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
+    location = tmp_path / "spark"
+    bind(storage, str(location), {})
+    changelog = ChangelogStorage(storage)
+    for batch in range(3):
+        changelog.commit(batch, {}, max_parallelism=8, properties={})
+    (location / LOCATION_BINDING_FILE).unlink()
+    storage.fs.delete(storage.layout.spark_binding_path)
+    with pytest.raises(ConfigurationError) as raised:
+        bind(storage, str(location), {})
+    message = str(raised.value)
+    assert "toDF" not in message, message
+    assert (
+        f"state job 'job' in {storage.layout.checkpoint_dir} has committed batches 0..2 "
+        f"but is bound to no Spark checkpointLocation" in message
+    ), message
+    assert f"savepoint create {storage.layout.job_dir}/latest --to DIR" in message
+    assert not (location / LOCATION_BINDING_FILE).exists()
 
 
 def test_a_first_start_records_its_restore_from_with_the_binding(tmp_path: Path) -> None:
