@@ -18,7 +18,7 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fsspec.utils import get_protocol
@@ -172,6 +172,21 @@ def _taken_for(
     ):
         return normalize_url(directory)
     return None
+
+
+def answered_requests(names: Iterable[str]) -> list[tuple[str | None, str]]:
+    """Of the names in a job's ``requests/`` directory, (the request's file name, None if
+    it is gone; its answer's file name) of each answered request, oldest first. Delete a
+    request before its answer: a request without one is served again."""
+    listed = set(names)
+    answered = []
+    for name in sorted(listed):
+        if not name.endswith(_DONE_SUFFIX):
+            continue
+        request = name.removesuffix(_DONE_SUFFIX) + ".json"
+        if _REQUEST_NAME.fullmatch(request) is not None:
+            answered.append((request if request in listed else None, name))
+    return answered
 
 
 def is_answered(fs: CheckpointFileSystem, job_dir: str, request: SavepointRequest) -> bool:

@@ -37,14 +37,18 @@ garbage only if all of these hold:
      reuses from a completed checkpoint, whose ``_metadata`` references them. The trigger
      time on the storage's clock is the modification time of that checkpoint's
      ``_metadata`` less its duration (``completed_at - triggered_at``). Without a
-     completed checkpoint no shared file is garbage.
+     completed checkpoint no shared file is garbage;
+   - an answered savepoint request in ``requests/`` (the request and its answer), once
+     the answer is older than the grace period (the request's own time does not count: a
+     ``savepoint trigger --wait`` may still be reading the answer). The request is
+     deleted first: a request without its answer is served again.
 
 ``delete_garbage`` decides again from a fresh listing just before deleting and deletes only
 files both decisions found, unchanged. Never touched: ``_metadata`` files, a ``chk-<N>``
 newer than the newest completed checkpoint (it may be pending), ``savepoints/`` (complete or
-being written), ``requests/``, ``manifests/`` (the job keeps the newest ones), and every
-other file or directory in the job's directory. The base checkpoints of manifests are
-completed checkpoints, whose referenced files are never garbage.
+being written), unanswered savepoint requests, ``manifests/`` (the job keeps the newest
+ones), and every other file or directory in the job's directory. The base checkpoints of
+manifests are completed checkpoints, whose referenced files are never garbage.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from statebackend.checkpoint.layout import (
 )
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.requests import REQUESTS_DIR, answered_requests
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata_files
 from statebackend.errors import (
     CheckpointError,
@@ -240,6 +245,15 @@ def _read_job(fs: CheckpointFileSystem, job_dir: str) -> _JobView:
     return view
 
 
+def _answered_requests(job_dir: str, listing: _Listing) -> list[tuple[str | None, str]]:
+    """(request path or None, answer path) of the job's answered savepoint requests."""
+    directory = join(job_dir, REQUESTS_DIR)
+    return [
+        (None if request is None else join(directory, request), join(directory, answer))
+        for request, answer in answered_requests(listing.names(directory))
+    ]
+
+
 def _candidates(job_dir: str, view: _JobView) -> list[tuple[str, str]]:
     """(path, reason) of the files rules 2 to 4 of the module docstring allow deleting,
     except the time limit of shared files, which needs their modification times."""
@@ -268,6 +282,12 @@ def _candidates(job_dir: str, view: _JobView) -> list[tuple[str, str]]:
                     (join(directory, name), "changelog record no batch manifest references")
                     for name in listing.names(directory)
                 ]
+    for request, answer in _answered_requests(job_dir, listing):
+        candidates += [
+            (path, "savepoint request answered longer than the grace period ago")
+            for path in (request, answer)  # the request first: unanswered, it is served again
+            if path is not None
+        ]
     if view.shared_before is not None:
         shared = join(job_dir, SHARED_DIR)
         candidates += [
@@ -307,11 +327,18 @@ def find_garbage(
     shared_prefix = join(job_dir, SHARED_DIR) + "/"
     garbage = []
     candidates = _candidates(job_dir, view)
+    answer_of = {
+        request: answer
+        for request, answer in _answered_requests(job_dir, view.listing)
+        if request is not None
+    }
     for done, (path, reason) in enumerate(candidates, 1):
         if checked is not None:
             checked(done, len(candidates))
         size, modified = view.listing.files[path]
-        too_young = modified > oldest_young
+        # An answered request goes when its answer is old: a requester may still read it.
+        timed = view.listing.files[answer_of[path]][1] if path in answer_of else modified
+        too_young = max(modified, timed) > oldest_young
         if path.startswith(shared_prefix):
             assert view.shared_before is not None
             too_young |= modified >= view.shared_before

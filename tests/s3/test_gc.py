@@ -24,7 +24,12 @@ from fsspec.utils import get_protocol
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.requests import request_savepoint
+from statebackend.checkpoint.requests import (
+    REQUESTS_DIR,
+    answer_savepoint_request,
+    pending_savepoint_requests,
+    request_savepoint,
+)
 from statebackend.checkpoint.storage import CheckpointStorage, load_metadata
 from statebackend.cli import main
 from statebackend.errors import CheckpointCorruptedError, CheckpointError
@@ -368,6 +373,36 @@ def test_savepoints_requests_pending_checkpoints_and_unknown_files_are_never_gar
     for name in ("checkpoint-id", "_fence", "unknown/file"):
         fs.write_atomic(join(layout.job_dir, name), b"something gc does not know")
     assert listed(job, grace_seconds=0, now=FAR_FUTURE) == set()
+
+
+def test_answered_savepoint_requests_are_garbage_once_their_answer_is_old(job: Job) -> None:
+    """Every ``savepoint trigger`` leaves a request and, once the job answered it, its
+    answer in ``requests/``; nothing else deletes them, so a job asked for a savepoint
+    every hour holds 17,520 files there after a year, listed by its driver every batch.
+    gc deletes the two files of an answered request (a savepoint or an error) once the
+    answer is older than the grace period, the request first (an unanswered request
+    would be served again); unanswered requests stay."""
+    fs, job_directory = job.storage.fs, job_dir(job)
+    requests_dir = join(job_directory, REQUESTS_DIR)
+    ids = [request_savepoint(fs, job_directory) for _ in range(3)]
+    by_id = {r.request_id: r for r in pending_savepoint_requests(fs, job_directory)}
+    settle(job.location)
+    answer_savepoint_request(fs, job_directory, by_id[ids[0]], savepoint_path="file:///sp-0")
+    settle(job.location)
+    answer_savepoint_request(fs, job_directory, by_id[ids[2]], error="the job failed")
+
+    def files_of(request_id: str) -> list[str]:
+        """The request's file, then its answer's."""
+        return [join(requests_dir, f"savepoint-{request_id}{s}") for s in (".json", ".done.json")]
+
+    first_answer = fs.modified(files_of(ids[0])[1])
+    # The third request is old, but its answer is not: a requester may still read it.
+    assert listed(job, grace_seconds=0, now=first_answer) == set(files_of(ids[0]))
+    garbage = find_garbage(fs, job_directory, grace_seconds=0, now=FAR_FUTURE)
+    assert [g.path for g in garbage] == files_of(ids[0]) + files_of(ids[2])
+    delete_garbage(fs, job_directory, garbage, grace_seconds=0)
+    assert fs.list_dir(requests_dir) == [f"savepoint-{ids[1]}.json"]
+    assert [r.request_id for r in pending_savepoint_requests(fs, job_directory)] == [ids[1]]
 
 
 def test_modified_is_the_storage_write_time(checkpoint_url: Storage) -> None:
