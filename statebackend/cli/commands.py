@@ -8,6 +8,7 @@ import json
 import posixpath
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from statebackend.tools.listing import (
     inspect_checkpoint,
     list_jobs,
 )
+from statebackend.tools.local_copies import idle_copies, remove_if_idle
 from statebackend.tools.location import (
     CheckpointRef,
     ManifestRef,
@@ -614,6 +616,30 @@ def cmd_gc(args: argparse.Namespace) -> int:
         out(
             f"{total_files} unreferenced files, {size(total_bytes)}, in {args.directory}"
             + ("; run with --apply to delete them" if total_files else "")
+        )
+    return 0
+
+
+def cmd_local_gc(args: argparse.Namespace) -> int:
+    """``statebackend local-gc``."""
+    idle = idle_copies(Path(args.local_dir), args.older_than, time.time())
+    removed = removed_bytes = 0
+    for copy in idle:
+        copy_bytes = copy.size()
+        if args.apply and not remove_if_idle(copy):
+            out(f"{copy_bytes:>12}  {copy.directory}  (kept: a task holds it now)")
+            continue
+        days = (time.time() - copy.last_used()) / 86400
+        out(f"{copy_bytes:>12}  {copy.directory}  (no task used it for {days:.1f} days)")
+        removed += 1
+        removed_bytes += copy_bytes
+    if args.apply:
+        out(f"deleted {removed} local copies, {size(removed_bytes)}, from {args.local_dir}")
+    else:
+        out(
+            f"{removed} local copies no task used for {args.older_than:g} s, "
+            f"{size(removed_bytes)}, in {args.local_dir}"
+            + ("; run with --apply to delete them" if removed else "")
         )
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.filesystem import (
@@ -18,6 +19,7 @@ from statebackend.cli.commands import (
     cmd_gc,
     cmd_inspect,
     cmd_list,
+    cmd_local_gc,
     cmd_plan,
     cmd_read,
     cmd_report,
@@ -30,6 +32,7 @@ from statebackend.cli.commands import (
 from statebackend.snapshot.frames import CODECS, DEFAULT_CODEC
 from statebackend.tools.bootstrap import KINDS
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS
+from statebackend.tools.local_copies import IDLE_SECONDS
 
 
 def _storage_option(text: str) -> tuple[str, Any]:
@@ -50,6 +53,14 @@ def _location(text: str) -> str:
 def _directory(text: str) -> str:
     """A directory (``_location``) in the one spelling of ``normalize_url``."""
     return normalize_url(_location(text))
+
+
+def _local_directory(text: str) -> str:
+    """An existing directory on this host's disk (not a URL)."""
+    path = Path(text).expanduser()
+    if "://" in text or not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory on this host")
+    return str(path.resolve())
 
 
 def _job_side_location(text: str) -> str:
@@ -147,6 +158,13 @@ statebackend.spark.state_writer.StateWriter""",
       {_S3}
 the running job's driver picks the request up between micro-batches; with --wait the
 savepoint's path is printed once it is complete""",
+    "local-gc": f"""examples:
+  {PROG} local-gc /mnt/local-ssd/statebackend
+  {PROG} local-gc /tmp/statebackend-local --older-than 86400 --apply
+run on each executor host: lists (or with --apply deletes) the RocksDB copies under
+LOCALDIR (<job_id>/<operator>/subtask-<i>) that no task used for --older-than seconds and
+no task holds now, such as those of jobs that no longer run. A copy is a cache of the
+job's storage: a subtask that finds none rebuilds it from there.""",
     "gc": f"""examples:
   {PROG} gc /data/checkpoints/my-job
   {PROG} gc s3://bucket/checkpoints --apply {_S3}
@@ -408,6 +426,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GRACE_SECONDS,
         metavar="SECONDS",
         help=f"keep files modified less than this long ago (default {DEFAULT_GRACE_SECONDS:g})",
+    )
+
+    p = command(
+        "local-gc",
+        "list or delete this host's executor-local state copies no task used for a while",
+        cmd_local_gc,
+    )
+    p.add_argument(
+        "local_dir",
+        metavar="LOCALDIR",
+        type=_local_directory,
+        help="the executors' spark.statebackend.local.dir on this host",
+    )
+    p.add_argument("--apply", action="store_true", help="delete them (default: only list)")
+    p.add_argument(
+        "--older-than",
+        dest="older_than",
+        type=_seconds,
+        default=IDLE_SECONDS,
+        metavar="SECONDS",
+        help=f"keep copies a task used less than this long ago (default {IDLE_SECONDS:g}: 7 days)",
     )
 
     p = command("report", "an HTML page (or JSON) of a job's checkpoints and metrics", cmd_report)

@@ -60,7 +60,6 @@ of at its next batch.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -95,6 +94,13 @@ from statebackend.errors import (
 )
 from statebackend.keygroups import compute_key_group_range_for_operator_index
 from statebackend.serializers import Serializer
+from statebackend.tools.local_copies import (
+    LocalCopy,
+    acquire_lock,
+    copies_under,
+    release_lock,
+    remove_if_idle,
+)
 
 
 @dataclass(frozen=True)
@@ -400,24 +406,24 @@ class LocalKeyedState(ABC):
 
 
 class LocalRocksDBState(LocalKeyedState):
-    """The subtask's RocksDB on local disk: ``<root>/subtask-<i>``, locked with ``flock``
-    while in use, its version in a marker file beside it."""
+    """The subtask's RocksDB on local disk (``tools.local_copies``: ``<root>/subtask-<i>``),
+    locked with ``flock`` while in use, its version in a marker file beside it."""
 
     _keeps_in_background = True
     _lock_fd: int | None = None
 
     @property
+    def _copy(self) -> LocalCopy:
+        return LocalCopy(self._root, self._subtask)
+
+    @property
     def directory(self) -> Path:
         """The subtask's RocksDB directory."""
-        return self._root / f"subtask-{self._subtask}"
+        return self._copy.directory
 
     @property
     def _marker(self) -> Path:
-        return self._root / f"subtask-{self._subtask}.version"
-
-    @property
-    def _lock_path(self) -> Path:
-        return self._root / f"subtask-{self._subtask}.lock"
+        return self._copy.marker
 
     def _read_marker(self) -> dict[str, Any] | None:
         try:
@@ -426,10 +432,12 @@ class LocalRocksDBState(LocalKeyedState):
             return None
 
     def _open(self) -> RocksDBKeyedStateBackend:
-        self.directory.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        self._remove_subtasks_beyond_parallelism()
+        self._lock_fd = acquire_lock(self._copy)
+        # Copies of subtasks the job no longer has (left by a run at a higher
+        # parallelism): nothing would ever reuse or remove them.
+        for copy in copies_under(self._root):
+            if copy.subtask >= self._version.parallelism:
+                remove_if_idle(copy)
         options = self._options()
         if self._is_current(self._read_marker()):
             self.reused = True
@@ -441,29 +449,6 @@ class LocalRocksDBState(LocalKeyedState):
         self._marker.unlink(missing_ok=True)
         return backend
 
-    def _remove_subtasks_beyond_parallelism(self) -> None:
-        """Delete the copies of subtasks the job no longer has (left by a run at a higher
-        parallelism: nothing would ever reuse or remove them) that no task holds now."""
-        for lock_path in self._root.glob("subtask-*.lock"):
-            index = lock_path.name.removeprefix("subtask-").removesuffix(".lock")
-            if not index.isdigit() or int(index) < self._version.parallelism:
-                continue
-            try:
-                fd = os.open(lock_path, os.O_RDWR)
-            except FileNotFoundError:  # another task removed it first
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # a task of an older run still holds it
-                os.close(fd)
-                continue
-            try:
-                (self._root / f"subtask-{index}.version").unlink(missing_ok=True)
-                shutil.rmtree(self._root / f"subtask-{index}", ignore_errors=True)
-                lock_path.unlink(missing_ok=True)
-            finally:
-                os.close(fd)
-
     def _keep(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
         assert isinstance(backend, RocksDBKeyedStateBackend)
         backend.close()
@@ -473,8 +458,7 @@ class LocalRocksDBState(LocalKeyedState):
 
     def _release(self) -> None:
         if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = None
 
     def _unusable_directory(self, exc: BaseException) -> LocalStateError | None:
