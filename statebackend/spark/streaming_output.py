@@ -17,6 +17,7 @@ or a ``dropDuplicates`` in it works within each batch only.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -33,21 +34,21 @@ OutputFunction = Callable[[DataFrame], DataFrame]
 """A function of one batch's output DataFrame, returning the DataFrame to publish."""
 
 
-class OutputTransforms:
+class OutputTransforms(ABC):
     """``DataFrame``'s row-wise methods on a stateful stream's output, each returning a
     ``TransformedStream`` whose batches go through it (module docstring)."""
 
+    @abstractmethod
     def transform(
         self, func: Callable[..., DataFrame], *args: Any, **kwargs: Any
     ) -> TransformedStream:
         """A stream whose every batch's output is ``func(output, *args, **kwargs)``, as
         ``DataFrame.transform`` (``func`` must return a DataFrame)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def schema(self) -> StructType:
         """The schema of each batch's output rows, as ``DataFrame.schema``."""
-        raise NotImplementedError
 
     @property
     def columns(self) -> list[str]:
