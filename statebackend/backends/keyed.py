@@ -44,6 +44,8 @@ from statebackend.backends.timers import (
     KeyedTimerService,
     TimerClocks,
     TimerSnapshotInfo,
+    check_timer_change,
+    checked_timer_entries,
     timer_state_metas,
 )
 from statebackend.errors import IncompatibleStateError, StateAccessError
@@ -564,13 +566,17 @@ class KeyedStateBackend(ABC):
         states: Iterable[StateMetaInfo],
         entries: Iterable[tuple[str, int, Entry]],
         timers: TimerSnapshotInfo | None = None,
+        *,
+        source: str | None = None,
     ) -> None:
         """Load snapshot entries (state name, key group, entry) of this backend's range,
         and the snapshot's timer clocks (``timers``; several restores keep the earliest).
 
         Must precede ``get_state`` for the restored names, and ``timer_service``; entries
         of key groups outside the range are skipped. The key serializer must match the
-        stored one exactly (keys decide key groups), else IncompatibleStateError.
+        stored one exactly (keys decide key groups), else IncompatibleStateError. An entry
+        of a timer store that is no timer's is CheckpointCorruptedError naming ``source``
+        (the file the entries come from), if given, and the state and key group.
         """
         conversions = self._begin_restore(key_serializer, states, timers)
         in_range = (
@@ -583,6 +589,8 @@ class KeyedStateBackend(ABC):
             convert = conversions.get(name)
             if convert is not None:
                 items = ((group, (k, uk, convert(value))) for group, (k, uk, value) in items)
+            if is_timer_state(name):
+                items = checked_timer_entries(name, items, source)
             self._restored_store(name).write_entries(items)
         self._end_restore(timers)
 
@@ -592,6 +600,8 @@ class KeyedStateBackend(ABC):
         states: Iterable[StateMetaInfo],
         runs: Iterable[tuple[str, int, list[tuple[bytes, bytes]]]],
         timers: TimerSnapshotInfo | None = None,
+        *,
+        source: str | None = None,
     ) -> int:
         """``restore`` from runs of (state name, key group, its (composite key, value)
         pairs) in a snapshot's order, as the snapshot readers give them; returns the number
@@ -609,7 +619,7 @@ class KeyedStateBackend(ABC):
                     _, key, user_key = split_composite_key(composite)
                     yield name, key_group, (key, user_key, value)
 
-        self.restore(key_serializer, states, entries(), timers)
+        self.restore(key_serializer, states, entries(), timers, source=source)
         return loaded
 
     @property
@@ -630,6 +640,8 @@ class KeyedStateBackend(ABC):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         timers: TimerSnapshotInfo | None = None,
+        *,
+        source: str | None = None,
     ) -> None:
         """``restore`` without reading an entry: the native checkpoint in ``directory``
         becomes this backend's data. StateAccessError unless
@@ -770,6 +782,8 @@ class KeyedStateBackend(ABC):
         changes: Iterable[tuple[str, int, Change]],
         timers: TimerSnapshotInfo | None = None,
         same_batch: bool = False,
+        *,
+        source: str | None = None,
     ) -> None:
         """Apply the changes (state name, key group, change) of one changelog record to
         the key groups of this backend's range, after ``restore``, before ``get_state``
@@ -785,6 +799,8 @@ class KeyedStateBackend(ABC):
         replayed in batch order and clocks only move forward), unless ``same_batch``: a
         record of the batch whose clocks were replayed last (another old subtask's, on
         a rescale) leaves the earliest of both, as a restore from several handles does.
+        A change that writes an entry of a timer store that is no timer's is
+        CheckpointCorruptedError naming ``source`` (the record's file), if given.
         """
         states = list(states)
         self._check_restorable(key_serializer, states)
@@ -801,6 +817,7 @@ class KeyedStateBackend(ABC):
         conversions = self._register_restored(states)
         stores = self._stores  # not through the changelog: a replay is no change
         owned = self.key_group_range
+        timer_stores = {meta.name for meta in states if is_timer_state(meta.name)}
         for name, key_group, change in changes:
             if key_group in owned:
                 target = stores.get(name)
@@ -811,6 +828,9 @@ class KeyedStateBackend(ABC):
                 convert = conversions.get(name)
                 if convert is not None and change.op in (ChangeOp.PUT, ChangeOp.MAP_PUT):
                     change = change._replace(value=convert(change.value))
+                if name in timer_stores and change.op in (ChangeOp.PUT, ChangeOp.MAP_PUT):
+                    is_map = change.op is ChangeOp.MAP_PUT
+                    check_timer_change(name, key_group, change.key, change.user_key, is_map, source)
                 apply_change(target, key_group, change)
 
     def dispose(self) -> None:

@@ -54,7 +54,7 @@ from statebackend.backends.stores import (
     StateStoreView,
     split_composite_key,
 )
-from statebackend.backends.timers import TimerClocks, TimerSnapshotInfo
+from statebackend.backends.timers import TimerClocks, TimerSnapshotInfo, check_timer_composites
 from statebackend.errors import (
     CheckpointCorruptedError,
     IncompatibleStateError,
@@ -63,6 +63,7 @@ from statebackend.errors import (
 )
 from statebackend.serializers import Compatibility, SerializerConfig
 from statebackend.state.descriptors import StateKind
+from statebackend.state.timers import is_timer_state
 
 _WRITE_BATCH_ENTRIES = 10_000
 _MULTI_GET_KEYS = 1024
@@ -585,13 +586,16 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         states: Iterable[StateMetaInfo],
         runs: Iterable[tuple[str, int, list[tuple[bytes, bytes]]]],
         timers: TimerSnapshotInfo | None = None,
+        *,
+        source: str | None = None,
     ) -> int:
         """``restore`` at file speed, from runs of (state name, key group, its (composite
         key, value) pairs) whose pairs come, state by state over all runs, in strictly
         ascending composite-key order: a snapshot's order. Each state's pairs are written
         into one SST file beside the database and ingested, without a single put; runs of
         key groups outside the backend's range are skipped. Returns the number of entries
-        loaded; CheckpointCorruptedError if a state's keys are out of order."""
+        loaded; CheckpointCorruptedError if a state's keys are out of order, or an entry of
+        a timer store is no timer's (naming ``source``, the file, if given)."""
         conversions = self._begin_restore(key_serializer, states, timers)
         staging = Path(tempfile.mkdtemp(prefix="ingest-", dir=self.local_dir))
         writers: dict[str, tuple[SstFileWriter, Path]] = {}
@@ -609,6 +613,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
                 convert = conversions.get(name)
                 if convert is not None:
                     pairs = [(key, convert(value)) for key, value in pairs]
+                if is_timer_state(name):
+                    check_timer_composites(name, (key for key, _ in pairs), source)
                 try:
                     # starmap over a list: no Python frame per entry.
                     deque(starmap(writers[name][0].__setitem__, pairs), maxlen=0)
@@ -644,12 +650,15 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         timers: TimerSnapshotInfo | None = None,
+        *,
+        source: str | None = None,
     ) -> None:
         """``restore`` without reading an entry: the native checkpoint in ``directory`` (an
         incremental snapshot's files, downloaded onto the file system of ``local_dir``) is
         moved in as this backend's database and clipped to its key-group range with
         ``delete_range``, as Flink restores an incremental handle. StateAccessError unless
-        ``accepts_native_checkpoint()``."""
+        ``accepts_native_checkpoint()``. Only the timer stores' keys are read, to check
+        them as ``restore`` does (CheckpointCorruptedError naming ``source``, if given)."""
         if not self.accepts_native_checkpoint():
             raise StateAccessError(
                 "a native checkpoint can only become the database of a fresh backend: "
@@ -671,6 +680,8 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
             column = self._columns[name] = self._db.get_column_family(name)
             column.delete_range(b"", below)
             column.delete_range(above, _ABOVE_EVERY_KEY_GROUP)
+            if is_timer_state(name):
+                check_timer_composites(name, cast(Iterator[bytes], column.keys()), source)
         self._begin_restore(key_serializer, states, timers)
         self._end_restore(timers)
 

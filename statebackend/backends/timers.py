@@ -46,15 +46,22 @@ and earliest timestamps, and a restore from several handles (rescale) takes the 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from struct import Struct
 from struct import error as struct_error
 from typing import Any, NamedTuple
 
-from statebackend.backends.stores import KEY_GROUP_PREFIX, KEY_LENGTH, CurrentKey, StateStore
-from statebackend.errors import StateAccessError
+from statebackend.backends.stores import (
+    KEY_GROUP_PREFIX,
+    KEY_LENGTH,
+    CurrentKey,
+    Entry,
+    StateStore,
+    split_composite_key,
+)
+from statebackend.errors import CheckpointCorruptedError, StateAccessError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.state.descriptors import StateKind
 from statebackend.state.timers import (
@@ -119,6 +126,83 @@ def _bad_timestamp(timestamp: Any) -> StateAccessError:
     return StateAccessError(
         f"timer timestamp {timestamp!r} is not an int of signed 64 bits: give milliseconds"
     )
+
+
+_TIMESTAMP_IN_KEY = {
+    **{by_time_name(domain): True for domain in TIME_DOMAINS},
+    **{by_key_name(domain): False for domain in TIME_DOMAINS},
+}
+"""The timer stores, by name: whether an entry's timestamp is its key (else its user key)."""
+
+
+def _malformed_timer(
+    name: str, key_group: int, problem: str, source: str | None
+) -> CheckpointCorruptedError:
+    where = f"{source}: " if source else ""
+    return CheckpointCorruptedError(
+        f"{where}timer state {name!r} has {problem} in key group {key_group}: the state is "
+        f"damaged, restore from an earlier checkpoint"
+    )
+
+
+def _bad_length(length: int, what: str = "an entry") -> str:
+    return f"{what} with a timestamp of {length} bytes (not 8)"
+
+
+def checked_timer_entries(
+    name: str, items: Iterator[tuple[int, Entry]], source: str | None = None
+) -> Iterator[tuple[int, Entry]]:
+    """``items`` (key group, entry) of state ``name`` being restored, as they are; of a
+    timer store, CheckpointCorruptedError (naming ``source``, the file, if given) at the
+    first entry whose timestamp is not the 8 bytes the timer service writes."""
+    in_key = _TIMESTAMP_IN_KEY.get(name)
+    if in_key is None:
+        return items
+    return _checked(name, in_key, items, source)
+
+
+def _checked(
+    name: str, in_key: bool, items: Iterator[tuple[int, Entry]], source: str | None
+) -> Iterator[tuple[int, Entry]]:
+    for item in items:
+        length = len(item[1][0 if in_key else 1])
+        if length != _TIMESTAMP.size:
+            raise _malformed_timer(name, item[0], _bad_length(length), source)
+        yield item
+
+
+def check_timer_composites(name: str, composites: Iterable[bytes], source: str | None) -> None:
+    """``checked_timer_entries`` of composite keys (``stores.CurrentKey`` + user key)
+    of state ``name``: CheckpointCorruptedError unless each one of a timer store is a
+    timer's."""
+    in_key = _TIMESTAMP_IN_KEY.get(name)
+    if in_key is None:
+        return
+    for composite in composites:
+        try:
+            key_group, key, user_key = split_composite_key(composite)
+        except struct_error:
+            key_group = int.from_bytes(composite[: KEY_GROUP_PREFIX.size], "big")
+            raise _malformed_timer(name, key_group, "a truncated key", source) from None
+        length = len(key if in_key else user_key)
+        if length != _TIMESTAMP.size:
+            raise _malformed_timer(name, key_group, _bad_length(length), source)
+
+
+def check_timer_change(
+    name: str, key_group: int, key: bytes, user_key: bytes, is_map: bool, source: str | None
+) -> None:
+    """CheckpointCorruptedError unless a changelog change that writes an entry of state
+    ``name`` (``is_map``: a map entry, else a value) is a timer's, if it is a timer
+    store's."""
+    in_key = _TIMESTAMP_IN_KEY.get(name)
+    if in_key is None:
+        return
+    if not is_map:
+        raise _malformed_timer(name, key_group, "a value change (timers are map entries)", source)
+    length = len(key if in_key else user_key)
+    if length != _TIMESTAMP.size:
+        raise _malformed_timer(name, key_group, _bad_length(length, "a change"), source)
 
 
 def timer_state_metas() -> list[tuple[str, StateKind, dict[str, Any]]]:

@@ -118,7 +118,12 @@ def rebuild_keyed_state(
                 else list(read_changes(data.read_range, path, handle, replay.key_groups))
             )
             backend.replay(
-                handle.key_serializer, handle.states, read, handle.timers, clocks_replayed
+                handle.key_serializer,
+                handle.states,
+                read,
+                handle.timers,
+                clocks_replayed,
+                source=path,
             )
             clocks_replayed = clocks_replayed or handle.timers is not None
             changes += len(read)

@@ -188,19 +188,24 @@ def restore_keyed_state(
             handle, key_groups = source
             if not isinstance(handle, IncrementalKeyedStateHandle):
                 runs = handle.read_runs(files, key_groups)
+                where = ", ".join(files.path_of(file.path) for file in handle.files())
                 restored += backend.restore_sorted(
-                    handle.key_serializer, handle.states, runs, handle.timers
+                    handle.key_serializer, handle.states, runs, handle.timers, source=where
                 )
                 continue
             local = next(downloads)
+            where = (
+                f"{checkpoint_dir} (the incremental snapshot of key groups "
+                f"{handle.key_group_range.start}..{handle.key_group_range.end})"
+            )
             if source is base:
                 backend.restore_native_checkpoint(
-                    local, handle.key_serializer, handle.states, handle.timers
+                    local, handle.key_serializer, handle.states, handle.timers, source=where
                 )
                 continue
             runs = read_downloaded_runs(local, handle, key_groups)
             restored += backend.restore_sorted(
-                handle.key_serializer, handle.states, runs, handle.timers
+                handle.key_serializer, handle.states, runs, handle.timers, source=where
             )
             shutil.rmtree(local)
     return restored

@@ -1,0 +1,286 @@
+"""Timer entries read back by a restore are timers: an entry of a timer store whose
+timestamp is not the 8 bytes the timer service writes (a damaged or crafted snapshot,
+checkpoint file or changelog record whose checksums were made to match) is refused by
+the restore, naming the file (or the state and key group), instead of firing at a
+garbage timestamp or failing later as a key that does not decode.
+
+The timer stores' layout is taken from their documentation (``backends/timers.py``):
+``by_time`` keys are the 8-byte timestamp with the timer key as user key, ``by_key`` the
+reverse; the expectations of the undamaged restores are the timers registered.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from statebackend.backends.changelog import ChangeSet, MapKeyChanges, StateChanges
+from statebackend.backends.heap import HeapKeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
+from statebackend.backends.stores import CurrentKey, Entry
+from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
+from statebackend.checkpoint.changelog_storage import ChangelogStorage
+from statebackend.checkpoint.coordinator import CheckpointCoordinator
+from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.restore import restore_keyed_state
+from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.errors import CheckpointCorruptedError
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group
+from statebackend.serializers import IntSerializer
+
+M = 8
+EVERYTHING = KeyGroupRange(0, M - 1)
+KEY = 1
+KEY_BYTES = struct.pack(">q", KEY)  # IntSerializer's encoding, computed independently
+KEY_GROUP = assign_to_key_group(KEY_BYTES, M)
+TIMERS = {"event": 5, "processing": 7}
+STORES = [f"_timers.{domain}.{index}" for domain in TIMERS for index in ("by_time", "by_key")]
+BAD_TIMESTAMPS = [b"", b"abc", b"\x80" + bytes(8)]  # 0, 3 and 9 bytes
+
+
+def ts8(timestamp: int) -> bytes:
+    """The documented timestamp encoding: sign bit flipped, big-endian."""
+    return struct.pack(">Q", timestamp + (1 << 63))
+
+
+def make(kind: str, tmp_path: Path, name: str = "db") -> KeyedStateBackend:
+    options: dict[str, Any] = {
+        "max_parallelism": M,
+        "key_group_range": EVERYTHING,
+        "key_serializer": IntSerializer(),
+    }
+    if kind == "heap":
+        return HeapKeyedStateBackend(**options)
+    return RocksDBKeyedStateBackend(tmp_path / name, **options)
+
+
+@pytest.fixture
+def created() -> Iterator[list[KeyedStateBackend]]:
+    backends: list[KeyedStateBackend] = []
+    yield backends
+    for backend in backends:
+        backend.dispose()
+
+
+def with_timers(backend: KeyedStateBackend) -> KeyedStateBackend:
+    backend.set_current_key(KEY)
+    backend.timer_service.register_event_time_timer(TIMERS["event"])
+    backend.timer_service.register_processing_time_timer(TIMERS["processing"])
+    return backend
+
+
+def fired(backend: KeyedStateBackend) -> dict[str, list[tuple[Any, int]]]:
+    got: dict[str, list[tuple[Any, int]]] = {"event": [], "processing": []}
+    service = backend.timer_service
+    service.advance_watermark(2**62, lambda key, t: got["event"].append((key, t)))
+    service.advance_processing_time(2**62, lambda key, t: got["processing"].append((key, t)))
+    return got
+
+
+EXPECTED = {domain: [(KEY, timestamp)] for domain, timestamp in TIMERS.items()}
+
+
+def damage(store: str, entry: Entry, timestamp: bytes) -> Entry:
+    """``entry`` of ``store`` with its timestamp replaced by ``timestamp``."""
+    key, user_key, value = entry
+    if store.endswith("by_time"):
+        assert key == ts8(TIMERS[store.split(".")[1]])  # the documented layout
+        return timestamp, user_key, value
+    assert user_key == ts8(TIMERS[store.split(".")[1]])
+    return key, timestamp, value
+
+
+def composite(key_group: int, entry: Entry) -> bytes:
+    """A composite key as documented: [key group: 2][key length: 4][key][user key]."""
+    key, user_key, _ = entry
+    return struct.pack(">HI", key_group, len(key)) + key + user_key
+
+
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+@pytest.mark.parametrize("sorted_runs", [False, True], ids=["entries", "sorted-runs"])
+def test_undamaged_timer_entries_restore_and_fire(
+    tmp_path: Path, created: list[KeyedStateBackend], kind: str, sorted_runs: bool
+) -> None:
+    source = with_timers(make(kind, tmp_path, "source"))
+    created.append(source)
+    cut = source.sync_cut()
+    entries = [(n, g, e) for g in EVERYTHING for n, e in cut.entries(g)]
+    cut.release()
+    assert {name for name, _, _ in entries} == set(STORES)
+    target = make(kind, tmp_path)
+    created.append(target)
+    if sorted_runs:
+        runs = [(n, g, [(composite(g, e), e[2])]) for n, g, e in entries]
+        target.restore_sorted(cut.key_serializer, cut.states, runs, cut.timers)
+    else:
+        target.restore(cut.key_serializer, cut.states, entries, cut.timers)
+    assert fired(target) == EXPECTED
+
+
+@pytest.mark.parametrize("timestamp", BAD_TIMESTAMPS, ids=["0", "3", "9"])
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+@pytest.mark.parametrize("sorted_runs", [False, True], ids=["entries", "sorted-runs"])
+def test_a_timer_entry_whose_timestamp_is_not_8_bytes_is_refused_by_the_restore(
+    tmp_path: Path,
+    created: list[KeyedStateBackend],
+    kind: str,
+    sorted_runs: bool,
+    store: str,
+    timestamp: bytes,
+) -> None:
+    source = with_timers(make(kind, tmp_path, "source"))
+    created.append(source)
+    cut = source.sync_cut()
+    entries = [
+        (n, g, damage(store, e, timestamp) if n == store else e)
+        for g in EVERYTHING
+        for n, e in cut.entries(g)
+    ]
+    cut.release()
+    target = make(kind, tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        if sorted_runs:
+            runs = [(n, g, [(composite(g, e), e[2])]) for n, g, e in entries]
+            target.restore_sorted(cut.key_serializer, cut.states, runs, cut.timers)
+        else:
+            target.restore(cut.key_serializer, cut.states, entries, cut.timers)
+        fired(target)  # not reached once refused: what it gave before
+    message = str(raised.value)
+    assert "\n" not in message
+    assert repr(store) in message and f"key group {KEY_GROUP}" in message
+    assert "restore from an earlier checkpoint" in message
+
+
+def _damage_column(backend: RocksDBKeyedStateBackend, store: str, timestamp: bytes) -> None:
+    """Put a malformed entry into the RocksDB column of ``store`` beside the real one,
+    as a crafted file would hold it."""
+    column: Any = backend._columns[store]
+
+    def entry(timestamp: bytes) -> Entry:
+        if store.endswith("by_time"):
+            return timestamp, KEY_BYTES, b""
+        return KEY_BYTES, timestamp, b""
+
+    assert column.get(composite(KEY_GROUP, entry(ts8(TIMERS[store.split(".")[1]])))) == b""
+    column[composite(KEY_GROUP, entry(timestamp))] = b""
+
+
+def _checkpoint(tmp_path: Path, incremental: bool, store: str | None) -> tuple[Any, str, Any]:
+    """A completed checkpoint of one RocksDB subtask with the timers, ``store`` holding a
+    malformed timer entry (None: none)."""
+    storage = CheckpointStorage(
+        (tmp_path / "ck").as_uri(), "job", incremental=incremental, compression="none"
+    )
+    coordinator = CheckpointCoordinator(storage, max_parallelism=M)
+    source = with_timers(make("rocksdb", tmp_path, "source"))
+    try:
+        assert isinstance(source, RocksDBKeyedStateBackend)
+        source.timer_service.advance_watermark(1, lambda key, t: None)  # settles
+        if store is not None:
+            _damage_column(source, store, b"abc")
+        n = coordinator.trigger({"op": 1})
+        handle = source.snapshot(n, storage.snapshot_target(n, "op", 0)).result()
+        assert coordinator.acknowledge(n, SubtaskAck("op", 0, 1, handle, None, coordinator.run_id))
+    finally:
+        source.dispose()
+    return storage, storage.resolve(n), storage.load(n)
+
+
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_a_checkpoint_with_timers_restores_them(
+    tmp_path: Path, created: list[KeyedStateBackend], kind: str, incremental: bool
+) -> None:
+    storage, directory, metadata = _checkpoint(tmp_path, incremental, None)
+    target = make(kind, tmp_path)
+    created.append(target)
+    restore_keyed_state(target, storage.fs, directory, metadata, "op")
+    assert fired(target) == EXPECTED
+    storage.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_a_checkpoint_file_with_a_malformed_timer_entry_is_refused_naming_it(
+    tmp_path: Path, created: list[KeyedStateBackend], kind: str, incremental: bool, store: str
+) -> None:
+    """Full: the entry is in a frame whose checksum matches. Incremental: in the SST files
+    (a fresh RocksDB backend adopts them as its database, a heap backend reads them)."""
+    storage, directory, metadata = _checkpoint(tmp_path, incremental, store)
+    (handle,) = metadata.operators["op"].keyed_handles()
+    target = make(kind, tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        restore_keyed_state(target, storage.fs, directory, metadata, "op")
+        fired(target)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert repr(store) in message and f"key group {KEY_GROUP}" in message
+    assert "restore from an earlier checkpoint" in message
+    if incremental:
+        assert directory in message
+    else:
+        assert f"{directory}/{handle.path}" in message
+    storage.close()
+
+
+def _damaged_changes(changes: ChangeSet, store: str) -> ChangeSet:
+    """``changes`` with the timer change of ``store`` given a 3-byte timestamp."""
+    real = ts8(TIMERS[store.split(".")[1]])
+    damaged = dict(changes.changes)
+    if store.endswith("by_time"):
+        maps = {CurrentKey.of(KEY_GROUP, b"abc").prefix: MapKeyChanges(False, {KEY_BYTES: b""})}
+        assert set(changes.changes[store].maps) == {CurrentKey.of(KEY_GROUP, real).prefix}
+    else:
+        maps = {CurrentKey.of(KEY_GROUP, KEY_BYTES).prefix: MapKeyChanges(False, {b"abc": b""})}
+        assert changes.changes[store].maps[CurrentKey.of(KEY_GROUP, KEY_BYTES).prefix].entries == {
+            real: b""
+        }
+    damaged[store] = StateChanges({}, maps)
+    return ChangeSet(
+        changes.key_serializer,
+        changes.max_parallelism,
+        changes.key_group_range,
+        changes.states,
+        damaged,
+        changes.timers,
+    )
+
+
+@pytest.mark.parametrize("store", [None, *STORES])
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+def test_a_changelog_record_with_a_malformed_timer_change_is_refused_naming_it(
+    tmp_path: Path, created: list[KeyedStateBackend], kind: str, store: str | None
+) -> None:
+    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
+    source = make(kind, tmp_path, "source")
+    created.append(source)
+    source.enable_changelog()
+    with_timers(source)
+    changes = source.drain_changelog()
+    if store is not None:
+        changes = _damaged_changes(changes, store)
+    record = changelog.write_record(0, "op", 0, "a", changes)
+    changelog.commit(0, {"op": [record]}, max_parallelism=M)
+    target = make(kind, tmp_path)
+    created.append(target)
+    if store is None:
+        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
+        assert fired(target) == EXPECTED
+        return
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
+        fired(target)
+    message = str(raised.value)
+    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
+    assert path is not None and path in message and "\n" not in message
+    assert repr(store) in message and f"key group {KEY_GROUP}" in message
+    assert "restore from an earlier checkpoint" in message
