@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 CRC32 = "crc32"
@@ -79,13 +79,22 @@ def with_document_checksum(
 
 
 def document_checksum_problem(
-    document: dict[str, Any], serialize: Callable[[dict[str, Any]], bytes]
+    document: dict[str, Any],
+    serialize: Callable[[dict[str, Any]], bytes],
+    older_fields: Collection[str],
 ) -> str | None:
     """Remove ``DOCUMENT_CHECKSUM`` from a parsed ``document`` and say what is wrong if the
-    rest does not match it (None if it does, or if the document has none: an older
-    release wrote it)."""
+    rest does not match it (None if it does). A document without it is an older
+    release's, whose top-level fields are among ``older_fields``: one with another field
+    is damaged (the checksum field's name itself, most likely), else None."""
     expected = document.pop(DOCUMENT_CHECKSUM, None)
     if expected is None:
+        unknown = sorted(str(name) for name in document if name not in older_fields)
+        if unknown:
+            return (
+                f"it has no checksum and a field {unknown[0]!r} that no release without "
+                f"checksums wrote (a damaged checksum field)"
+            )
         return None
     algorithm = algorithm_of(expected)
     if algorithm is None:

@@ -45,6 +45,22 @@ from statebackend.snapshot.changelog_format import ChangelogHandle
 from statebackend.snapshot.handles import StoredFile
 
 MANIFEST_FORMAT_VERSION = 1
+_FIELDS = frozenset(
+    {
+        "format_version",
+        "kind",
+        "job_id",
+        "batch_id",
+        "max_parallelism",
+        "committed_at",
+        "base",
+        "properties",
+        "state_meta",
+        "operators",
+    }
+)
+"""The top-level fields of a manifest besides its checksum and signature: all that a
+release writing no checksum wrote (the same version 1)."""
 _KIND = "batch-manifest"
 SOURCE_OPERATOR = "source"
 """The operator id of a ``StatefulJob``'s source, whose offsets its driver holds."""
@@ -261,7 +277,7 @@ class BatchManifest:
             raise CheckpointCorruptedError(f"{where}: not a batch manifest") from exc
         if kind != _KIND:
             raise CheckpointCorruptedError(f"{where}: not a batch manifest (kind {kind!r})")
-        check_document(document, _compact, signing_key, where, "manifest or checkpoint")
+        check_document(document, _compact, signing_key, where, "manifest or checkpoint", _FIELDS)
         if not isinstance(version, int) or not 1 <= version <= MANIFEST_FORMAT_VERSION:
             raise IncompatibleStateError(
                 f"{where} has manifest format version {version!r}; this statebackend reads up "

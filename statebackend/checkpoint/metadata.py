@@ -13,7 +13,8 @@ checksums, indexes within their files). A violation is a CheckpointCorruptedErro
 the file and what is wrong. Its ``"checksum"`` field, the CRC-32 of the rest of the
 document, is checked first: damage that leaves valid JSON (a digit of an index, an
 offset in the properties) would otherwise go unnoticed (a file without the field, from an
-older release, is read as before). A signed ``_metadata`` (format version 2,
+older release, is read as before if it has only the fields those wrote: a damaged name
+of the field is no way around it). A signed ``_metadata`` (format version 2,
 ``signing.py``) carries ``"signature": {"algorithm": "hmac-sha256", "value": <hex>}``
 over the same document without that field.
 """
@@ -54,6 +55,21 @@ from statebackend.snapshot.raw_keyed_format import RawKeyedStateHandle
 FORMAT_VERSION = 2
 """The newest format this release writes: 2 when signed, else 1 (which older releases read)."""
 _UNSIGNED_VERSION = 1
+_FIELDS = frozenset(
+    {
+        "format_version",
+        "job_id",
+        "checkpoint_id",
+        "kind",
+        "triggered_at",
+        "completed_at",
+        "max_parallelism",
+        "properties",
+        "operators",
+    }
+)
+"""The top-level fields of ``_metadata`` besides its checksum and signature: all that a
+release writing no checksum wrote (the same versions 1 and 2)."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +261,7 @@ class CheckpointMetadata:
             version = document["format_version"]
         except Exception as exc:
             raise CheckpointCorruptedError(f"{where}: not a checkpoint metadata file") from exc
-        check_document(document, _canonical, signing_key, where, "checkpoint")
+        check_document(document, _canonical, signing_key, where, "checkpoint", _FIELDS)
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
             raise IncompatibleStateError(
                 f"{where} has metadata format version {version!r}; this statebackend reads "

@@ -31,7 +31,7 @@ import hashlib
 import hmac
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,17 +139,24 @@ def document_bytes(document: dict[str, Any], encode: Encode, key: SigningKey | N
 
 
 def check_document(
-    document: dict[str, Any], encode: Encode, key: SigningKey | None, where: str, earlier: str
+    document: dict[str, Any],
+    encode: Encode,
+    key: SigningKey | None,
+    where: str,
+    earlier: str,
+    older_fields: Collection[str],
 ) -> None:
     """Check a parsed ``document`` written by ``document_bytes`` before anything in it is
     used, removing its signature and checksum fields: with ``key`` its signature
     (``check_signature``), then its checksum, so that a damaged version number is damage
-    to fall back from, not a newer format. CheckpointCorruptedError naming ``where``,
-    telling to restore from an earlier ``earlier`` (e.g. "checkpoint")."""
+    to fall back from, not a newer format; one without a checksum only if all its fields
+    are among ``older_fields``, those of the releases that wrote none
+    (``document_checksum_problem``). CheckpointCorruptedError naming ``where``, telling to
+    restore from an earlier ``earlier`` (e.g. "checkpoint")."""
     signature = document.pop(SIGNATURE, None)
     if key is not None:
         check_signature(encode(document), signature, key, where)
-    damage = document_checksum_problem(document, encode)
+    damage = document_checksum_problem(document, encode, older_fields)
     if damage is not None:
         raise CheckpointCorruptedError(
             f"{where} is damaged: {damage}; restore from an earlier {earlier}"
