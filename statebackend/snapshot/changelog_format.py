@@ -58,9 +58,15 @@ from statebackend.snapshot.handles import (
 )
 from statebackend.snapshot.keyed_format import FRAME_BYTES, LENGTH
 from statebackend.snapshot.operator_format import OperatorStateHandle, encode_operator_cut
+from statebackend.state.descriptors import StateKind
 
 CHANGE_HEAD = Struct(">BHI")
 """``[op][state index][key length]`` of a change."""
+_FITTING_OPS = {
+    False: frozenset({ChangeOp.PUT, ChangeOp.DELETE}),
+    True: frozenset({ChangeOp.DELETE, ChangeOp.MAP_PUT, ChangeOp.MAP_REMOVE}),
+}
+"""The ops a change of a value-kind (False) or map-kind (True) state can have."""
 _OP_STATE = Struct(">BH")
 _LENGTHS = Struct(">II")
 _KEY_FROM = KEY_GROUP_PREFIX.size
@@ -370,6 +376,7 @@ def read_changes(
     if span is None:
         return
     names = [meta.name for meta in handle.states]
+    fitting = [_FITTING_OPS[meta.kind is StateKind.MAP] for meta in handle.states]
     start = span[0]
     data = read_range(path, *span)
     for key_group, offset, length in handle.key_groups:
@@ -383,6 +390,12 @@ def read_changes(
             for state, change in _decode_changes(payload, where):
                 if state >= len(names):
                     raise CheckpointCorruptedError(f"{where}: unknown state index {state}")
+                if change.op not in fitting[state]:
+                    raise CheckpointCorruptedError(
+                        f"{where}: a {change.op.name} change of {handle.states[state].kind.value}"
+                        f" state {names[state]!r}, which has no such change: the record is "
+                        f"damaged, restore from an earlier checkpoint"
+                    )
                 yield names[state], key_group, change
 
 

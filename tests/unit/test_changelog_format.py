@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 
-from statebackend.backends.changelog import ChangeSet, MapKeyChanges, StateChanges
+from statebackend.backends.changelog import ChangeOp, ChangeSet, MapKeyChanges, StateChanges
 from statebackend.backends.keyed import StateMetaInfo
 from statebackend.backends.stores import CurrentKey
 from statebackend.backends.timers import TimerClocks, TimerSnapshotInfo
+from statebackend.errors import CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange
 from statebackend.snapshot import changelog_format
-from statebackend.snapshot.changelog_format import encode_changes
-from statebackend.snapshot.frames import encode_frame
+from statebackend.snapshot.changelog_format import ChangelogHandle, encode_changes, read_changes
+from statebackend.snapshot.frames import FRAME_HEADER, encode_frame
 from statebackend.snapshot.keyed_format import FRAME_BYTES
 from statebackend.state.descriptors import StateKind
 
@@ -121,3 +122,104 @@ def test_records_equal_the_documented_format(codec: int, monkeypatch: Any) -> No
         change_set = random_change_set(rng, fixed_width=trial % 2 == 0)
         assert encode_changes(change_set, codec) == reference_record(change_set, codec), trial
     assert len(fixed_width_states) > 50  # both ways of building value changes were compared
+
+
+# The ops the record format documents (``ChangeOp``'s codes) and the state kinds whose
+# stores they apply to: a value-kind store takes puts and deletes, a map-kind store
+# deletes of a key's whole map and puts and removals of its entries.
+PUT, DELETE, MAP_PUT, MAP_REMOVE = 0, 1, 2, 3
+FITTING = {False: {PUT, DELETE}, True: {DELETE, MAP_PUT, MAP_REMOVE}}
+
+
+def _with_op(payload: bytes, change: int, op: int) -> bytes:
+    """``payload`` (a frame's changes, as documented) with change number ``change``'s op
+    set to ``op``."""
+    position = 0
+    for _ in range(change):
+        _, _, key_length = struct.unpack_from(">BHI", payload, position)
+        position += 7 + key_length
+        for _ in range(2):
+            (length,) = struct.unpack_from(">I", payload, position)
+            position += 4 + length
+    return payload[:position] + bytes([op]) + payload[position + 1 :]
+
+
+@pytest.mark.parametrize("is_map", [False, True], ids=["value-state", "map-state"])
+def test_a_change_whose_op_does_not_fit_its_state_kind_is_corruption(is_map: bool) -> None:
+    """A MAP_PUT of a value state or a PUT of a map state (a damaged op byte in a frame
+    whose crc32 matches) was replayed: a heap backend's map state then raised a raw
+    AttributeError, its value state a misleading SerializationError."""
+    states = [
+        StateMetaInfo("count", StateKind.VALUE, {"value": {"identity": "int", "version": 1}}),
+        StateMetaInfo(
+            "tags",
+            StateKind.MAP,
+            {
+                "user_key": {"identity": "str", "version": 1},
+                "value": {"identity": "int", "version": 1},
+            },
+        ),
+    ]
+    prefix = CurrentKey.of(3, b"k").prefix
+    changes = {
+        "count": StateChanges({prefix: b"\x00" * 8}, {}),
+        "tags": StateChanges({}, {prefix: MapKeyChanges(False, {b"t": b"\x01" * 8})}),
+    }
+    change_set = ChangeSet(
+        {"identity": "str", "version": 1},
+        8,
+        KeyGroupRange(0, 7),
+        states,
+        changes,
+        TimerSnapshotInfo.empty(TimerClocks()),
+    )
+    data, index = encode_changes(change_set, 0)
+    ((_, offset, length),) = index
+    payload = data[offset + FRAME_HEADER.size : offset + length]
+    handle = ChangelogHandle(
+        path="r",
+        size=len(data),
+        checksum="crc32:00000000",
+        key_group_range=KeyGroupRange(0, 7),
+        key_groups=tuple(index),
+        compression="none",
+        batch_id=1,
+        operator_id="op",
+        subtask=0,
+        attempt="a",
+        changes=2,
+        states=tuple(states),
+        key_serializer={"identity": "str", "version": 1},
+    )
+
+    def read(payload: bytes) -> list[Any]:
+        frame = encode_frame(payload, 0)
+        assert len(frame) == length  # the same layout, its checksum made to match
+        record = data[:offset] + frame
+
+        def read_range(path: str, start: int, size: int) -> bytes:
+            return record[start : start + size]
+
+        return list(
+            read_changes(
+                read_range, "file:///c/job/changelog/1/op-0-a", handle, KeyGroupRange(0, 7)
+            )
+        )
+
+    # The record as written: change 0 is the value state's, change 1 the map state's.
+    assert [(name, change.op) for name, _, change in read(payload)] == [
+        ("count", ChangeOp.PUT),
+        ("tags", ChangeOp.MAP_PUT),
+    ]
+    change = 1 if is_map else 0
+    for op in (PUT, DELETE, MAP_PUT, MAP_REMOVE):
+        damaged = _with_op(payload, change, op)
+        if op in FITTING[is_map]:
+            assert read(damaged)[change][2].op == op
+            continue
+        with pytest.raises(CheckpointCorruptedError) as raised:
+            read(damaged)
+        message = str(raised.value)
+        assert "file:///c/job/changelog/1/op-0-a" in message and "\n" not in message
+        assert ("'tags'" if is_map else "'count'") in message
+        assert "restore from an earlier checkpoint" in message
