@@ -17,6 +17,7 @@
 <dir>/<job_id>/outputs/<B>/<operator>-<i>-<attempt>.parquet   an attempt's staged output rows
 <dir>/<job_id>/published/<B>                       batch B's output reached an append sink
 <dir>/<job_id>/spark-binding.json                  the Spark checkpointLocation bound to the job
+<dir>/<job_id>/first-start.json                    the restore_from toDF()'s first start recorded
 <dir>/<job_id>/metrics/<start>-<run>/<segment>.jsonl   a run's metrics history (``metrics.py``)
 ```
 ``<dir>`` is any URL or path the checkpoint file system accepts; the layout only appends
@@ -44,6 +45,9 @@ LEADER_DIR = "_leader"
 OUTPUTS_DIR = "outputs"
 PUBLISHED_DIR = "published"
 SPARK_BINDING_FILE = "spark-binding.json"
+FIRST_START_FILE = "first-start.json"
+"""How a job whose batches ``toDF()`` runs was first started: its ``restore_from`` (or
+none), recorded before its first batch runs, as a query records it in its binding."""
 LOCATION_BINDING_FILE = "statebackend-binding.json"
 """Our file in a Spark checkpointLocation, naming the state job it is bound to."""
 METRICS_DIR = "metrics"
@@ -292,3 +296,9 @@ class JobLayout:
     def spark_binding_path(self) -> str:
         """``<dir>/<job_id>/spark-binding.json``: the Spark checkpointLocation of the job."""
         return join(self.job_dir, SPARK_BINDING_FILE)
+
+    @property
+    def first_start_path(self) -> str:
+        """``<dir>/<job_id>/first-start.json``: the ``restore_from`` of the job's first
+        ``toDF()`` (``FIRST_START_FILE``)."""
+        return join(self.job_dir, FIRST_START_FILE)

@@ -115,7 +115,9 @@ from statebackend.spark.streaming_commit import (
     batch_output,
     bound_restore,
     check_bound_restore,
+    check_recorded_restore,
     check_same_query,
+    record_first_start,
 )
 from statebackend.spark.streaming_output import (
     OutputTransforms,
@@ -353,6 +355,8 @@ class StatefulStream(OutputTransforms):
         bound = bound_restore(storage) if newest is None else None
         if bound is not None:  # a start before the first batch committed: as first started
             requested = check_bound_restore(job_id, bound, requested)
+            if restore_from is None and requested is not None:
+                check_recorded_restore(storage, bound)
         self.query[RESTORED_FROM] = requested
         self.restore_dir: str | None = None
         """The savepoint or checkpoint the job's first batch restores (``restore_from``
@@ -483,6 +487,8 @@ class StatefulStream(OutputTransforms):
         previous = self._previous_batch
         if previous is None:
             previous = self.committer.newest_batch()
+        if previous is None:  # a restart before the first commit goes on from it
+            record_first_start(storage, self.query[RESTORED_FROM])
         batch_id = 0 if previous is None else previous + 1
         now = int(time.time() * 1000)
         self.ends_when_caught_up = True

@@ -65,9 +65,11 @@ from statebackend.checkpoint.filesystem import (
 )
 from statebackend.checkpoint.layout import (
     LOCATION_BINDING_FILE,
+    METADATA_FILE,
     SPARK_BINDING_FILE,
     batch_ids,
     join,
+    metadata_path,
 )
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
@@ -225,14 +227,49 @@ at most once per side."""
 
 
 def bound_restore(storage: CheckpointStorage) -> tuple[str, str | None] | None:
-    """The checkpointLocation the job of ``storage`` is bound to and the ``restore_from``
-    its first start recorded with the binding (None: it started from empty state); None
-    if the job is not bound, or was bound by an older release that recorded none."""
+    """How the job of ``storage`` was first started (``checkpointLocation <location>``:
+    the query it is bound to, or ``toDF()``) and the ``restore_from`` that start recorded
+    (None: it started from empty state); None if no start recorded one (the job never
+    started, or a start of an older release bound it)."""
     job_side = _read_json(storage.fs, storage.layout.spark_binding_path)
+    how = "toDF()"
+    if job_side is None:
+        job_side = _read_json(storage.fs, storage.layout.first_start_path)
+    else:
+        how = f"checkpointLocation {job_side['checkpoint_location']}"
     if job_side is None or RESTORED_FROM not in job_side:
         return None
     recorded = job_side[RESTORED_FROM]
-    return str(job_side["checkpoint_location"]), None if recorded is None else str(recorded)
+    return how, None if recorded is None else str(recorded)
+
+
+def record_first_start(storage: CheckpointStorage, restored_from: str | None) -> None:
+    """Record in the job's directory that ``toDF()`` starts it with ``restored_from``
+    (None: empty state), before its first batch runs, unless a start recorded it already
+    (``bound_restore`` reads it); ConfigurationError if that start recorded another one
+    (this stream read the job before it)."""
+    path = storage.layout.first_start_path
+    if not _create_json(storage.fs, path, {RESTORED_FROM: restored_from}):
+        _check_same_start(storage, "toDF()", _read_json(storage.fs, path), restored_from)
+
+
+def _check_same_start(
+    storage: CheckpointStorage,
+    how: str,
+    recorded: dict[str, Any] | None,
+    restored_from: str | None,
+) -> None:
+    """ConfigurationError if the start recorded in ``recorded`` (a binding or
+    first-start file; ``how``: by what) was from another ``restore_from``."""
+    if recorded is None or RESTORED_FROM not in recorded:
+        return
+    if not _same_restore(recorded[RESTORED_FROM], restored_from):
+        # transform_with_state read the job before that start of it recorded this.
+        raise ConfigurationError(
+            f"state job {storage.job_id!r} was first started {_started(recorded[RESTORED_FROM])} "
+            f"({how}), this start {_started(restored_from)}: call transform_with_state again "
+            f"to go on as first started"
+        )
 
 
 def _same_restore(one: object, other: object) -> bool:
@@ -252,15 +289,28 @@ def check_bound_restore(
     """The ``restore_from`` a start of a job that has committed no batch goes on from:
     the one recorded at its first start (``bound``: ``bound_restore``), also when none is
     given now. ConfigurationError naming both if another one is given."""
-    location, recorded = bound
+    how, recorded = bound
     if requested is None or _same_restore(recorded, requested):
         return recorded
     raise ConfigurationError(
-        f"state job {job_id!r} was first started {_started(recorded)} (checkpointLocation "
-        f"{location}) and has committed no batch yet: restore_from={requested} applies to a "
-        f"job's first start only; drop restore_from to go on as first started, or start a "
-        f"new job_id with a new checkpointLocation from it"
+        f"state job {job_id!r} was first started {_started(recorded)} ({how}) and has "
+        f"committed no batch yet: restore_from={requested} applies to a job's first start "
+        f"only; drop restore_from to go on as first started, or start a new job_id (a query: "
+        f"with a new checkpointLocation) from it"
     )
+
+
+def check_recorded_restore(storage: CheckpointStorage, bound: tuple[str, str | None]) -> None:
+    """ConfigurationError if the ``restore_from`` the job's first start recorded
+    (``bound``: ``bound_restore``), which a start without one goes on from, is gone."""
+    how, recorded = bound
+    if recorded is not None and not storage.fs.exists(metadata_path(recorded)):
+        raise ConfigurationError(
+            f"state job {storage.job_id!r} was first started with restore_from={recorded} "
+            f"({how}) and has committed no batch, but {recorded} is gone (no "
+            f"{METADATA_FILE}): put that savepoint back to go on as first started, or start "
+            f"a new job_id (a query: with a new checkpointLocation)"
+        )
 
 
 def bind(
@@ -342,6 +392,9 @@ def _bind(
                 f"restore_from a savepoint of it (statebackend savepoint create "
                 f"{storage.layout.job_dir}/latest --to DIR)"
             )
+    if job_side is None:  # toDF() may have recorded the job's first start
+        first_start = _read_json(storage.fs, storage.layout.first_start_path)
+        _check_same_start(storage, "toDF()", first_start, restored_from)
     created = theirs is None
     if theirs is None:
         theirs = {**ours, "binding_id": uuid.uuid4().hex}
@@ -375,13 +428,8 @@ def _bind(
             f"checkpointLocation {location} and state job {storage.job_id!r} were bound in "
             f"different runs: use a new checkpointLocation and a new job_id"
         )
-    elif RESTORED_FROM in job_side and not _same_restore(job_side[RESTORED_FROM], restored_from):
-        # transform_with_state read the job before a start of it bound it.
-        raise ConfigurationError(
-            f"state job {storage.job_id!r} was first started {_started(job_side[RESTORED_FROM])} "
-            f"(checkpointLocation {location}), this query {_started(restored_from)}: call "
-            f"transform_with_state again to go on as first started"
-        )
+    else:
+        _check_same_start(storage, f"checkpointLocation {location}", job_side, restored_from)
     return binding_id
 
 

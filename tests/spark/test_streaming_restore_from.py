@@ -365,3 +365,54 @@ def test_a_restore_from_survives_a_restart_without_it_before_the_first_commit(
     start(None)
     assert read_output(spark, tmp_path / "out-v2") == _shifted(expected_output(batches), 3)
     assert state_totals(spark, tmp_path / "ours" / "v2") == expected_totals(batches)
+
+
+def test_a_todf_job_goes_on_from_the_restore_from_its_first_batch_recorded(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Job v2's first ``toDF()`` starts from v1's savepoint and its batch fails (nothing
+    committed). A ``toDF()`` with another ``restore_from`` is refused, naming both; one
+    without ``restore_from`` goes on from the savepoint (plain Python over v1's and v2's
+    input), as a query's restart does. Job v3 likewise, but its savepoint is deleted
+    before the start without ``restore_from``: the error says that the job's first start
+    recorded it and that it is gone."""
+    ours = tmp_path / "ours"
+    batches = make_batches(4, seed=75)
+    savepoint = _old_job(spark, tmp_path, batches[:3])
+    other = tmp_path / "savepoints" / "other"
+    shutil.copytree(savepoint, other)
+    flag = tmp_path / "fail"
+    frame = spark.createDataFrame(batches[3], "user string, amount long")
+
+    def run(job_id: str, restore_from: Path | None) -> OutputRows:
+        stateful = transform_with_state(
+            frame,
+            key_by="user",
+            processor=FailsWhileFlagged(str(flag)),
+            output_schema=example.OUTPUT_SCHEMA,
+            job_id=job_id,
+            parallelism=2,
+            restore_from=None if restore_from is None else str(restore_from),
+        )
+        rows = stateful.toDF().collect()
+        return Counter((0, (r.user, r["count"], r.total, r.amounts)) for r in rows)
+
+    for job_id, first in (("v2", savepoint), ("v3", other)):
+        flag.write_text("")
+        with pytest.raises(Exception, match="flagged to fail"):
+            run(job_id, first)
+        assert not list((tmp_path / "ours" / job_id).glob("manifests/*"))
+    flag.unlink()
+    with pytest.raises(ConfigurationError, match="was first started with restore_from") as raised:
+        run("v2", other)
+    assert str(savepoint) in str(raised.value) and str(other) in str(raised.value)
+    assert run("v2", None) == _shifted(expected_output(batches), 3)
+    assert state_totals(spark, tmp_path / "ours" / "v2") == expected_totals(batches)
+    for command in (["inspect", str(tmp_path / "ours" / "v2" / "latest")], ["gc", str(ours)]):
+        assert main(command) == 0, command  # the new file is nothing to them
+
+    shutil.rmtree(other)
+    with pytest.raises(ConfigurationError, match="first started with restore_from=") as raised:
+        run("v3", None)
+    assert f"but {other} is gone" in str(raised.value)
+    assert not list((tmp_path / "ours" / "v3").glob("manifests/*"))

@@ -20,6 +20,8 @@ from statebackend.spark.streaming_commit import (
     bind,
     bound_restore,
     check_bound_restore,
+    check_recorded_restore,
+    record_first_start,
     spark_location,
 )
 
@@ -109,23 +111,60 @@ def test_a_first_start_records_its_restore_from_with_the_binding(tmp_path: Path)
     location = str(tmp_path / "spark")
     binding = bind(storage, location, {}, savepoint)
     bound = bound_restore(storage)
-    assert bound == (location, savepoint)
+    assert bound == (f"checkpointLocation {location}", savepoint)
     for given in (None, savepoint, Path(savepoint).as_uri()):
         assert check_bound_restore("job", bound, given) == savepoint, given
     with pytest.raises(ConfigurationError, match="first started with restore_from=") as raised:
         check_bound_restore("job", bound, other)
     assert savepoint in str(raised.value) and other in str(raised.value)
-    with pytest.raises(ConfigurationError, match="this query from empty state"):
+    with pytest.raises(ConfigurationError, match="this start from empty state"):
         bind(storage, location, {}, None)
     assert bind(storage, location, {}, savepoint) == binding
 
     empty = CheckpointStorage((tmp_path / "ckpt").as_uri(), "empty")
     bind(empty, str(tmp_path / "spark-empty"), {})
     bound = bound_restore(empty)
-    assert bound == (str(tmp_path / "spark-empty"), None)
+    assert bound == (f"checkpointLocation {tmp_path / 'spark-empty'}", None)
     assert check_bound_restore("empty", bound, None) is None
     with pytest.raises(ConfigurationError, match="was first started from empty state"):
         check_bound_restore("empty", bound, savepoint)
+
+
+def test_the_first_todf_records_its_restore_from_in_the_job_directory(tmp_path: Path) -> None:
+    """A job whose batches ``toDF()`` runs records its first start's ``restore_from`` in
+    ``first-start.json``, only if absent: a start before a batch committed goes on from
+    it, another one is refused naming both (also by ``toDF()`` of a stream that read the
+    job before, and by a query's ``bind``), and once the savepoint is gone a start that
+    goes on from it says that the first start recorded it."""
+    savepoint, other = tmp_path / "sp", str(tmp_path / "sp2")
+    storage = CheckpointStorage((tmp_path / "ckpt").as_uri(), "job")
+    assert bound_restore(storage) is None
+    record_first_start(storage, str(savepoint))
+    record_first_start(storage, savepoint.as_uri())  # the same, spelled as a URL
+    bound = bound_restore(storage)
+    assert bound == ("toDF()", str(savepoint))
+    assert check_bound_restore("job", bound, None) == str(savepoint)
+    with pytest.raises(ConfigurationError, match="first started with restore_from=") as raised:
+        check_bound_restore("job", bound, other)
+    assert str(savepoint) in str(raised.value) and other in str(raised.value)
+    for start in (
+        lambda: record_first_start(storage, other),
+        lambda: record_first_start(storage, None),
+        lambda: bind(storage, str(tmp_path / "spark"), {}, None),
+    ):
+        with pytest.raises(ConfigurationError, match=r"\(toDF\(\)\), this start"):
+            start()
+    assert not (tmp_path / "spark").exists() or not os.listdir(tmp_path / "spark")
+    assert json.loads(storage.fs.read_file(storage.layout.first_start_path)) == {
+        "restored_from": str(savepoint)
+    }
+    with pytest.raises(ConfigurationError, match=f"but {savepoint} is gone"):
+        check_recorded_restore(storage, bound)
+    savepoint.mkdir()
+    (savepoint / "_metadata").write_text("{}")
+    check_recorded_restore(storage, bound)
+    bind(storage, str(tmp_path / "spark"), {}, str(savepoint))
+    assert bound_restore(storage) == (f"checkpointLocation {tmp_path / 'spark'}", str(savepoint))
 
 
 def test_the_job_is_found_bound_under_every_spelling_of_its_checkpoint_dir(
