@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from statebackend.backends.keyed import FrozenState, KeyedStateBackend, SerializedKeys
@@ -138,6 +139,15 @@ class HeapKeyedStateBackend(KeyedStateBackend):
     """Keyed state in memory; same interface and snapshot format as the RocksDB backend."""
 
     _timer_cache_entries = None  # all timers are in memory anyway
+
+    def __init__(self, *, scratch_dir: Path | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        self._scratch_dir = scratch_dir
+
+    @property
+    def scratch_dir(self) -> Path | None:
+        """Where a restore downloads files (None: the system's temp directory)."""
+        return self._scratch_dir
 
     def _create_store(self, name: str, is_map: bool) -> StateStore:
         return HeapStateStore(is_map)

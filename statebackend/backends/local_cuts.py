@@ -8,6 +8,9 @@ on a lock file inside it for its whole life, and the kernel drops that lock when
 process dies (a killed worker never removes its cuts itself). ``sweep_cuts`` removes
 the cuts whose lock it can take: those of dead processes only.
 
+A heap backend rebuilt in the Spark runtime downloads into such a directory of the
+subtasks' local directory (``cut-restore-<i>-*``, ``local_state``) the same way.
+
 Making a cut and sweeping both hold an ``flock`` on the local directory itself, so that a
 sweep never sees a cut whose lock is not held yet.
 """

@@ -49,7 +49,8 @@ parallelism (left by a run at a higher one) that no task holds.
 With the ``heap`` backend the state lives in the Python worker's memory instead: a
 process-wide table maps (root, subtask) to (marker, backend). A worker that holds the
 subtask at (generation, previous_batch, accepted attempt) reuses it; any other worker
-rebuilds it as above.
+rebuilds it as above, downloading into a ``cut-restore-<i>-*`` directory of ``root`` that
+it holds while it rebuilds (``local_cuts``): a rebuild removes those of dead workers.
 Copies left behind in a worker that did not run the subtask's latest batch are disposed
 of at its next batch.
 
@@ -76,6 +77,7 @@ from typing import Any, ClassVar, TypeVar
 
 from statebackend.backends.heap import HeapKeyedStateBackend
 from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.local_cuts import LocalCut, sweep_cuts
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
@@ -510,7 +512,17 @@ class LocalHeapState(LocalKeyedState):
         if reusable is not None:
             self.reused = True
             return reusable
-        return self._rebuild(HeapKeyedStateBackend(**self._options()))
+        if self._version.restore_manifest is None and self._version.restore_dir is None:
+            return HeapKeyedStateBackend(**self._options())  # nothing to download
+        # Downloads go into a directory this process holds, in the local directory, so
+        # that a rebuild there removes those of workers killed midway.
+        self._root.mkdir(parents=True, exist_ok=True)
+        sweep_cuts(self._root)
+        scratch = LocalCut(self._root, f"restore-{self._subtask}")
+        try:
+            return self._rebuild(HeapKeyedStateBackend(scratch_dir=scratch.path, **self._options()))
+        finally:
+            scratch.release()
 
     def _keep(self, backend: KeyedStateBackend, marker: dict[str, Any]) -> None:
         assert isinstance(backend, HeapKeyedStateBackend)
