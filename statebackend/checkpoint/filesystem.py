@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import fsspec
@@ -767,7 +767,8 @@ class CheckpointFileSystem:
                 if isinstance(when, datetime):
                     modified = when.timestamp()
                 elif isinstance(when, (int, float)):
-                    modified = float(when)
+                    # as ``modified`` gives it: through a datetime, to whole microseconds
+                    modified = datetime.fromtimestamp(when, tz=timezone.utc).timestamp()
                 else:  # a file system whose listing has no time
                     modified = self.modified(name)
                 files[name[len(root) :]] = (int(info["size"]), modified)

@@ -12,6 +12,7 @@ the plain-Python model of the state and from the files the test itself wrote.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 from fsspec.utils import get_protocol
 
-from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile
+from statebackend.checkpoint.filesystem import CheckpointFileSystem, WrittenFile, open_filesystem
 from statebackend.checkpoint.layout import join
 from statebackend.checkpoint.metadata import SubtaskAck
 from statebackend.checkpoint.requests import (
@@ -403,6 +404,22 @@ def test_answered_savepoint_requests_are_garbage_once_their_answer_is_old(job: J
     delete_garbage(fs, job_directory, garbage, grace_seconds=0)
     assert fs.list_dir(requests_dir) == [f"savepoint-{ids[1]}.json"]
     assert [r.request_id for r in pending_savepoint_requests(fs, job_directory)] == [ids[1]]
+
+
+def test_listed_times_are_modified_times_to_the_microsecond(tmp_path: Path) -> None:
+    """``list_files`` gives each file's time as ``modified`` does: a local file's
+    nanosecond mtime, which ``modified`` rounds to whole microseconds (a datetime), was
+    listed unrounded, so a file whose time gc compared against ``modified`` of another
+    listing could come out a fraction of a microsecond younger than itself."""
+    fs = open_filesystem(tmp_path.as_uri())
+    for index, nanoseconds in enumerate((123_456_400, 123_456_600, 999_999_900, 0)):
+        path = tmp_path / f"file-{index}"
+        path.write_bytes(b"x")
+        os.utime(path, ns=(1_700_000_000 * 10**9 + nanoseconds,) * 2)
+    listed = fs.list_files(tmp_path.as_uri())
+    assert len(listed) == 4
+    for name, (_, modified) in listed.items():
+        assert modified == fs.modified(join(tmp_path.as_uri(), name))
 
 
 def test_modified_is_the_storage_write_time(checkpoint_url: Storage) -> None:
