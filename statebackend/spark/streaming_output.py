@@ -55,9 +55,10 @@ class OutputTransforms(ABC):
         """The names of the output's columns, as ``DataFrame.columns``."""
         return self.schema.fieldNames()
 
-    def printSchema(self) -> None:  # noqa: N802 - mirrors DataFrame.printSchema
-        """Print the output's schema as ``DataFrame.printSchema`` does."""
-        print(self.schema.treeString())
+    def printSchema(self, level: int | None = None) -> None:  # noqa: N802 - mirrors DataFrame
+        """Print the output's schema as ``DataFrame.printSchema(level)`` does (``level``:
+        the nesting depth printed; None or 0: all)."""
+        print(self.schema.treeString(level) if level else self.schema.treeString())
 
     def select(self, *cols: Column | str | list[Column | str]) -> TransformedStream:
         """The output's ``select(*cols)``, batch by batch."""

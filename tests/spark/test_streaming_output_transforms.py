@@ -187,3 +187,20 @@ def test_a_continuation_that_cannot_apply_is_an_error_before_any_batch(
     assert not (tmp_path / "ours" / "bad" / "changelog").exists()
     with pytest.raises(ConfigurationError, match="has no .write: use writeStream"):
         stateful.select("user").write  # noqa: B018
+
+
+@pytest.mark.parametrize("level", [1, 2, 0])
+def test_print_schema_with_a_level_as_a_dataframe_prints_it(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str], level: int
+) -> None:
+    """``printSchema(level)`` prints the output's schema to that nesting depth, as
+    ``DataFrame.printSchema(level)`` prints the same chain's."""
+
+    def nested(output: DataFrame) -> DataFrame:
+        return output.withColumn("pair", F.struct("user", F.struct("total").alias("inner")))
+
+    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "level")
+    nested(spark.createDataFrame([], OUTPUT)).printSchema(level)
+    expected = capsys.readouterr().out
+    stateful.transform(nested).printSchema(level)
+    assert capsys.readouterr().out == expected
