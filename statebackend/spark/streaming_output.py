@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from statebackend.spark.streaming import StatefulStream
     from statebackend.spark.streaming_writer import StatefulStreamWriter
 
+_OUTER_ON_STATIC_SIDE = {"right", "rightouter", "outer", "full", "fullouter"}
+"""The join types Spark refuses between a stream (left) and a static DataFrame."""
+
 OutputFunction = Callable[[DataFrame], DataFrame]
 """A function of one batch's output DataFrame, returning the DataFrame to publish."""
 
@@ -89,6 +92,29 @@ class OutputTransforms(ABC):
     def drop(self, *cols: Column | str) -> TransformedStream:
         """The output without ``cols``, batch by batch."""
         return self.transform(DataFrame.drop, *cols)
+
+    def join(
+        self,
+        other: DataFrame,
+        on: str | list[str] | Column | list[Column] | None = None,
+        how: str | None = None,
+    ) -> TransformedStream:
+        """The output joined with the static DataFrame ``other``, batch by batch, as
+        ``DataFrame.join``; the joins Spark takes of a stream with a static DataFrame
+        (inner, cross, left outer, semi, anti), as Spark refuses the others."""
+        if other.isStreaming:
+            raise ConfigurationError(
+                "join of transform_with_state's output with a streaming DataFrame is not "
+                "supported (a stateful operator cannot follow it): write the output and read "
+                "it as a new stream"
+            )
+        if how is not None and how.lower().replace("_", "") in _OUTER_ON_STATIC_SIDE:
+            raise ConfigurationError(
+                f"join how={how!r} of transform_with_state's output with a static DataFrame "
+                f"is not supported, as in Spark (the static side's rows would repeat every "
+                f"batch): use inner, left, semi or anti"
+            )
+        return self.transform(DataFrame.join, other, on, how)
 
 
 def no_writer_error(df: DataFrame) -> ConfigurationError:

@@ -204,3 +204,50 @@ def test_print_schema_with_a_level_as_a_dataframe_prints_it(
     expected = capsys.readouterr().out
     stateful.transform(nested).printSchema(level)
     assert capsys.readouterr().out == expected
+
+
+def test_join_with_a_static_dataframe_as_sparks_query_gives(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``join`` of the output with a static DataFrame, inner and left outer, against the
+    same join of Spark's transformWithState DataFrame and plain Python; the joins Spark
+    refuses on a stream are refused before any batch."""
+    regions = {"a": "north", "c": "east", "z": "west"}
+    static = spark.createDataFrame(sorted(regions.items()), "user string, region string")
+    totals: dict[str, int] = defaultdict(int)
+    outputs = []
+    for batch in BATCHES:
+        for user in sorted({event["user"] for event in batch}):
+            totals[user] += sum(e["amount"] for e in batch if e["user"] == user)
+            outputs.append((user, totals[user], regions.get(user)))
+    for how in ("inner", "left"):
+        ours, theirs = tmp_path / f"ours-{how}", tmp_path / f"spark-{how}"
+        stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, how)
+        queries = [
+            stateful.join(static, "user", how)
+            .writeStream.format("parquet")
+            .option("path", str(ours))
+            .option("checkpointLocation", str(tmp_path / f"ckpt-{how}")),
+            _source(spark, tmp_path)
+            .groupBy("user")
+            .transformWithState(Totals(), OUTPUT, "Update", "None")
+            .join(static, "user", how)
+            .writeStream.format("parquet")
+            .option("path", str(theirs))
+            .option("checkpointLocation", str(tmp_path / f"spark-ckpt-{how}")),
+        ]
+        for writer in queries:
+            writer.trigger(availableNow=True).start().awaitTermination()
+        got = sorted((r.user, r.total, r.region) for r in spark.read.parquet(str(ours)).collect())
+        want = [row for row in outputs if how == "left" or row[2] is not None]
+        assert got == sorted(want)
+        assert got == sorted(
+            (r.user, r.total, r.region) for r in spark.read.parquet(str(theirs)).collect()
+        )
+
+    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "outer")
+    for how in ("right_outer", "full"):
+        with pytest.raises(ConfigurationError, match=f"join how='{how}' .* use inner, left"):
+            stateful.join(static, "user", how)
+    with pytest.raises(ConfigurationError, match="with a streaming DataFrame is not supported"):
+        stateful.join(_source(spark, tmp_path), "user")
