@@ -389,7 +389,7 @@ def _bind(
                 f"a query would take those batches for its own. Restore the query's "
                 f"checkpointLocation and the job's {SPARK_BINDING_FILE} if they were deleted; "
                 f"else, to go on from that state, start the query with a new job_id and "
-                f"restore_from a savepoint of it (statebackend savepoint create "
+                f"restore_from a savepoint of it (statebackend savepoint create --from "
                 f"{storage.layout.job_dir}/latest --to DIR)"
             )
     if job_side is None:  # toDF() may have recorded the job's first start

@@ -15,6 +15,7 @@ from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.filesystem import CheckpointFileSystem, RetryPolicy
 from statebackend.checkpoint.layout import LOCATION_BINDING_FILE
 from statebackend.checkpoint.storage import CheckpointStorage
+from statebackend.cli import main
 from statebackend.errors import CheckpointError, ConfigurationError
 from statebackend.spark.streaming_commit import (
     bind,
@@ -96,8 +97,13 @@ def test_the_refusal_of_an_unbound_job_with_batches_says_what_is_known(tmp_path:
         f"state job 'job' in {storage.layout.checkpoint_dir} has committed batches 0..2 "
         f"but is bound to no Spark checkpointLocation" in message
     ), message
-    assert f"savepoint create {storage.layout.job_dir}/latest --to DIR" in message
     assert not (location / LOCATION_BINDING_FILE).exists()
+    # The command it gives folds the job's batches into a savepoint as given.
+    command = message.split("(statebackend ", 1)[1].split(")", 1)[0].split()
+    savepoint = tmp_path / "savepoint"
+    argv = [str(savepoint) if word == "DIR" else word for word in command]
+    assert main(argv) == 0
+    assert (savepoint / "_metadata").exists()
 
 
 def test_a_first_start_records_its_restore_from_with_the_binding(tmp_path: Path) -> None:
