@@ -173,8 +173,11 @@ class StatefulStreamWriter:
             output.rdd.mapPartitionsWithIndex(self._foreach).count()
             return
         if self._format_name() == "console":
-            print(f"Batch: {batch_id}")
-            output.show(truncate=False)
+            # As Spark's console sink prints a batch, with its numRows and truncate options.
+            rule = "-" * 43
+            print(f"{rule}\nBatch: {batch_id}\n{rule}")
+            rows = int(self._options.get("numRows", "20"))
+            output.show(rows, self._options.get("truncate", "true").lower() != "false")
             return
         storage = stream.committer.storage
         options = {k: v for k, v in self._options.items() if k != "checkpointLocation"}

@@ -360,3 +360,35 @@ def test_a_table_of_other_columns_or_format_is_one_clear_error_before_any_batch(
     finally:
         spark.sql("DROP TABLE IF EXISTS other_totals")
         spark.sql("DROP TABLE IF EXISTS parquet_totals")
+
+
+@pytest.mark.parametrize("options", [{}, {"truncate": "false", "numRows": "0"}])
+def test_the_console_sink_prints_each_batch_as_sparks_console_sink(
+    spark: SparkSession,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    options: dict[str, str],
+) -> None:
+    """Each batch under Spark's header (a rule, ``Batch: N``, a rule), then its rows as
+    ``DataFrame.show(numRows, truncate)`` prints them (default 20 rows, values cut to 20
+    characters), as Spark's console sink prints them."""
+    users = ["a-user-whose-name-is-longer-than-twenty", "b-another-rather-long-user-name"]
+    batches = [[{"user": user, "amount": n}] for n, user in enumerate(users, start=1)]
+    shutil.rmtree(tmp_path / "input")
+    write_batches(tmp_path / "input", batches)
+    rule = "-" * 43
+    show = (int(options.get("numRows", 20)), options.get("truncate", "true") == "true")
+    expected = []
+    for batch_id, batch in enumerate(batches):
+        rows = [(event["user"], event["amount"]) for event in batch]
+        spark.createDataFrame(rows, OUTPUT).show(*show)
+        expected.append(f"{rule}\nBatch: {batch_id}\n{rule}\n{capsys.readouterr().out}")
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "console")
+    writer = stateful.writeStream.format("console").options(**options)
+    query = (
+        writer.option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    assert capsys.readouterr().out == "".join(expected)
