@@ -626,10 +626,10 @@ def cmd_local_gc(args: argparse.Namespace) -> int:
     removed = removed_bytes = 0
     for copy in idle:
         copy_bytes = copy.size()
+        days = (time.time() - copy.last_used()) / 86400  # before a removal leaves no times
         if args.apply and not remove_if_idle(copy):
             out(f"{copy_bytes:>12}  {copy.directory}  (kept: a task holds it now)")
             continue
-        days = (time.time() - copy.last_used()) / 86400
         out(f"{copy_bytes:>12}  {copy.directory}  (no task used it for {days:.1f} days)")
         removed += 1
         removed_bytes += copy_bytes

@@ -130,3 +130,21 @@ def test_a_waiting_task_locks_the_lock_file_there_after_a_removal(tmp_path: Path
         assert acquire_lock(copy, wait=False) is None  # held, on the file that is there
     finally:
         release_lock(second)
+
+
+def test_local_gc_says_how_long_each_copy_it_deletes_was_idle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The line of each copy gives the days since a task last used it, listed or
+    deleted alike (not the time since the epoch of a copy already gone)."""
+    local = tmp_path / "local"
+    ages = {
+        _make_copy(local, "retired-job", subtask, days * DAY): days
+        for subtask, days in enumerate((9.0, 12.5))
+    }
+    for argv in (["local-gc", str(local)], ["local-gc", str(local), "--apply"]):
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()[:-1]
+        said = {Path(line.split()[1]): line.split("for ")[1] for line in lines}
+        assert said == {copy.directory: f"{days:.1f} days)" for copy, days in ages.items()}
+    assert not local.exists() or list(local.iterdir()) == []
