@@ -368,6 +368,13 @@ class StatefulStream(OutputTransforms):
         newest of each kind, as ``StreamingQuery.lastProgress``)."""
         if newest is not None:
             committed = self.committer.changelog.load_manifest(newest)
+            if OPERATOR_ID not in committed.operators:
+                raise ConfigurationError(
+                    f"state job {job_id!r} holds batches of a StatefulJob (operators "
+                    f"{', '.join(sorted(committed.operators)) or 'none'}), not of "
+                    f"transform_with_state: a query cannot take its state, nor a savepoint "
+                    f"of it; give the query another job_id"
+                )
             check_same_query(committed, self.query, job_id)
             started = committed.properties.get(QUERY_PROPERTY, {}).get(RESTORED_FROM)
             self.query[RESTORED_FROM] = started

@@ -302,6 +302,27 @@ def test_a_stateful_job_refuses_the_state_of_a_streaming_query(
     assert state_totals(spark, job_dir) == expected_totals(batches)
 
 
+def test_a_query_refuses_the_state_of_a_stateful_job(spark: SparkSession, tmp_path: Path) -> None:
+    """A query given the job_id of a ``StatefulJob`` is one ConfigurationError from
+    ``transform_with_state`` saying that a query cannot take that job's state (a savepoint
+    of it holds no transform_with_state operator either), not advice to restore_from a
+    savepoint of it; the job's manifests stay."""
+    generate_events(tmp_path / "events", 20, 5, 2, seed=1)
+    conf = StateBackendConf(checkpoint_dir=(tmp_path / "ours").as_uri())
+    user_totals_job(
+        spark, job_id="totals", input_dir=tmp_path / "events", parallelism=2, conf=conf
+    ).run()
+    manifests = tmp_path / "ours" / "totals" / "manifests"
+    before = sorted(path.name for path in manifests.iterdir())
+    write_batch_files(tmp_path / "in", make_batches(1, seed=3))
+    with pytest.raises(ConfigurationError) as raised:
+        stateful_query(spark, tmp_path / "in", "totals", 2)
+    message = str(raised.value)
+    assert "state job 'totals' holds batches of a StatefulJob" in message, message
+    assert "give the query another job_id" in message and "restore_from a" not in message
+    assert sorted(path.name for path in manifests.iterdir()) == before
+
+
 def test_a_restart_keeps_time_mode_output_mode_and_key(spark: SparkSession, tmp_path: Path) -> None:
     """Another time mode or output mode (Spark refuses both), other key columns or another
     max parallelism on restart: one clear error naming the setting, before any batch. The same
