@@ -22,6 +22,7 @@ from statebackend.spark.streaming import transform_with_state
 from tests.spark.jobs import streaming_session
 from tests.spark.streaming_parity import ROCKSDB_PROVIDER, write_batches
 from tests.spark.test_streaming_api import OUTPUT, Totals
+from tests.spark.test_streaming_sinks import source
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -64,14 +65,6 @@ def spark(spark_local: SparkSession, tmp_path: Path) -> Iterator[SparkSession]:
         yield session
 
 
-def _source(spark: SparkSession, tmp_path: Path) -> DataFrame:
-    return (
-        spark.readStream.schema("user string, amount long")
-        .option("maxFilesPerTrigger", 1)
-        .json(str(tmp_path / "input"))
-    )
-
-
 def _rows(frame: DataFrame) -> list[tuple[str, int, int]]:
     return sorted((r.user, r.parity, r.double) for r in frame.collect())
 
@@ -84,7 +77,7 @@ def test_output_transformed_before_a_parquet_sink_as_sparks_query_gives(
     then goes through Spark's writer, not the staged files) against Spark's own
     transformWithState with the same continuation, and plain Python."""
     ours, theirs = tmp_path / "ours-out", tmp_path / "spark-out"
-    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "chained")
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "chained")
     chained = (
         stateful.withColumn("parity", F.col("total") % 2)
         .where(F.col("total") > 3)
@@ -104,7 +97,7 @@ def test_output_transformed_before_a_parquet_sink_as_sparks_query_gives(
 
     spark_query = (
         _transformed(
-            _source(spark, tmp_path)
+            source(spark, tmp_path)
             .groupBy("user")
             .transformWithState(Totals(), OUTPUT, "Update", "None"),
             3,
@@ -129,7 +122,7 @@ def test_transform_to_table_and_to_df(spark: SparkSession, tmp_path: Path) -> No
     the transformed columns; on a batch DataFrame ``toDF()`` returns the transformed
     batch."""
     query = (
-        transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "table")
+        transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "table")
         .transform(_transformed, 0)
         .writeStream.format("parquet")
         .option("checkpointLocation", str(tmp_path / "ckpt"))
@@ -157,8 +150,7 @@ def test_transform_to_table_and_to_df(spark: SparkSession, tmp_path: Path) -> No
 def test_schema_columns_and_print_schema_as_a_dataframe_gives_them(
     spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    source = _source(spark, tmp_path)
-    stateful = transform_with_state(source, "user", Totals(), OUTPUT, "schema")
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "schema")
     chained = stateful.transform(_transformed, 3)
     like = _transformed(spark.createDataFrame([], OUTPUT), 3)
     assert stateful.columns == ["user", "total"] and stateful.isStreaming
@@ -175,7 +167,7 @@ def test_a_continuation_that_cannot_apply_is_an_error_before_any_batch(
 ) -> None:
     """An unknown column is Spark's AnalysisException at ``writeStream``, a function
     returning no DataFrame our ConfigurationError naming it; no batch ran."""
-    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "bad")
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "bad")
     with pytest.raises(AnalysisException, match="amount"):
         stateful.select("user", "amount").writeStream  # noqa: B018 - the property checks
 
@@ -199,7 +191,7 @@ def test_print_schema_with_a_level_as_a_dataframe_prints_it(
     def nested(output: DataFrame) -> DataFrame:
         return output.withColumn("pair", F.struct("user", F.struct("total").alias("inner")))
 
-    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "level")
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "level")
     nested(spark.createDataFrame([], OUTPUT)).printSchema(level)
     expected = capsys.readouterr().out
     stateful.transform(nested).printSchema(level)
@@ -222,13 +214,13 @@ def test_join_with_a_static_dataframe_as_sparks_query_gives(
             outputs.append((user, totals[user], regions.get(user)))
     for how in ("inner", "left"):
         ours, theirs = tmp_path / f"ours-{how}", tmp_path / f"spark-{how}"
-        stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, how)
+        stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, how)
         queries = [
             stateful.join(static, "user", how)
             .writeStream.format("parquet")
             .option("path", str(ours))
             .option("checkpointLocation", str(tmp_path / f"ckpt-{how}")),
-            _source(spark, tmp_path)
+            source(spark, tmp_path)
             .groupBy("user")
             .transformWithState(Totals(), OUTPUT, "Update", "None")
             .join(static, "user", how)
@@ -245,9 +237,9 @@ def test_join_with_a_static_dataframe_as_sparks_query_gives(
             (r.user, r.total, r.region) for r in spark.read.parquet(str(theirs)).collect()
         )
 
-    stateful = transform_with_state(_source(spark, tmp_path), "user", Totals(), OUTPUT, "outer")
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "outer")
     for how in ("right_outer", "full"):
         with pytest.raises(ConfigurationError, match=f"join how='{how}' .* use inner, left"):
             stateful.join(static, "user", how)
     with pytest.raises(ConfigurationError, match="with a streaming DataFrame is not supported"):
-        stateful.join(_source(spark, tmp_path), "user")
+        stateful.join(source(spark, tmp_path), "user")
