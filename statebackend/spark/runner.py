@@ -318,6 +318,8 @@ class StatefulJob:
         self._wait_for_uploads = reuse.lower() != "true"
         self._lineage: list[str] = []
         """Completed checkpoints the run may restore from, oldest first."""
+        self._fallen_back_from: set[str] = set()
+        """The checkpoints the run could not restore and fell back from."""
         self._manifest_batch: int | None = None
         """The newest committed batch (its manifest holds the state a subtask rebuilds)."""
         self._accepted: tuple[str, ...] | None = None
@@ -520,8 +522,7 @@ class StatefulJob:
         self._summary = RunSummary(self.job_id, self.parallelism, 0, None)
         own = [storage.layout.checkpoint_path(n) for n in storage.completed_checkpoint_ids()]
         self._lineage = self._initial_lineage(storage, own)
-        self._fallen_back_from: set[str] = set()
-        """The checkpoints this run could not restore and fell back from."""
+        self._fallen_back_from = set()
         self._run_id = uuid.uuid4().hex[:12]
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._run_id)
         """This run's metrics history: a record per batch, checkpoint, restore, failure."""
