@@ -495,6 +495,11 @@ class StatefulJob:
         """
         started = time.perf_counter()
         self.source.check()
+        if not self.source.partitions():  # a wrong directory, most likely
+            _log.warning(
+                "source directory %s holds no partition-<n>.jsonl files: the run has no input",
+                self.source.directory,
+            )
         conf = self.conf
         storage = CheckpointStorage(
             conf.require_checkpoint_dir(),

@@ -108,6 +108,19 @@ def test_malformed_line(
     assert (skipped.records, skipped.skipped) == (1, 1)
 
 
+def test_a_source_directory_without_partition_files_is_named_in_a_warning(
+    spark_local: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory holding no ``partition-<n>.jsonl`` (a wrong path, files named
+    otherwise) runs with no input, as before, but says so instead of a silent 0 records."""
+    input_dir = tmp_path / "typo"
+    input_dir.mkdir()
+    (input_dir / "events.jsonl").write_text('{"user": "u1", "amount": 3}\n')
+    summary = _run(spark_local, tmp_path, input_dir=input_dir)
+    assert summary.records == 0
+    assert f"source directory {input_dir} holds no partition-<n>.jsonl files" in caplog.text
+
+
 @pytest.mark.parametrize("single_stage_bytes", [DEFAULT_SINGLE_STAGE_BYTES, 0])
 @pytest.mark.parametrize("key", ["5", "null", "[1]", '{"a": 1}'], ids=str)
 def test_a_line_whose_key_the_job_cannot_use_is_a_malformed_line(
