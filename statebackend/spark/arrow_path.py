@@ -126,6 +126,8 @@ class KeyedBatchPlan:
     """The coordinator run that triggered ``checkpoint_id``: named in its files and acks."""
     wait_for_upload: bool = False
     """Upload the materialization before the task returns (no Python worker reuse)."""
+    backend: str = "rocksdb"
+    """The keyed state backend (``spark.statebackend.backend``: ``LOCAL_STATES``)."""
 
 
 BATCH_PROPERTY = "statebackend.keyed.batch"
@@ -336,7 +338,9 @@ def _current_state(
     key_serializer = RowTupleSerializer(plan.key_schema_json)
     version = _local_version(plan)
     root = _local_root(plan)
-    with local_keyed_state(root, subtask, version, storage, OPERATOR_ID, key_serializer) as local:
+    with local_keyed_state(
+        root, subtask, version, storage, OPERATOR_ID, key_serializer, plan.backend
+    ) as local:
         yield local
 
 

@@ -551,6 +551,7 @@ class StatefulStream(OutputTransforms):
             checkpoint_id=checkpoint_id,
             run_id=tracker.coordinator.run_id,
             wait_for_upload=self._wait_for_uploads,
+            backend=self.conf.backend,
         )
         sc = self.df.sparkSession.sparkContext
         try:

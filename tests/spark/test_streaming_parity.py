@@ -175,6 +175,22 @@ def test_same_output_as_spark_per_batch(
     assert ours == expected
 
 
+@pytest.mark.parametrize("backend", ["heap", "rocksdb"])
+def test_the_backend_setting_chooses_where_the_state_lives(
+    spark_local: SparkSession, tmp_path: Path, backend: str
+) -> None:
+    """``spark.statebackend.backend=heap`` keeps a query's state in the Python workers:
+    no RocksDB is opened under ``local.dir`` (with ``rocksdb``, every subtask opens one)."""
+    case = ParityCase(INPUT, ["user"], AllStates, OUTPUT)
+    input_dir = tmp_path / "input"
+    write_batches(input_dir, BATCHES)
+    with parity_settings(spark_local, tmp_path, backend=backend):
+        ours = run_ours(spark_local, case, input_dir, tmp_path / "checkpoint", job_id="where")
+    assert ours == _expected(BATCHES)
+    databases = {path.parent for path in (tmp_path / "local").rglob("CURRENT")}
+    assert len(databases) == (2 if backend == "rocksdb" else 0)
+
+
 TIMED_INPUT = StructType([*INPUT.fields, StructField("ts", TimestampType())])
 
 
