@@ -26,9 +26,10 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, NamedTuple
 
 from statebackend.backends.stores import CurrentKey, Entry, StateStore
-from statebackend.backends.timers import TimerSnapshotInfo
+from statebackend.backends.timers import TIME_DOMAINS, TimerSnapshotInfo, by_time_name
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
+from statebackend.state.timers import is_timer_state
 
 if TYPE_CHECKING:
     from statebackend.backends.keyed import StateMetaInfo
@@ -152,6 +153,18 @@ class StateChanges:
             change.cleared + len(change.entries) for change in self.maps.values()
         )
 
+    def written_and_removed(self) -> tuple[int, int]:
+        """How many entries the changes write and remove: a value or map entry written
+        counts once, a value or map entry removed once, and a map key cleared once (its
+        entries are not counted: that would take reading them)."""
+        removed = sum(value is None for value in self.values.values())
+        written = len(self.values) - removed
+        for change in self.maps.values():
+            map_removed = sum(value is None for value in change.entries.values())
+            written += len(change.entries) - map_removed
+            removed += map_removed + change.cleared
+        return written, removed
+
     def __bool__(self) -> bool:
         return bool(self.values or self.maps)
 
@@ -186,3 +199,30 @@ class ChangeSet:
 
     def __len__(self) -> int:
         return sum(len(changes) for changes in self.changes.values())
+
+    def counts(self) -> ChangeCounts:
+        """What the batch's changes amount to, for metrics (``ChangeCounts``)."""
+        rows_written = rows_removed = timers_written = timers_removed = 0
+        timer_stores = {by_time_name(domain) for domain in TIME_DOMAINS}
+        for name, changes in self.changes.items():
+            written, removed = changes.written_and_removed()
+            if name in timer_stores:
+                timers_written += written
+                timers_removed += removed
+            elif not is_timer_state(name):
+                rows_written += written
+                rows_removed += removed
+        return ChangeCounts(rows_written, rows_removed, timers_written, timers_removed)
+
+
+class ChangeCounts(NamedTuple):
+    """A batch's changes counted as Spark's state operator progress counts them: entries
+    of the states written and removed (``StateChanges.written_and_removed``), and timers
+    registered and removed (fired or deleted). Each entry counts once, by its last
+    change in the batch (a value updated twice is written once; a timer registered and
+    deleted in one batch is removed), where Spark counts every call."""
+
+    rows_written: int
+    rows_removed: int
+    timers_written: int
+    timers_removed: int

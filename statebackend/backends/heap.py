@@ -14,6 +14,7 @@ from typing import Any
 
 from statebackend.backends.keyed import FrozenState, KeyedStateBackend, SerializedKeys
 from statebackend.backends.stores import CurrentKey, Entry, StateStore, StateStoreView
+from statebackend.state.timers import is_timer_state
 
 _Groups = dict[int, dict[bytes, Any]]
 
@@ -151,6 +152,15 @@ class HeapKeyedStateBackend(KeyedStateBackend):
 
     def _create_store(self, name: str, is_map: bool) -> StateStore:
         return HeapStateStore(is_map)
+
+    def counted_entries(self) -> int | None:
+        """Exact, as the stores count in memory (``HeapStateStore.estimated_entries``)."""
+        self._check_open()
+        return sum(
+            store.estimated_entries()
+            for name, store in self._stores.items()
+            if not is_timer_state(name)
+        )
 
     def _freeze(self, names: list[str]) -> FrozenState:
         stores = self._stores

@@ -437,6 +437,17 @@ class KeyedStateBackend(ABC):
         self._write_batch()
         return sum(store.estimated_entries() for store in self._stores.values())
 
+    def counted_entries(self) -> int | None:
+        """How many entries the backend's states hold, timers not counted, exactly; None
+        where counting them would read them all (RocksDB: its estimate counts each
+        version of an overwritten key until a compaction merges them). For metrics."""
+        return None
+
+    def estimated_memory_bytes(self) -> int | None:
+        """The memory the backend's states take, as its storage estimates it; None if it
+        does not (the heap backend: measuring would walk every entry). For metrics."""
+        return None
+
     def keys(self, state_name: str) -> Iterator[Any]:
         """The keys that have a value in state ``state_name``, each once."""
         self._check_open()

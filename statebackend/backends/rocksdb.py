@@ -122,6 +122,9 @@ def memory_limit() -> int | None:
     return None if _shared_memory is None else _shared_memory.limit
 
 
+_MEMORY_PROPERTIES = ("rocksdb.cur-size-all-mem-tables", "rocksdb.estimate-table-readers-mem")
+"""RocksDB's estimates of a column family's memory outside the block cache."""
+
 _INFO_LOGS_KEPT = 1
 """Old info logs (``LOG.old.*``) a database keeps: RocksDB starts a new one at every open,
 and a keyed subtask reopens its database every batch (RocksDB keeps 1000 by default)."""
@@ -523,6 +526,17 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
             self._stores[meta.name] = RocksDBStateStore(
                 self._db, column, meta.name, meta.kind is StateKind.MAP
             )
+
+    def estimated_memory_bytes(self) -> int | None:
+        """The database's memtables and SST readers (index and filter blocks outside the
+        block cache), as RocksDB estimates them; the block cache is shared by every
+        database of the process (``set_memory_limit``) and not counted."""
+        self._check_open()
+        return sum(
+            int(column.property_int_value(name) or 0)
+            for column in (self._db, *self._columns.values())
+            for name in _MEMORY_PROPERTIES
+        )
 
     def close(self) -> None:
         """Close the database but keep it on disk, with the states' meta info, so that a

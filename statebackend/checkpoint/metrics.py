@@ -71,7 +71,17 @@ class BatchMetrics:
 
     The batch's durable part is ``changelog_seconds`` (the slowest subtask's drain,
     encoding and write of its changelog record) plus ``manifest_seconds`` (the driver's
-    commit of the batch manifest)."""
+    commit of the batch manifest).
+
+    What the state did, where the subtasks counted it (``transform_with_state``; what
+    Spark's ``StateOperatorProgress`` reports): state entries at the end of the batch
+    (``state_rows``, timers not counted; None where not counted:
+    ``KeyedStateBackend.counted_entries``) and the memory they took
+    (``state_memory_bytes``, as the storage estimates it; None if it does not),
+    entries written and removed, timers registered,
+    removed (fired or deleted) and fired (entries by their last change in the batch:
+    ``backends.changelog.ChangeCounts``), late input rows dropped, and the slowest
+    subtask's seconds firing timers."""
 
     batch_id: int
     records_in: int
@@ -85,6 +95,15 @@ class BatchMetrics:
     changelog_bytes: int = 0
     changelog_seconds: float = 0.0
     manifest_seconds: float = 0.0
+    state_rows: int | None = None
+    state_memory_bytes: int | None = None
+    state_rows_written: int = 0
+    state_rows_removed: int = 0
+    timers_registered: int = 0
+    timers_removed: int = 0
+    timers_fired: int = 0
+    late_rows: int = 0
+    timer_seconds: float = 0.0
     at: float = field(default_factory=time.time)
 
     def describe(self) -> str:
@@ -272,7 +291,22 @@ def combine_batches(
         changelog_bytes=sum(p.changelog_bytes for p in parts),
         changelog_seconds=max((p.changelog_seconds for p in parts), default=0.0),
         manifest_seconds=manifest_seconds,
+        state_rows=_sum_if_all(p.state_rows for p in parts),
+        state_memory_bytes=_sum_if_all(p.state_memory_bytes for p in parts),
+        state_rows_written=sum(p.state_rows_written for p in parts),
+        state_rows_removed=sum(p.state_rows_removed for p in parts),
+        timers_registered=sum(p.timers_registered for p in parts),
+        timers_removed=sum(p.timers_removed for p in parts),
+        timers_fired=sum(p.timers_fired for p in parts),
+        late_rows=sum(p.late_rows for p in parts),
+        timer_seconds=max((p.timer_seconds for p in parts), default=0.0),
     )
+
+
+def _sum_if_all(counts: Iterable[int | None]) -> int | None:
+    """The sum of ``counts``; None if any is None (a subtask did not count)."""
+    values = list(counts)
+    return None if None in values else sum(v for v in values if v is not None)
 
 
 def with_job_seconds(

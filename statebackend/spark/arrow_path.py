@@ -66,6 +66,7 @@ from pyspark.sql.types import (
 from pyspark.sql.udf import UserDefinedFunction
 from pyspark.util import PythonEvalType
 
+from statebackend.backends.changelog import ChangeSet
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
 from statebackend.checkpoint.storage import CheckpointStorage
@@ -460,15 +461,13 @@ def _keyed_task(
             except Exception as exc:
                 raise _processor_failed(plan, subtask, counts.method, exc) from exc
             keyed_seconds = time.perf_counter() - started
+            changes = backend.drain_changelog()
             handle = ChangelogStorage(storage).write_record(
-                plan.batch_id,
-                OPERATOR_ID,
-                subtask,
-                attempt,
-                backend.drain_changelog(),
-                operator_state,
+                plan.batch_id, OPERATOR_ID, subtask, attempt, changes, operator_state
             )
             changelog_seconds = time.perf_counter() - started - keyed_seconds
+            state_rows = backend.counted_entries()
+            state_memory = backend.estimated_memory_bytes()
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
             staged = _parquet_bytes(output, output_arrow_schema(plan.spec.output_schema))
             storage.fs.write_atomic(path, staged)
@@ -498,6 +497,7 @@ def _keyed_task(
             sync_cut_seconds=sync_seconds,
             changelog_bytes=handle.size,
             changelog_seconds=changelog_seconds,
+            **_state_counts(changes, counts, state_rows, state_memory),
         )
         yield _metadata_batch(
             subtask,
@@ -511,6 +511,27 @@ def _keyed_task(
         )
 
     return run
+
+
+def _state_counts(
+    changes: ChangeSet,
+    counts: SubtaskCounts,
+    state_rows: int | None,
+    state_memory: int | None,
+) -> dict[str, Any]:
+    """A subtask's ``BatchMetrics`` fields of what its state did in the batch."""
+    changed = changes.counts()
+    return {
+        "state_rows": state_rows,
+        "state_memory_bytes": state_memory,
+        "state_rows_written": changed.rows_written,
+        "state_rows_removed": changed.rows_removed,
+        "timers_registered": changed.timers_written,
+        "timers_removed": changed.timers_removed,
+        "timers_fired": counts.timers_fired,
+        "late_rows": counts.late_rows,
+        "timer_seconds": counts.timer_seconds,
+    }
 
 
 def _typed_nulls(schema: StructType, names: list[str], prefix: str = "") -> list[Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import reprlib
+import time
 
 # What namedtuple's fields are: a C descriptor (a property where there is no C version).
 from collections import _tuplegetter  # type: ignore[attr-defined]
@@ -819,10 +820,11 @@ def _input_table(batch: pa.RecordBatch, names: list[str]) -> pa.Table:
 
 
 def _drop_late_events(
-    batches: Iterable[pa.RecordBatch], column: str, watermark_ms: int
+    batches: Iterable[pa.RecordBatch], column: str, watermark_ms: int, counts: SubtaskCounts
 ) -> Iterator[pa.RecordBatch]:
     """Input rows whose event time is at or below the watermark are dropped (as Spark
-    does in EventTime mode); control and initial-state rows are kept."""
+    does in EventTime mode), counted into ``counts``; control and initial-state rows are
+    kept."""
     for batch in batches:
         event_time = batch.column(column)
         if pa.types.is_timestamp(event_time.type):
@@ -833,6 +835,7 @@ def _drop_late_events(
             pc.equal(batch.column(KIND_COLUMN), INPUT),
             pc.fill_null(pc.less_equal(event_ms, watermark_ms), False),
         )
+        counts.late_rows += pc.sum(late).as_py() or 0
         yield batch.filter(pc.invert(late))
 
 
@@ -844,6 +847,12 @@ class SubtaskCounts:
     """Distinct keys with input or initial-state rows (the processor ran for them)."""
     method: str = "init"
     """The processor method running, or the last one run: the one a failure names."""
+    late_rows: int = 0
+    """Input rows dropped as late (EventTime mode: at or below the watermark)."""
+    timers_fired: int = 0
+    """Timers fired (``handleExpiredTimer`` called)."""
+    timer_seconds: float = 0.0
+    """Seconds spent firing timers."""
 
 
 @contextmanager
@@ -907,7 +916,7 @@ def run_keyed_subtask(
         handle.phase = Phase.INITIALIZED
         if spec.time_mode == "EventTime" and spec.event_time_column is not None:
             batches = _drop_late_events(
-                batches, spec.event_time_column, times.late_events_watermark_ms
+                batches, spec.event_time_column, times.late_events_watermark_ms, counts
             )
         # One batch of state accesses: each Arrow batch's keys are read ahead by multi-get,
         # and the writes go to the database at once when the keys and timers are done.
@@ -949,7 +958,9 @@ def run_keyed_subtask(
             yield from output.take_ready()
             handle.phase = Phase.DATA_PROCESSED
             counts.method = "handleExpiredTimer"
-            _fire_timers(spec, handle, times, timer_service, emit)
+            started = time.perf_counter()
+            _fire_timers(spec, handle, times, timer_service, emit, counts)
+            counts.timer_seconds += time.perf_counter() - started
             output.finish_frames()
             yield from output.take_ready()
         handle.phase = Phase.TIMER_PROCESSED
@@ -1041,11 +1052,12 @@ def _fire_timers(
     times: BatchTimes,
     timer_service: TimerService | None,
     emit: Callable[[Iterable[Any]], None],
+    counts: SubtaskCounts,
 ) -> None:
     """Due timers in ascending expiry order, through ``handleExpiredTimer`` (their output
-    to ``emit``), as Spark fires them: those due when the timer phase begins, and only
-    they; a handler sees its own timer as registered until it returns
-    (``TimerService.advance_*(fire_new=False)``)."""
+    to ``emit``, their number to ``counts``), as Spark fires them: those due when the
+    timer phase begins, and only they; a handler sees its own timer as registered until
+    it returns (``TimerService.advance_*(fire_new=False)``)."""
     if spec.time_mode == "None" or timer_service is None:
         return
     timer_values = times.timer_values(spec.time_mode)
@@ -1053,6 +1065,7 @@ def _fire_timers(
     shown_key = _timer_key(spec, handle.backend.key_serializer)
 
     def on_timer(key: Any, timestamp_ms: int) -> None:  # the timer's key is current
+        counts.timers_fired += 1
         # By name, as Spark calls it: a handler may declare its parameters in any order.
         result = spec.processor.handleExpiredTimer(
             key=shown_key(key),

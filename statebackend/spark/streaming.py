@@ -124,6 +124,7 @@ from statebackend.spark.streaming_output import (
     TransformedStream,
     no_writer_error,
 )
+from statebackend.spark.streaming_progress import DEFAULT_KEPT, BatchProgress
 from statebackend.spark.streaming_restore import restore_location, restore_point
 from statebackend.spark.streaming_writer import OUTPUT_MODES, StatefulStreamWriter
 from statebackend.spark.tasks import StorageSpec, attempt_name
@@ -272,6 +273,16 @@ def _max_records_per_batch(spark: Any) -> int:
         ) from None
 
 
+def _recent_progress_updates(spark: Any) -> int:
+    """Spark's ``spark.sql.streaming.numRecentProgressUpdates``: the progress reports a
+    query keeps."""
+    value = spark.conf.get("spark.sql.streaming.numRecentProgressUpdates", None)
+    try:
+        return int(value) if value is not None else DEFAULT_KEPT
+    except ValueError:
+        return DEFAULT_KEPT
+
+
 def _event_time_column(df: DataFrame, time_mode: str) -> str | None:
     if time_mode != "EventTime":
         return None
@@ -366,6 +377,8 @@ class StatefulStream(OutputTransforms):
         self.metrics = MetricsHistory(storage.fs, storage.layout.job_dir, self._generation[:12])
         """The query's metrics history: a record per batch (``metrics.latest`` is the
         newest of each kind, as ``StreamingQuery.lastProgress``)."""
+        self.progress = BatchProgress(_recent_progress_updates(df.sparkSession))
+        """The recent batches' state counts, for Spark's progress reports."""
         if newest is not None:
             committed = self.committer.changelog.load_manifest(newest)
             if OPERATOR_ID not in committed.operators:
@@ -713,6 +726,7 @@ class StatefulStream(OutputTransforms):
         """Record the batch's metrics, and a restore if subtasks rebuilt from storage
         (from manifest ``restore_batch``)."""
         self.metrics.record(batch)
+        self.progress.add(batch, self.parallelism)
         if checkpoint_id is not None and self._tracker is not None:
             self._tracker.cut_taken(
                 checkpoint_id,
@@ -742,6 +756,7 @@ class StatefulStream(OutputTransforms):
         batch = None if recorded is None else record_from_json(recorded)
         if not isinstance(batch, BatchMetrics):
             return
+        self.progress.add(batch, manifest.parallelism(OPERATOR_ID))
         storage = self.committer.storage
         history = read_history(storage.fs, storage.layout.job_dir)
         if all(b.batch_id != batch.batch_id for b in records_of(history, BatchMetrics)):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import DataFrame
 from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
+from pyspark.sql.streaming.listener import StreamingQueryProgress
 
 from statebackend.checkpoint.manifest import BatchManifest
 from statebackend.errors import ConfigurationError
@@ -51,11 +52,24 @@ def _column_names(cols: tuple[Any, ...], method: str) -> list[str]:
 class StatefulStreamingQuery(StreamingQuery):
     """Spark's ``StreamingQuery`` of a ``transform_with_state`` query, whose ``stop()``
     then waits for a materialization still uploading (``settle_materialization``): left
-    pending, it would never complete, and a restart would replay from the older base."""
+    pending, it would never complete, and a restart would replay from the older base.
+    Its ``lastProgress`` and ``recentProgress`` have the batches' state operator
+    (``streaming_progress``)."""
 
     def __init__(self, query: StreamingQuery, stream: StatefulStream) -> None:
         super().__init__(query._jsq)
         self._stream = stream
+
+    @property
+    def lastProgress(self) -> StreamingQueryProgress | None:  # noqa: N802 - Spark's name
+        """Spark's newest progress report, with the batch's ``stateOperators``."""
+        progress = super().lastProgress
+        return None if progress is None else self._stream.progress.with_state(progress)
+
+    @property
+    def recentProgress(self) -> list[StreamingQueryProgress]:  # noqa: N802 - Spark's name
+        """Spark's recent progress reports, each with its batch's ``stateOperators``."""
+        return [self._stream.progress.with_state(p) for p in super().recentProgress]
 
     def stop(self) -> None:
         """Stop the query, then settle its pending materialization if it was running (a
