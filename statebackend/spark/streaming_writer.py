@@ -41,10 +41,11 @@ DEFAULT_SOURCE_KEY = "spark.sql.sources.default"
 """Spark's format for a sink given a path and no format."""
 
 
-def _column_names(cols: tuple[Any, ...], method: str) -> list[str]:
-    """Column names given as Spark's writer takes them: names, or one list of names."""
+def _column_names(cols: tuple[Any, ...], method: str, none_ok: bool = False) -> list[str]:
+    """Column names given as Spark's writer takes them: names, or one list of names (none
+    only if ``none_ok``)."""
     names = list(cols[0]) if len(cols) == 1 and isinstance(cols[0], (list, tuple)) else list(cols)
-    if not names or not all(isinstance(name, str) and name for name in names):
+    if (not names and not none_ok) or not all(isinstance(name, str) and name for name in names):
         raise ConfigurationError(f"{method} {cols!r} is invalid: give column names")
     return names
 
@@ -127,8 +128,9 @@ class StatefulStreamWriter:
         return self
 
     def partitionBy(self, *cols: str | list[str]) -> StatefulStreamWriter:  # noqa: N802
-        """Partition a file or table sink's output by ``cols``, as Spark's writer does."""
-        self._partition_by = _column_names(cols, "partitionBy")
+        """Partition a file or table sink's output by ``cols``, as Spark's writer does (no
+        columns: not partitioned, also after an earlier ``partitionBy``)."""
+        self._partition_by = _column_names(cols, "partitionBy", none_ok=True)
         return self
 
     def clusterBy(self, *cols: str | list[str]) -> StatefulStreamWriter:  # noqa: N802

@@ -21,11 +21,12 @@ from statebackend.errors import ConfigurationError
 from statebackend.spark.streaming import transform_with_state
 from statebackend.spark.streaming_commit import STAGING_DIR
 from tests.spark.jobs import streaming_session
-from tests.spark.streaming_parity import write_batches
+from tests.spark.streaming_parity import ROCKSDB_PROVIDER, write_batches
 from tests.spark.test_streaming_api import OUTPUT, Totals
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+PROVIDER_KEY = "spark.sql.streaming.stateStore.providerClass"
 BATCHES = [
     [{"user": "a", "amount": 1}, {"user": "b", "amount": 2}, {"user": "a", "amount": 4}],
     [{"user": "a", "amount": 5}, {"user": "c", "amount": 7}],
@@ -182,8 +183,6 @@ def test_writer_mode_checks_are_one_clear_error_each(spark: SparkSession, tmp_pa
         stateful.writeStream.outputMode("append")
     with pytest.raises(ConfigurationError, match="outputMode 'complete' differs"):
         stateful.writeStream.outputMode("complete")
-    with pytest.raises(ConfigurationError, match="partitionBy"):
-        stateful.writeStream.partitionBy()
     with pytest.raises(ConfigurationError, match=r"clusterBy\('user',\) needs a table sink"):
         (
             stateful.writeStream.clusterBy("user")
@@ -191,6 +190,42 @@ def test_writer_mode_checks_are_one_clear_error_each(spark: SparkSession, tmp_pa
             .options(path=str(tmp_path / "out"), checkpointLocation=str(tmp_path / "ckpt"))
             .start()
         )
+
+
+@pytest.mark.parametrize("way", ["no columns", "an empty list", "start(partitionBy=[])"])
+def test_partition_by_no_columns_writes_unpartitioned_as_sparks_writer(
+    spark: SparkSession, tmp_path: Path, way: str
+) -> None:
+    """``partitionBy()``, ``partitionBy([])`` and ``start(partitionBy=[])`` partition by
+    nothing, also after an earlier ``partitionBy("user")``, as Spark's DataStreamWriter
+    takes them on its file sink (run on Spark's own transformWithState here): every row
+    in the path itself, no ``user=`` directory."""
+    out, theirs = tmp_path / "out", tmp_path / "spark-out"
+
+    def start(writer: Any, path: Path, checkpoint: Path) -> None:
+        writer = writer.format("parquet").partitionBy("user").trigger(availableNow=True)
+        writer = writer.option("checkpointLocation", str(checkpoint))
+        if way == "no columns":
+            query = writer.partitionBy().start(str(path))
+        elif way == "an empty list":
+            query = writer.partitionBy([]).start(str(path))
+        else:
+            query = writer.start(str(path), partitionBy=[])
+        query.awaitTermination()
+
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "flat")
+    start(stateful.writeStream, out, tmp_path / "ckpt")
+    spark.conf.set(PROVIDER_KEY, ROCKSDB_PROVIDER)  # Spark's transformWithState needs it
+    try:
+        theirs_df = source(spark, tmp_path).groupBy("user")
+        theirs_df = theirs_df.transformWithState(Totals(), OUTPUT, "Update", "None")
+        start(theirs_df.writeStream, theirs, tmp_path / "spark-ckpt")
+    finally:
+        spark.conf.unset(PROVIDER_KEY)
+    assert read_back(spark, "parquet", out) == expected_rows()
+    assert read_back(spark, "parquet", theirs) == expected_rows()
+    for path in (out, theirs):
+        assert [p.name for p in path.iterdir() if p.is_dir() and "=" in p.name] == []
 
 
 def test_start_and_to_table_take_sparks_keyword_arguments(
