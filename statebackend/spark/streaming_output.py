@@ -58,6 +58,11 @@ class OutputTransforms(ABC):
         """The names of the output's columns, as ``DataFrame.columns``."""
         return self.schema.fieldNames()
 
+    @property
+    def dtypes(self) -> list[tuple[str, str]]:
+        """The output's column names and types, as ``DataFrame.dtypes``."""
+        return [(field.name, field.dataType.simpleString()) for field in self.schema.fields]
+
     def printSchema(self, level: int | None = None) -> None:  # noqa: N802 - mirrors DataFrame
         """Print the output's schema as ``DataFrame.printSchema(level)`` does (``level``:
         the nesting depth printed; None or 0: all)."""
@@ -93,6 +98,45 @@ class OutputTransforms(ABC):
         """The output without ``cols``, batch by batch."""
         return self.transform(DataFrame.drop, *cols)
 
+    def withColumnsRenamed(self, colsMap: dict[str, str]) -> TransformedStream:  # noqa: N802,N803
+        """The output with the columns of ``colsMap`` renamed, batch by batch."""
+        return self.transform(DataFrame.withColumnsRenamed, colsMap)
+
+    def alias(self, alias: str) -> TransformedStream:
+        """The output under the name ``alias`` (for ``alias.column`` in a join), batch by
+        batch."""
+        return self.transform(DataFrame.alias, alias)
+
+    def fillna(self, value: Any, subset: Any = None) -> TransformedStream:
+        """The output with its nulls replaced by ``value``, as ``DataFrame.fillna``."""
+        return self.transform(DataFrame.fillna, value, subset)
+
+    def dropna(
+        self, how: str = "any", thresh: int | None = None, subset: Any = None
+    ) -> TransformedStream:
+        """The output without the rows with nulls, as ``DataFrame.dropna``."""
+        return self.transform(DataFrame.dropna, how, thresh, subset)
+
+    def replace(self, *args: Any, **kwargs: Any) -> TransformedStream:
+        """The output with values replaced, as ``DataFrame.replace(to_replace, value,
+        subset)``."""
+        return self.transform(DataFrame.replace, *args, **kwargs)
+
+    @property
+    def na(self) -> OutputNaFunctions:
+        """``fill``, ``drop`` and ``replace`` of the output, as ``DataFrame.na``."""
+        return OutputNaFunctions(self)
+
+    def repartition(self, numPartitions: Any, *cols: Column | str) -> TransformedStream:  # noqa: N803
+        """Each batch's output in ``numPartitions`` partitions (or by ``cols``), as
+        ``DataFrame.repartition``: a file sink writes a file per partition."""
+        return self.transform(DataFrame.repartition, numPartitions, *cols)
+
+    def coalesce(self, numPartitions: int) -> TransformedStream:  # noqa: N803
+        """Each batch's output in at most ``numPartitions`` partitions, as
+        ``DataFrame.coalesce`` (``coalesce(1)``: a file per batch)."""
+        return self.transform(DataFrame.coalesce, numPartitions)
+
     def join(
         self,
         other: DataFrame,
@@ -115,6 +159,28 @@ class OutputTransforms(ABC):
                 f"batch): use inner, left, semi or anti"
             )
         return self.transform(DataFrame.join, other, on, how)
+
+
+class OutputNaFunctions:
+    """``DataFrame.na`` of a stateful stream's output: its ``fillna``, ``dropna`` and
+    ``replace``."""
+
+    def __init__(self, stream: OutputTransforms) -> None:
+        self._stream = stream
+
+    def fill(self, value: Any, subset: Any = None) -> TransformedStream:
+        """The output's ``fillna(value, subset)``."""
+        return self._stream.fillna(value, subset)
+
+    def drop(
+        self, how: str = "any", thresh: int | None = None, subset: Any = None
+    ) -> TransformedStream:
+        """The output's ``dropna(how, thresh, subset)``."""
+        return self._stream.dropna(how, thresh, subset)
+
+    def replace(self, *args: Any, **kwargs: Any) -> TransformedStream:
+        """The output's ``replace(to_replace, value, subset)``."""
+        return self._stream.replace(*args, **kwargs)
 
 
 def no_writer_error(df: DataFrame) -> ConfigurationError:

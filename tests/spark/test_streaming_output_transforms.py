@@ -10,6 +10,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyspark import cloudpickle
@@ -243,3 +244,101 @@ def test_join_with_a_static_dataframe_as_sparks_query_gives(
             stateful.join(static, "user", how)
     with pytest.raises(ConfigurationError, match="with a streaming DataFrame is not supported"):
         stateful.join(source(spark, tmp_path), "user")
+
+
+def _null_handling(output: Any, static: DataFrame) -> Any:
+    """``alias`` (in a join with a static DataFrame), ``withColumnsRenamed``, ``na``,
+    ``fillna``, ``dropna``, ``replace`` and ``coalesce`` after transformWithState: the
+    same calls on our stream and on Spark's DataFrame."""
+    total = F.col("total")
+    return (
+        output.alias("t")
+        .join(static.alias("s"), F.col("t.user") == F.col("s.user"))
+        .select("t.user", "t.total", "s.region")
+        .withColumns(
+            {
+                "odd": F.when(total % 2 == 1, total),
+                "low": F.when(total < 10, total),
+                "size": F.when(total > 4, F.lit("big")),
+            }
+        )
+        .na.fill(-1, ["odd"])
+        .fillna("small", ["size"])
+        .replace("big", "BIG", "size")
+        .na.replace(-1, 0, ["odd"])
+        .na.drop(subset=["low"])
+        .dropna(how="all", subset=["odd", "size"])
+        .withColumnsRenamed({"low": "under_ten"})
+        .coalesce(1)
+    )
+
+
+def test_alias_null_handling_renames_and_coalesce_as_sparks_query_gives(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The row-wise methods beyond select/withColumn against the same chain on Spark's
+    own transformWithState and plain Python; ``coalesce(1)`` writes a file per batch."""
+    regions = {"a": "north", "b": "south", "z": "west"}
+    static = spark.createDataFrame(sorted(regions.items()), "user string, region string")
+    totals: dict[str, int] = defaultdict(int)
+    want = []
+    for batch in BATCHES:
+        for user in sorted({event["user"] for event in batch}):
+            totals[user] += sum(e["amount"] for e in batch if e["user"] == user)
+            value = totals[user]
+            if user in regions and value < 10:
+                size = "BIG" if value > 4 else "small"
+                want.append((user, value, regions[user], value if value % 2 else 0, value, size))
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "na")
+    spark_output = (
+        source(spark, tmp_path)
+        .groupBy("user")
+        .transformWithState(Totals(), OUTPUT, "Update", "None")
+    )
+    for output, path in ((stateful, ours), (spark_output, theirs)):
+        (
+            _null_handling(output, static)
+            .writeStream.format("parquet")
+            .option("path", str(path))
+            .option("checkpointLocation", str(tmp_path / f"{path.name}-ckpt"))
+            .trigger(availableNow=True)
+            .start()
+            .awaitTermination()
+        )
+
+    def rows(path: Path) -> list[tuple[Any, ...]]:
+        frame = spark.read.parquet(str(path))
+        assert frame.columns == ["user", "total", "region", "odd", "under_ten", "size"]
+        return sorted(tuple(row) for row in frame.collect())
+
+    assert rows(ours) == sorted(want)
+    assert rows(ours) == rows(theirs)
+    for batch_id in range(len(BATCHES)):
+        assert len(list(ours.glob(f"part-{batch_id}-*"))) <= 1  # coalesce(1)
+
+
+def test_repartition_of_a_batch_output_as_dataframe_repartition(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``repartition(n)`` and ``repartition(n, col)`` give the batch's rows in ``n``
+    partitions, as the same calls on a DataFrame of those rows; ``dtypes`` is the
+    DataFrame's."""
+    batch = spark.createDataFrame(
+        [(e["user"], e["amount"]) for e in BATCHES[0]], "user string, amount long"
+    )
+    want = sorted(
+        (user, sum(e["amount"] for e in BATCHES[0] if e["user"] == user))
+        for user in {e["user"] for e in BATCHES[0]}
+    )
+    for job, repartitioned in [
+        ("three", lambda stream: stream.repartition(3)),
+        ("by-user", lambda stream: stream.repartition(3, "user")),
+    ]:
+        stateful = transform_with_state(batch, "user", Totals(), OUTPUT, job)
+        like = repartitioned(spark.createDataFrame(want, OUTPUT))
+        chained = repartitioned(stateful)
+        assert chained.dtypes == like.dtypes == [("user", "string"), ("total", "bigint")]
+        frame = chained.toDF()
+        assert frame.rdd.getNumPartitions() == like.rdd.getNumPartitions() == 3
+        assert sorted(tuple(row) for row in frame.collect()) == want
