@@ -25,6 +25,13 @@ class ConfigurationError(StateBackendError):
     recoverable = False
 
 
+class UnavailableMethodError(ConfigurationError, AttributeError):
+    """A DataFrame method or property that the result of ``transform_with_state`` does not
+    have (an action, a stateful operator): names it and says what to do. An
+    AttributeError too, so ``hasattr`` and ``getattr(result, name, default)`` see no such
+    attribute, as for any name the result lacks."""
+
+
 class StateAccessError(StateBackendError):
     """State was used wrongly: no current key, a key outside the owned key-group range,
     a state name registered as two kinds, a reserved name, a disposed backend."""

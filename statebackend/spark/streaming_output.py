@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pyspark.sql import Column, DataFrame
 from pyspark.sql.types import StructType
 
-from statebackend.errors import ConfigurationError
+from statebackend.errors import ConfigurationError, UnavailableMethodError
 
 if TYPE_CHECKING:
     from statebackend.spark.streaming import StatefulStream
@@ -33,13 +33,115 @@ if TYPE_CHECKING:
 _OUTER_ON_STATIC_SIDE = {"right", "rightouter", "outer", "full", "fullouter"}
 """The join types Spark refuses between a stream (left) and a static DataFrame."""
 
+DATAFRAME_NAMES = frozenset(name for name in dir(DataFrame) if not name.startswith("_"))
+"""The public methods and properties of a DataFrame: those the result lacks raise
+``UnavailableMethodError`` (``unavailable``), any other name Python's AttributeError."""
+
+STATEFUL_METHODS = frozenset(
+    {
+        "agg",
+        "cube",
+        "distinct",
+        "dropDuplicates",
+        "dropDuplicatesWithinWatermark",
+        "drop_duplicates",
+        "exceptAll",
+        "groupBy",
+        "groupby",
+        "groupingSets",
+        "intersect",
+        "intersectAll",
+        "limit",
+        "offset",
+        "rollup",
+        "subtract",
+        "transpose",
+        "union",
+        "unionAll",
+        "unionByName",
+        "withWatermark",
+        "zip",
+        "zipWithIndex",
+    }
+)
+"""DataFrame methods that on a stream are stateful operators (or need one: a watermark,
+a union with another stream), which cannot follow the result of transform_with_state."""
+
+ROW_METHODS = frozenset(
+    {
+        "crossJoin",
+        "hint",
+        "lateralJoin",
+        "mapInArrow",
+        "mapInPandas",
+        "melt",
+        "observe",
+        "orderBy",
+        "repartitionById",
+        "repartitionByRange",
+        "sample",
+        "sampleBy",
+        "sort",
+        "sortWithinPartitions",
+        "to",
+        "unpivot",
+        "withMetadata",
+    }
+)
+"""DataFrame methods returning a DataFrame that ``transform`` can apply to each batch's
+output (a sort or a sample then orders or samples one batch's rows)."""
+
 OutputFunction = Callable[[DataFrame], DataFrame]
 """A function of one batch's output DataFrame, returning the DataFrame to publish."""
 
 
+def unavailable(name: str, streaming: bool) -> UnavailableMethodError:
+    """The error of DataFrame method ``name`` on the result of transform_with_state of a
+    streaming (or batch) DataFrame: what to do instead."""
+    if not streaming:
+        message = (
+            f"{name} is not a method of transform_with_state's result: for a batch "
+            f"DataFrame the result is the DataFrame toDF() returns; use toDF().{name}"
+        )
+    elif name in STATEFUL_METHODS:
+        message = (
+            f"{name} cannot follow transform_with_state's result: a stateful operator needs "
+            f"a streaming DataFrame, and the result is a foreachBatch query's output; write "
+            f"the output and read it as a new stream (or use {name} on each batch's "
+            f"DataFrame in writeStream.foreachBatch)"
+        )
+    elif name in ROW_METHODS:
+        message = (
+            f"{name} is not a method of transform_with_state's result: apply it to each "
+            f"batch's output with transform(lambda df: df.{name}(...)), or in "
+            f"writeStream.foreachBatch"
+        )
+    else:
+        message = (
+            f"{name} is not a method of transform_with_state's streaming result, which is "
+            f"a DataFrame only batch by batch: use {name} on each batch's DataFrame in "
+            f"writeStream.foreachBatch(func)"
+        )
+    return UnavailableMethodError(message)
+
+
 class OutputTransforms(ABC):
     """``DataFrame``'s row-wise methods on a stateful stream's output, each returning a
-    ``TransformedStream`` whose batches go through it (module docstring)."""
+    ``TransformedStream`` whose batches go through it (module docstring); any other
+    DataFrame method is an ``UnavailableMethodError`` saying what to do."""
+
+    def __getattr__(self, name: str) -> Any:
+        """UnavailableMethodError for a DataFrame's method the result lacks; Python's
+        AttributeError for any other name."""
+        if name not in DATAFRAME_NAMES:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
+            )
+        if any(name in vars(cls) for cls in type(self).__mro__):
+            # One of ours (a property such as writeStream) raised an AttributeError, e.g.
+            # from a transform function: raise that again, not "no such method".
+            return object.__getattribute__(self, name)
+        raise unavailable(name, bool(self.isStreaming))
 
     @abstractmethod
     def transform(

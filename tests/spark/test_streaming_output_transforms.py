@@ -18,7 +18,7 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from statebackend.errors import ConfigurationError
+from statebackend.errors import ConfigurationError, UnavailableMethodError
 from statebackend.spark.streaming import transform_with_state
 from tests.spark.jobs import streaming_session
 from tests.spark.streaming_parity import ROCKSDB_PROVIDER, write_batches
@@ -342,3 +342,51 @@ def test_repartition_of_a_batch_output_as_dataframe_repartition(
         frame = chained.toDF()
         assert frame.rdd.getNumPartitions() == like.rdd.getNumPartitions() == 3
         assert sorted(tuple(row) for row in frame.collect()) == want
+
+
+LACKING = ["dropDuplicates", "groupBy", "withWatermark", "unionByName", "limit", "toJSON"]
+LACKING += ["explain", "count", "collect", "show", "sortWithinPartitions", "rdd"]
+
+
+def test_dataframe_methods_the_result_lacks_say_what_to_do(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Each DataFrame method the result lacks is one UnavailableMethodError naming it and
+    saying what to do: a ConfigurationError and an AttributeError, so ``hasattr`` is
+    False and ``getattr`` with a default gives the default; a name no DataFrame has is
+    Python's AttributeError, and an AttributeError a transform function raises in a
+    property of ours is that error, not "no such method"."""
+    like = spark.createDataFrame([], OUTPUT)
+    assert all(hasattr(like, name) for name in LACKING)  # each is a DataFrame's
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "lacks")
+    for stream in (stateful, stateful.select("user", "total")):
+        for name in LACKING:
+            with pytest.raises(UnavailableMethodError, match=f"^{name} ") as caught:
+                getattr(stream, name)
+            assert isinstance(caught.value, ConfigurationError)
+            assert isinstance(caught.value, AttributeError)
+            assert "\n" not in str(caught.value)
+            assert not hasattr(stream, name)
+            assert getattr(stream, name, None) is None
+        with pytest.raises(UnavailableMethodError, match="stateful operator .* new stream"):
+            stream.groupBy  # noqa: B018
+        with pytest.raises(UnavailableMethodError, match=r"use count on each .*foreachBatch"):
+            stream.count  # noqa: B018
+        with pytest.raises(UnavailableMethodError, match=r"transform\(lambda df: df\.sort"):
+            stream.sortWithinPartitions  # noqa: B018
+        with pytest.raises(AttributeError, match="no attribute 'user_total'") as plain:
+            stream.user_total  # noqa: B018
+        assert not isinstance(plain.value, ConfigurationError)
+        assert getattr(stream, "user_total", 7) == 7
+
+    batch = spark.createDataFrame([("a", 1)], "user string, amount long")
+    batch_result = transform_with_state(batch, "user", Totals(), OUTPUT, "lacks-batch")
+    with pytest.raises(UnavailableMethodError, match=r"^collect .* use toDF\(\)\.collect$"):
+        batch_result.collect  # noqa: B018
+
+    def misspelt(output: DataFrame) -> DataFrame:
+        return output.selectt("user")  # type: ignore[attr-defined, no-any-return]
+
+    with pytest.raises(AttributeError, match="selectt") as raised:
+        stateful.transform(misspelt).writeStream  # noqa: B018
+    assert not isinstance(raised.value, UnavailableMethodError)

@@ -26,6 +26,7 @@ DETERMINISTIC = {
     "ProcessorArgumentTypeError",
     "ProcessorArgumentRangeError",
     "DeletedStateError",
+    "UnavailableMethodError",
     "OutputSchemaError",
     "JobFailedError",
 }
