@@ -12,7 +12,8 @@ faults hit connections the client pooled before they were switched on too:
   client timed out and closed it before.
 - ``TRUNCATE``: the response is cut ``truncate_after`` bytes after its headers, and the
   connection closed (a response shorter than its Content-Length).
-- ``SLOW``: the response is forwarded at ``bytes_per_second``.
+- ``SLOW``: the response is forwarded at ``bytes_per_second`` (read as it goes: set it
+  higher to let a slowed response finish).
 
 ``injected`` counts the faults injected so far, per fault.
 """
@@ -202,9 +203,11 @@ class _Connection:
                     self._client.sendall(response[sent:keep])
                     break
                 if fault is Fault.SLOW:
-                    step = max(1, self._proxy.bytes_per_second // 20)
-                    for start in range(0, len(data), step):
+                    start = 0
+                    while start < len(data):  # the rate now: a test may change it
+                        step = max(1, self._proxy.bytes_per_second // 20)
                         self._client.sendall(data[start : start + step])
+                        start += step
                         time.sleep(0.05)
                     continue
                 self._client.sendall(data)

@@ -7,7 +7,6 @@ import argparse
 import json
 import posixpath
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,13 @@ from statebackend.tools.listing import (
     inspect_checkpoint,
     list_jobs,
 )
-from statebackend.tools.local_copies import idle_copies, remove_if_idle
+from statebackend.tools.local_copies import (
+    READS,
+    default_local_dir,
+    idle_copies,
+    read_scratch,
+    remove_if_idle,
+)
 from statebackend.tools.location import (
     CheckpointRef,
     ManifestRef,
@@ -402,23 +407,29 @@ def cmd_read(args: argparse.Namespace) -> int:
     if offsets is not None:
         write_records(iter(offsets), args.format, sys.stdout)  # the driver's, in the properties
         return 0
-    if isinstance(ref, CheckpointRef):
-        return _read(args, ref)
-    if args.operator not in operators:  # said before the rebuild, naming the manifest
-        raise no_such_operator(args.checkpoint, args.operator, operators)
-    with tempfile.TemporaryDirectory(prefix="statebackend-read-") as local:
+    if not isinstance(ref, CheckpointRef) and args.operator not in operators:
+        raise no_such_operator(args.checkpoint, args.operator, operators)  # before a rebuild
+    with read_scratch(Path(args.local_dir or default_local_dir())) as local:
+        if isinstance(ref, CheckpointRef):
+            return _read(args, ref, local)
         folded = fold_manifest(
-            ref, Path(local, "state").as_uri(), allow_pickle=args.allow_pickle, parallelism=1
+            ref,
+            str(local / "state"),
+            allow_pickle=args.allow_pickle,
+            parallelism=1,
+            scratch_dir=local,
         )
-        return _read(args, open_checkpoint(folded))
+        return _read(args, open_checkpoint(folded), local)
 
 
-def _read(args: argparse.Namespace, ref: CheckpointRef) -> int:
+def _read(args: argparse.Namespace, ref: CheckpointRef, local: Path) -> int:
     if args.timers:
         selection = select_timers(ref, args.operator)
         key = NO_KEY if args.key is None else parse_selection_key(selection, args.key)
         with progress("reading", read_bytes(ref, selection, key)) as advance:
-            timers = read_timers(ref, selection, key, advance, allow_pickle=args.allow_pickle)
+            timers = read_timers(
+                ref, selection, key, advance, allow_pickle=args.allow_pickle, local_dir=local
+            )
             written = write_records(timers, args.format, sys.stdout)
         _note_absent_key(args, written, "timers")
         return 0
@@ -430,7 +441,9 @@ def _read(args: argparse.Namespace, ref: CheckpointRef) -> int:
         else progress("reading", read_elements(selection), unit="elements")
     )
     with bar as advance:
-        records = read_state(ref, selection, key, progress=advance, allow_pickle=args.allow_pickle)
+        records = read_state(
+            ref, selection, key, progress=advance, allow_pickle=args.allow_pickle, local_dir=local
+        )
         written = write_records(records, args.format, sys.stdout)
     _note_absent_key(args, written, f"state {args.state!r}")
     return 0
@@ -630,7 +643,12 @@ def cmd_local_gc(args: argparse.Namespace) -> int:
         if args.apply and not remove_if_idle(copy):
             out(f"{copy_bytes:>12}  {copy.directory}  (kept: a task holds it now)")
             continue
-        out(f"{copy_bytes:>12}  {copy.directory}  (no task used it for {days:.1f} days)")
+        reason = (
+            f"downloads of a read, {days:.1f} days old"
+            if copy.root == Path(args.local_dir, READS)
+            else f"no task used it for {days:.1f} days"
+        )
+        out(f"{copy_bytes:>12}  {copy.directory}  ({reason})")
         removed += 1
         removed_bytes += copy_bytes
     if args.apply:

@@ -32,7 +32,7 @@ from statebackend.cli.commands import (
 from statebackend.snapshot.frames import CODECS, DEFAULT_CODEC
 from statebackend.tools.bootstrap import KINDS
 from statebackend.tools.gc import DEFAULT_GRACE_SECONDS
-from statebackend.tools.local_copies import IDLE_SECONDS
+from statebackend.tools.local_copies import IDLE_SECONDS, default_local_dir
 
 
 def _storage_option(text: str) -> tuple[str, Any]:
@@ -114,7 +114,11 @@ from a manifest, each subtask also replays the changelog records that hold its k
   {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state items \\
       --format csv {_S3} > items.csv
   {PROG} read /data/checkpoints/my-job/latest --operator user-totals --state total
-a manifest's state is rebuilt (base + changelog) in a temporary local directory first.
+  {PROG} read s3://bucket/ckpt/my-job/chk-42 --operator user-totals --state total \
+      --local-dir /mnt/local-ssd/statebackend {_S3}
+a manifest's state is rebuilt (base + changelog) in a local directory first, and
+incremental snapshots are downloaded there: <--local-dir>/@reads/scratch/subtask-<i>,
+removed when the read ends (after a killed read, by local-gc or the next read).
 --key takes the key as text for str keys, a number for int keys, JSON otherwise
 (e.g. '["alice", 3]' for a tuple key); a transform_with_state key as the value of its
 one key column or a JSON array of its key columns. Pickled keys and values are printed as
@@ -164,7 +168,9 @@ savepoint's path is printed once it is complete""",
 run on each executor host: lists (or with --apply deletes) the RocksDB copies under
 LOCALDIR (<job_id>/<operator>/subtask-<i>) that no task used for --older-than seconds and
 no task holds now, such as those of jobs that no longer run. A copy is a cache of the
-job's storage: a subtask that finds none rebuilds it from there.""",
+job's storage: a subtask that finds none rebuilds it from there. The downloads of reads
+(@reads/scratch/subtask-<i>: statebackend read, read_state) that no reader holds, left by
+a read killed midway, are deleted whatever their age.""",
     "gc": f"""examples:
   {PROG} gc /data/checkpoints/my-job
   {PROG} gc s3://bucket/checkpoints --apply {_S3}
@@ -308,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
     _add_allow_pickle(p, "unpickle pickled keys and values (default: shown as base64)")
     _add_signing_key(p)
+    p.add_argument(
+        "--local-dir",
+        metavar="DIR",
+        type=_local_directory,
+        help="an existing directory on this host to download into: incremental snapshots, "
+        "and a manifest's rebuilt state (default: spark.statebackend.local.dir's, "
+        f"{default_local_dir()}); what a killed read leaves there, statebackend local-gc "
+        "DIR --apply removes",
+    )
 
     savepoint = commands.add_parser(
         "savepoint",

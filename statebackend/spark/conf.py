@@ -12,10 +12,8 @@ import dataclasses
 import difflib
 import math
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.coordinator import DEFAULT_RETAINED, DEFAULT_TIMEOUT_SECONDS
@@ -25,6 +23,7 @@ from statebackend.checkpoint.storage import DEFAULT_TRANSFER_THREADS
 from statebackend.errors import ConfigurationError
 from statebackend.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from statebackend.snapshot.frames import CODECS, DEFAULT_CODEC
+from statebackend.tools.local_copies import default_local_dir
 
 PREFIX = "spark.statebackend."
 STORAGE_PREFIX = PREFIX + "storage."
@@ -249,12 +248,6 @@ def check_max_parallelism_setting(
             f"{MAX_PARALLELISM_KEY}={setting} differs from the max parallelism {stored} of "
             f"{of} (its key groups are fixed): unset {MAX_PARALLELISM_KEY}{otherwise}"
         )
-
-
-def default_local_dir() -> str:
-    """Where executors keep their RocksDB instances unless ``local.dir`` is set: one
-    host-wide directory, so every executor process on a host finds the local copies."""
-    return str(Path(tempfile.gettempdir()) / "statebackend-local")
 
 
 @dataclass(frozen=True)

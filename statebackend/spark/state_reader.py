@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
@@ -44,6 +45,7 @@ from statebackend.snapshot.handles import HandleFiles, KeyedHandle
 from statebackend.spark.conf import StateBackendConf
 from statebackend.state.descriptors import StateKind
 from statebackend.state.ttl import TtlValue
+from statebackend.tools.local_copies import read_scratch
 from statebackend.tools.location import ManifestRef, open_state
 from statebackend.tools.manifests import (
     check_replay_without_pickle,
@@ -138,12 +140,13 @@ def _read_range(
     key_groups: KeyGroupRange,
     state_name: str,
     decoder: _Decoder,
+    local_dir: Path,
 ) -> Iterator[tuple[Any, Any]]:
     for handle in handles:
         wanted = handle.key_group_range.intersection(key_groups)
         if not wanted:
             continue
-        entries = handle.read_entries(HandleFiles(fs, directory, fs.read_range), wanted)
+        entries = handle.read_entries(HandleFiles(fs, directory, fs.read_range, local_dir), wanted)
         yield from decoder.rows(entry for name, _, entry in entries if name == state_name)
 
 
@@ -161,7 +164,9 @@ def read_state(
     completed checkpoint or savepoint ``checkpoint`` (its directory or ``_metadata``), or
     at the batch of a manifest (``<job dir>/manifests/<B>`` or ``<job dir>/latest``).
 
-    ``storage_options`` default to the session's ``spark.statebackend.storage.*``.
+    ``storage_options`` default to the session's ``spark.statebackend.storage.*``. The
+    tasks download (incremental snapshots, a manifest's base) into the session's
+    ``spark.statebackend.local.dir`` on their executors (``local_copies.read_scratch``).
     Pickled keys and values are unpickled only with ``allow_pickle``. With
     ``signing_key`` (``StateBackendConf.checkpoint_signing_key()``) the checkpoint or
     manifest must be signed with it and its files unchanged. Raises
@@ -177,11 +182,13 @@ def read_state(
             f"checkpoint {checkpoint!r} is invalid: give the directory of a completed "
             f"checkpoint or savepoint, or a batch manifest (e.g. <job dir>/latest)"
         )
+    conf = StateBackendConf.from_session(spark)
     if storage_options is None:
-        storage_options = StateBackendConf.from_session(spark).storage_options
+        storage_options = conf.storage_options
+    local_dir = conf.local_dir
     ref = open_state(os.fspath(checkpoint), storage_options, signing_key)
     if isinstance(ref, ManifestRef):
-        return _read_manifest_state(spark, ref, operator_id, state_name, allow_pickle)
+        return _read_manifest_state(spark, ref, operator_id, state_name, allow_pickle, local_dir)
     directory, metadata = ref.directory, ref.metadata
     fs = open_filesystem(directory, storage_options)
     snapshot = metadata.operators.get(operator_id)
@@ -201,19 +208,30 @@ def read_state(
     files = metadata.files()
 
     def read_partition(items: Iterable[KeyGroupRange]) -> Iterator[tuple[Any, Any]]:
-        with verified_reads(fs, directory, files, signing_key) as reads:
+        with (
+            read_scratch(Path(local_dir)) as local,
+            verified_reads(fs, directory, files, signing_key) as reads,
+        ):
             for key_groups in items:
-                yield from _read_range(reads, directory, handles, key_groups, state_name, decoder)
+                yield from _read_range(
+                    reads, directory, handles, key_groups, state_name, decoder, local
+                )
 
     rdd = spark.sparkContext.parallelize(ranges, max(1, len(ranges))).mapPartitions(read_partition)
     return spark.createDataFrame(rdd, decoder.schema())
 
 
 def _read_manifest_state(
-    spark: SparkSession, ref: ManifestRef, operator_id: str, state_name: str, allow_pickle: bool
+    spark: SparkSession,
+    ref: ManifestRef,
+    operator_id: str,
+    state_name: str,
+    allow_pickle: bool,
+    local_dir: str,
 ) -> DataFrame:
     """``read_state`` of a manifest: one partition per subtask of the operator at the
-    manifest's batch, each rebuilt from base + records on its executor."""
+    manifest's batch, each rebuilt from base + records on its executor (downloading
+    into ``local_dir`` there)."""
     if operator_id not in operator_ids(ref):
         raise CheckpointNotFoundError(
             f"{ref.path} has no keyed state of operator {operator_id!r}; it has {operator_ids(ref)}"
@@ -235,7 +253,8 @@ def _read_manifest_state(
 
     def read_partition(items: Iterable[KeyGroupRange]) -> Iterator[tuple[Any, Any]]:
         for key_groups in items:
-            backend = rebuild_subtask(ref, operator_id, key_groups)
+            with read_scratch(Path(local_dir)) as local:
+                backend = rebuild_subtask(ref, operator_id, key_groups, local)
             try:
                 cut = backend.sync_cut()
                 entries = (

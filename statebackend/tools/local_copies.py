@@ -12,6 +12,12 @@ storage. Nothing on an executor can tell that a job will not run again (another
 application may run it), so copies of retired jobs stay until removed:
 ``statebackend local-gc`` lists (and with ``--apply`` removes) the copies on this host
 that no task has used for a while and no task holds now.
+
+Reads of stored state (``statebackend read``, ``spark.state_reader.read_state``) download
+into such a copy too, one per concurrent reader, ``flock``-ed while it reads and removed
+after (``read_scratch``): ``<local.dir>/@reads/scratch/subtask-<i>``. A reader killed midway
+leaves its copy behind; the next reader that takes its slot, or ``local-gc``, removes it,
+whatever its age (a read copy is never reused).
 """
 
 from __future__ import annotations
@@ -19,15 +25,29 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-from contextlib import suppress
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+
+from statebackend.errors import LocalStateError
 
 SUBTASK_PREFIX = "subtask-"
 LOCK_SUFFIX = ".lock"
 MARKER_SUFFIX = ".version"
 IDLE_SECONDS = 7 * 24 * 3600.0
 """How long no task must have used a copy before ``local-gc`` takes it for idle."""
+READS = Path("@reads", "scratch")
+"""Where under a local directory readers download (``read_scratch``); ``@`` is in no job
+id, so no job's copies are there."""
+
+
+def default_local_dir() -> str:
+    """Where executors keep their RocksDB instances, and readers download, unless
+    ``local.dir`` (``--local-dir``) is set: one host-wide directory, so every executor
+    process on a host finds the local copies."""
+    return str(Path(tempfile.gettempdir()) / "statebackend-local")
 
 
 @dataclass(frozen=True)
@@ -88,8 +108,29 @@ def local_copies(local_dir: Path) -> list[LocalCopy]:
 
 
 def idle_copies(local_dir: Path, idle_seconds: float, now: float) -> list[LocalCopy]:
-    """The copies under ``local_dir`` no task used within ``idle_seconds`` before ``now``."""
-    return [copy for copy in local_copies(local_dir) if now - copy.last_used() > idle_seconds]
+    """The copies under ``local_dir`` no task used within ``idle_seconds`` before ``now``,
+    and the read copies (``read_scratch``) no reader holds, whatever their age."""
+    reads = local_dir / READS
+    return [
+        copy
+        for copy in local_copies(local_dir)
+        if now - copy.last_used() > idle_seconds or (copy.root == reads and not _held(copy))
+    ]
+
+
+def _held(copy: LocalCopy) -> bool:
+    """Whether a process holds ``copy``'s lock now."""
+    try:
+        fd = os.open(copy.lock, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def acquire_lock(copy: LocalCopy, wait: bool = True) -> int | None:
@@ -138,3 +179,29 @@ def remove_if_idle(copy: LocalCopy) -> bool:
         with suppress(OSError):
             directory.rmdir()  # only if empty
     return True
+
+
+@contextmanager
+def read_scratch(local_dir: Path) -> Iterator[Path]:
+    """An empty directory under ``local_dir`` for one reader's downloads: the first read
+    copy (``READS``) no other reader holds, locked while the block runs and removed after.
+    What a reader killed in it left is removed first."""
+    root = local_dir / READS
+    try:
+        slot = 0
+        while (fd := acquire_lock(LocalCopy(root, slot), wait=False)) is None:
+            slot += 1
+    except OSError as error:
+        raise LocalStateError(
+            f"the local directory {local_dir} is unusable ({error.strerror or error}): give "
+            f"a writable directory with room (--local-dir, spark.statebackend.local.dir)"
+        ) from error
+    copy = LocalCopy(root, slot)
+    try:
+        os.utime(copy.lock)  # in use now, for local-gc's listing
+        shutil.rmtree(copy.directory, ignore_errors=True)
+        copy.directory.mkdir(exist_ok=True)
+        yield copy.directory
+    finally:
+        release_lock(fd)
+        remove_if_idle(copy)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from statebackend.backends.heap import HeapKeyedStateBackend
@@ -155,12 +156,14 @@ def check_foldable(ref: ManifestRef) -> None:
 
 
 def rebuild_subtask(
-    ref: ManifestRef, operator_id: str, key_groups: KeyGroupRange
+    ref: ManifestRef, operator_id: str, key_groups: KeyGroupRange, scratch_dir: Path | None = None
 ) -> HeapKeyedStateBackend:
     """A heap backend holding ``key_groups`` of the operator's state at the manifest's
-    batch (base + records). The caller disposes of it."""
+    batch (base + records), an incremental base downloaded into ``scratch_dir`` (default:
+    the system's temp directory). The caller disposes of it."""
     _, key_serializer = state_metas(ref, operator_id)
     backend = HeapKeyedStateBackend(
+        scratch_dir=scratch_dir,
         max_parallelism=ref.manifest.max_parallelism,
         key_group_range=key_groups,
         key_serializer=serializer_from_config(key_serializer),
@@ -452,6 +455,7 @@ def fold_manifest(
     compression: str = DEFAULT_CODEC,
     allow_pickle: bool = False,
     written: Written | None = None,
+    scratch_dir: Path | None = None,
 ) -> str:
     """Write the state at the manifest's batch to ``target`` as a self-contained full
     savepoint, ``_metadata`` last; returns the target directory.
@@ -459,7 +463,8 @@ def fold_manifest(
     Each operator is written at ``parallelism`` (default: its parallelism at the batch),
     each subtask rebuilt from base + records. The savepoint's properties are the
     manifest's, plus ``batch_id`` (unless the manifest has one) and
-    ``folded_from_manifest``. Raises ConfigurationError if the base holds state the
+    ``folded_from_manifest``. An incremental base is downloaded into ``scratch_dir``
+    (default: the system's temp directory). Raises ConfigurationError if the base holds state the
     changelog does not carry (``check_foldable``) or the rebuild would unpickle without
     ``allow_pickle``, CheckpointError if ``target`` already holds a savepoint.
     """
@@ -488,7 +493,7 @@ def fold_manifest(
                     directory = SnapshotDirectory(
                         fs, writer.target, f"{operator_id}-{subtask}", pool, compression
                     )
-                    backend = rebuild_subtask(ref, operator_id, key_groups)
+                    backend = rebuild_subtask(ref, operator_id, key_groups, scratch_dir)
                     try:
                         handle = directory.write_keyed_snapshot(0, backend.sync_cut()).result()
                     finally:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
 from statebackend.backends.keyed import StateMetaInfo
@@ -292,11 +293,13 @@ def _keyed_entries(
     key: Any,
     progress: Progress | None,
     allow_pickle: bool,
+    local_dir: Path | None,
 ) -> Iterator[tuple[Serializer[Any], bytes | None, Iterator[tuple[str, int, Entry]]]]:
     """Per keyed handle of the selection's operator that ``keyed_read_plan`` reads: its
     key deserializer (pickled keys opaque unless ``allow_pickle``), ``key`` serialized
     (None if no key is asked) and the handle's (state name, key group, entry) of the
-    planned key groups, by ranged reads that report the bytes read to ``progress``."""
+    planned key groups, by ranged reads that report the bytes read to ``progress``
+    (an incremental handle's files are downloaded into ``local_dir``)."""
 
     def read_range(path: str, start: int, length: int) -> bytes:
         data = ref.fs.read_range(path, start, length)
@@ -304,7 +307,7 @@ def _keyed_entries(
             progress(len(data))
         return data
 
-    files = HandleFiles(ref.fs, ref.directory, read_range)
+    files = HandleFiles(ref.fs, ref.directory, read_range, local_dir)
     plan, key_bytes = keyed_read_plan(ref, selection, key)
     for handle, groups in plan:
         keys = reading_serializer(handle.key_serializer, allow_pickle)
@@ -318,11 +321,13 @@ def read_keyed_state(
     progress: Progress | None = None,
     now: float | None = None,
     allow_pickle: bool = False,
+    local_dir: Path | None = None,
 ) -> Iterator[Record]:
     """``{"key", "value"}`` per key of a keyed state (only ``key`` if given), in key-group
     order; map state values are dicts, list state values lists. Values expired at ``now``
     (seconds, default the current time) are skipped. Pickled keys and values are
-    ``OpaqueValue``s unless ``allow_pickle``."""
+    ``OpaqueValue``s unless ``allow_pickle``. Incremental snapshots are downloaded into
+    ``local_dir`` (default: the system's temp directory)."""
     meta = selection.keyed
     if meta is None:
         raise ConfigurationError(f"state {selection.name!r} is not keyed state")
@@ -333,7 +338,9 @@ def read_keyed_state(
         if meta.kind is StateKind.MAP
         else None
     )
-    for keys, key_bytes, read in _keyed_entries(ref, selection, key, progress, allow_pickle):
+    for keys, key_bytes, read in _keyed_entries(
+        ref, selection, key, progress, allow_pickle, local_dir
+    ):
         entries = (
             entry
             for name, _, entry in read
@@ -351,13 +358,16 @@ def read_timers(
     key: Any = NO_KEY,
     progress: Progress | None = None,
     allow_pickle: bool = False,
+    local_dir: Path | None = None,
 ) -> Iterator[Record]:
     """``{"domain", "timestamp", "key"}`` per timer of the selection's operator (only
     ``key``'s if given): key group by key group, in each event time then processing
     time, by (timestamp, serialized key). Pickled keys are ``OpaqueValue``s unless
-    ``allow_pickle``."""
+    ``allow_pickle``. Incremental snapshots are downloaded into ``local_dir``."""
     names = {by_time_name(domain): domain for domain in TIME_DOMAINS}
-    for keys, key_bytes, read in _keyed_entries(ref, selection, key, progress, allow_pickle):
+    for keys, key_bytes, read in _keyed_entries(
+        ref, selection, key, progress, allow_pickle, local_dir
+    ):
         for name, _, (ts8, timer_key, _) in read:
             domain = names.get(name)
             if domain is not None and (key_bytes is None or timer_key == key_bytes):
@@ -401,14 +411,18 @@ def read_state(
     key: Any = NO_KEY,
     progress: Progress | None = None,
     allow_pickle: bool = False,
+    local_dir: Path | None = None,
 ) -> Iterator[Record]:
     """The records of the selected state (see ``read_keyed_state``); for operator state
     every element (broadcast: every entry of one copy), filtered by ``key`` for broadcast
     state. ``progress`` hears the bytes read of a keyed state (``read_bytes``), each
     element of an operator state (``read_elements``). Pickled keys and values are
-    ``OpaqueValue``s unless ``allow_pickle``."""
+    ``OpaqueValue``s unless ``allow_pickle``. Incremental snapshots are downloaded into
+    ``local_dir``."""
     if selection.keyed is not None:
-        yield from read_keyed_state(ref, selection, key, progress, allow_pickle=allow_pickle)
+        yield from read_keyed_state(
+            ref, selection, key, progress, allow_pickle=allow_pickle, local_dir=local_dir
+        )
         return
     states = restored_operator_states(ref, selection.operator, 0, 1, {selection.name})
     for record in decode_operator_state(states[selection.name], allow_pickle):
