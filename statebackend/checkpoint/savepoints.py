@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import posixpath
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -11,10 +12,18 @@ from statebackend.checkpoint.filesystem import CheckpointFileSystem, normalize_u
 from statebackend.checkpoint.layout import join, metadata_path
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import load_metadata
-from statebackend.errors import CheckpointError
+from statebackend.errors import (
+    MALFORMED_DOCUMENT,
+    CheckpointCorruptedError,
+    CheckpointError,
+)
 from statebackend.snapshot.handles import resolve_path
 
 _COPY_CHUNK = 4 << 20
+COPYING_FILE = "_copying"
+"""Written into a savepoint directory before a copy's first file, removed after its
+``_metadata``: the files the copy writes, so that the next copy there removes them if the
+process copying was killed."""
 
 Progress = Callable[[int], None]
 """Called with the number of bytes just copied."""
@@ -53,7 +62,8 @@ def copy_checkpoint(
     handles rewritten to match), then ``_metadata`` (marked as a savepoint) is written
     last, so an interrupted copy is never mistaken for a savepoint; a copy that fails or is
     interrupted (KeyboardInterrupt) deletes what it wrote (``target_dir`` itself if it was
-    empty), so that it can be run again into the same directory. The result restores
+    empty), so that it can be run again into the same directory; what a copy whose process
+    was killed wrote (``COPYING_FILE`` lists it) is deleted before copying. The result restores
     from wherever it is moved to. With ``signing_key`` the source must be signed with
     it and the savepoint is signed with it too; without, the savepoint is not signed.
     Returns ``target_dir`` (normalized); raises CheckpointError if it already holds a
@@ -81,9 +91,13 @@ def copy_checkpoint(
     # on one storage (also opened twice, as the command does) a copy is server-side: the
     # bytes pass through this process only between storages
     same_storage = source_fs.same_storage(target_fs)
+    _remove_killed_copy(target_fs, target_dir)
     was_empty = not target_fs.list_dir(target_dir)
     written: list[str] = []
     try:
+        names = [_inside(relative) for relative, _, _ in metadata.files()]
+        plan = {"was_empty": was_empty, "files": names}
+        target_fs.write_atomic(join(target_dir, COPYING_FILE), json.dumps(plan).encode())
         for source, target, size, checksum in copies:
             written.append(target)
             if same_storage:
@@ -98,7 +112,32 @@ def copy_checkpoint(
     except BaseException:  # an error, Ctrl-C: what was copied is no savepoint
         _remove_copied(target_fs, target_dir, written, was_empty)
         raise
+    with suppress(Exception):  # the savepoint is complete: a marker left is only a file
+        target_fs.delete(join(target_dir, COPYING_FILE))
     return target_dir
+
+
+def _remove_killed_copy(fs: CheckpointFileSystem, target_dir: str) -> None:
+    """Delete what a copy into ``target_dir`` that was killed midway (its process ended
+    before it completed or cleaned up: ``COPYING_FILE`` and no ``_metadata``) wrote there,
+    file by file, its marker last: ``target_dir`` itself if it was empty before."""
+    marker = join(target_dir, COPYING_FILE)
+    if not fs.exists(marker):
+        return
+    try:
+        plan = json.loads(fs.read_file(marker))
+        files, was_empty = [str(f) for f in plan["files"]], bool(plan["was_empty"])
+    except MALFORMED_DOCUMENT as exc:
+        raise CheckpointCorruptedError(
+            f"{marker} (left by a savepoint copy that did not complete) is unreadable: "
+            f"{exc}; delete what that copy wrote into {target_dir}, then the marker"
+        ) from exc
+    for name in files:
+        if name == _inside(name) and not posixpath.isabs(name) and name != ".":
+            fs.delete(join(target_dir, name))  # a name a copy writes: inside target_dir
+    fs.delete(marker)
+    if was_empty:
+        fs.delete(target_dir, recursive=True)
 
 
 def _remove_copied(
@@ -115,3 +154,4 @@ def _remove_copied(
             return
         for path in written:
             fs.delete(path)
+        fs.delete(join(target_dir, COPYING_FILE))
