@@ -45,6 +45,7 @@ from statebackend.backends.timers import (
     TimerClocks,
     TimerSnapshotInfo,
     check_timer_change,
+    check_timer_state,
     checked_timer_entries,
     timer_state_metas,
 )
@@ -589,7 +590,7 @@ class KeyedStateBackend(ABC):
         of a timer store that is no timer's is CheckpointCorruptedError naming ``source``
         (the file the entries come from), if given, and the state and key group.
         """
-        conversions = self._begin_restore(key_serializer, states, timers)
+        conversions = self._begin_restore(key_serializer, states, timers, source)
         in_range = (
             (name, (key_group, entry))
             for name, key_group, entry in entries
@@ -667,6 +668,7 @@ class KeyedStateBackend(ABC):
         key_serializer: SerializerConfig,
         states: Iterable[StateMetaInfo],
         timers: TimerSnapshotInfo | None,
+        source: str | None = None,
     ) -> dict[str, Callable[[bytes], bytes]]:
         """The checks and registrations of ``restore`` before any entry is loaded: a
         backend's own restore paths (bulk loading) start with it and end with
@@ -674,7 +676,7 @@ class KeyedStateBackend(ABC):
         loaded where an earlier restore into this backend stored that state with another
         value serializer (``_reconcile``): they must be loaded through it."""
         states = list(states)
-        self._check_restorable(key_serializer, states)
+        self._check_restorable(key_serializer, states, source)
         if self._timer_service is not None and (
             timers is not None or any(is_timer_state(meta.name) for meta in states)
         ):
@@ -721,8 +723,14 @@ class KeyedStateBackend(ABC):
             )
 
     def _check_restorable(
-        self, key_serializer: SerializerConfig, states: Iterable[StateMetaInfo]
+        self,
+        key_serializer: SerializerConfig,
+        states: Iterable[StateMetaInfo],
+        source: str | None = None,
     ) -> None:
+        """StateAccessError or IncompatibleStateError unless ``states``, stored with
+        ``key_serializer``, can be restored now; CheckpointCorruptedError (naming
+        ``source``, the file, if given) for a timer state the timer service does not keep."""
         self._check_open()
         if self.key_serializer.compatibility_with(key_serializer) is not (
             Compatibility.COMPATIBLE_AS_IS
@@ -732,6 +740,8 @@ class KeyedStateBackend(ABC):
                 f"{self.key_serializer.config()}: restore with the same key serializer"
             )
         for meta in states:
+            if is_timer_state(meta.name):
+                check_timer_state(meta.name, meta.kind, source)
             if meta.name in self._states:
                 raise StateAccessError(
                     f"state {meta.name!r} is already in use: restore before get_state"
@@ -814,7 +824,7 @@ class KeyedStateBackend(ABC):
         CheckpointCorruptedError naming ``source`` (the record's file), if given.
         """
         states = list(states)
-        self._check_restorable(key_serializer, states)
+        self._check_restorable(key_serializer, states, source)
         if self._timer_service is not None:
             raise StateAccessError("timers are already in use: replay before timer_service")
         if timers is not None:

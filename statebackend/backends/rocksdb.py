@@ -610,7 +610,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
         key groups outside the backend's range are skipped. Returns the number of entries
         loaded; CheckpointCorruptedError if a state's keys are out of order, or an entry of
         a timer store is no timer's (naming ``source``, the file, if given)."""
-        conversions = self._begin_restore(key_serializer, states, timers)
+        conversions = self._begin_restore(key_serializer, states, timers, source)
         staging = Path(tempfile.mkdtemp(prefix="ingest-", dir=self.local_dir))
         writers: dict[str, tuple[SstFileWriter, Path]] = {}
         loaded = 0
@@ -679,7 +679,7 @@ class RocksDBKeyedStateBackend(KeyedStateBackend):
                 "restore it before any other restore or get_state"
             )
         states = list(states)
-        self._check_restorable(key_serializer, states)
+        self._check_restorable(key_serializer, states, source)
         db_path = self.local_dir / "db"
         self._db.close()
         shutil.rmtree(db_path)

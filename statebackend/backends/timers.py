@@ -135,6 +135,24 @@ _TIMESTAMP_IN_KEY = {
 """The timer stores, by name: whether an entry's timestamp is its key (else its user key)."""
 
 
+def check_timer_state(name: str, kind: StateKind, source: str | None) -> None:
+    """CheckpointCorruptedError (naming ``source``, the file, if given) unless state
+    ``name`` of ``kind``, a timer state being restored, is one of the four map stores the
+    timer service keeps: no other state may take a name with the timer prefix."""
+    if _TIMESTAMP_IN_KEY.get(name) is not None and kind is StateKind.MAP:
+        return
+    where = f"{source}: " if source else ""
+    problem = (
+        f"is a {kind.value} state, not the timer service's map state"
+        if name in _TIMESTAMP_IN_KEY
+        else f"is not one of the timer service's states {sorted(_TIMESTAMP_IN_KEY)}"
+    )
+    raise CheckpointCorruptedError(
+        f"{where}timer state {name!r} {problem}: the checkpoint is damaged, restore from an "
+        f"earlier checkpoint"
+    )
+
+
 def _malformed_timer(
     name: str, key_group: int, problem: str, source: str | None
 ) -> CheckpointCorruptedError:

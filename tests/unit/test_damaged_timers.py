@@ -12,7 +12,7 @@ reverse; the expectations of the undamaged restores are the timers registered.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import pytest
 
 from statebackend.backends.changelog import ChangeSet, MapKeyChanges, StateChanges
 from statebackend.backends.heap import HeapKeyedStateBackend
-from statebackend.backends.keyed import KeyedStateBackend
+from statebackend.backends.keyed import KeyedStateBackend, StateMetaInfo
 from statebackend.backends.rocksdb import RocksDBKeyedStateBackend
 from statebackend.backends.stores import CurrentKey, Entry
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
@@ -32,6 +32,7 @@ from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCorruptedError
 from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.serializers import IntSerializer
+from statebackend.state.descriptors import StateKind
 
 M = 8
 EVERYTHING = KeyGroupRange(0, M - 1)
@@ -172,9 +173,15 @@ def _damage_column(backend: RocksDBKeyedStateBackend, store: str, timestamp: byt
     column[composite(KEY_GROUP, entry(timestamp))] = b""
 
 
-def _checkpoint(tmp_path: Path, incremental: bool, store: str | None) -> tuple[Any, str, Any]:
+def _checkpoint(
+    tmp_path: Path,
+    incremental: bool,
+    store: str | None,
+    craft: Callable[[RocksDBKeyedStateBackend], None] | None = None,
+) -> tuple[Any, str, Any]:
     """A completed checkpoint of one RocksDB subtask with the timers, ``store`` holding a
-    malformed timer entry (None: none)."""
+    malformed timer entry (None: none), written after ``craft`` (if given) damaged the
+    subtask's backend."""
     storage = CheckpointStorage(
         (tmp_path / "ck").as_uri(), "job", incremental=incremental, compression="none"
     )
@@ -185,6 +192,8 @@ def _checkpoint(tmp_path: Path, incremental: bool, store: str | None) -> tuple[A
         source.timer_service.advance_watermark(1, lambda key, t: None)  # settles
         if store is not None:
             _damage_column(source, store, b"abc")
+        if craft is not None:
+            craft(source)
         n = coordinator.trigger({"op": 1})
         handle = source.snapshot(n, storage.snapshot_target(n, "op", 0)).result()
         assert coordinator.acknowledge(n, SubtaskAck("op", 0, 1, handle, None, coordinator.run_id))
@@ -284,3 +293,89 @@ def test_a_changelog_record_with_a_malformed_timer_change_is_refused_naming_it(
     assert path is not None and path in message and "\n" not in message
     assert repr(store) in message and f"key group {KEY_GROUP}" in message
     assert "restore from an earlier checkpoint" in message
+
+
+FOREIGN_STATES = [
+    ("_timers.bogus.by_time", StateKind.MAP),  # a time domain the timer service lacks
+    ("_timers.event.by_date", StateKind.MAP),  # a store it does not keep
+    ("_timers.event.by_time", StateKind.VALUE),  # its store, but not a map
+]
+FOREIGN_IDS = ["domain", "suffix", "kind"]
+
+
+def _add_foreign_state(backend: KeyedStateBackend, name: str, kind: StateKind) -> None:
+    """Make the backend snapshot state ``name`` of ``kind`` among its timer states, as a
+    buggy writer would: with a timer entry as documented, in the timer key's key group."""
+    if name not in STORES:
+        backend._store_for(name, is_map=True).map_put(
+            CurrentKey.of(KEY_GROUP, ts8(3)), KEY_BYTES, b""
+        )
+    backend._timer_metas[name] = StateMetaInfo(name, kind, {"timer": {"identity": name}})
+
+
+@pytest.mark.parametrize(("name", "kind_of_state"), FOREIGN_STATES, ids=FOREIGN_IDS)
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_a_checkpoint_with_a_timer_state_the_timer_service_does_not_keep_is_refused(
+    tmp_path: Path,
+    created: list[KeyedStateBackend],
+    kind: str,
+    incremental: bool,
+    name: str,
+    kind_of_state: StateKind,
+) -> None:
+    """Names starting with ``_timers.`` are the timer service's (no user state may take
+    one): a snapshot holding another such state, or one of its stores as another kind
+    than a map, was not written by it."""
+
+    def craft(backend: RocksDBKeyedStateBackend) -> None:
+        _add_foreign_state(backend, name, kind_of_state)
+
+    storage, directory, metadata = _checkpoint(tmp_path, incremental, None, craft)
+    (handle,) = metadata.operators["op"].keyed_handles()
+    assert (name, kind_of_state) in {(meta.name, meta.kind) for meta in handle.states}
+    target = make(kind, tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        restore_keyed_state(target, storage.fs, directory, metadata, "op")
+        fired(target)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert repr(name) in message and "restore from an earlier checkpoint" in message
+    if incremental:
+        assert directory in message
+    else:
+        assert f"{directory}/{handle.path}" in message
+    storage.close()
+
+
+@pytest.mark.parametrize(("name", "kind_of_state"), FOREIGN_STATES[:2], ids=FOREIGN_IDS[:2])
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+def test_a_changelog_record_with_a_timer_state_the_timer_service_does_not_keep_is_refused(
+    tmp_path: Path,
+    created: list[KeyedStateBackend],
+    kind: str,
+    name: str,
+    kind_of_state: StateKind,
+) -> None:
+    """(A record's map change of a store recorded as a value state is refused by its
+    decoder already.)"""
+    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
+    source = make(kind, tmp_path, "source")
+    created.append(source)
+    source.enable_changelog()
+    with_timers(source)
+    _add_foreign_state(source, name, kind_of_state)
+    changes = source.drain_changelog()
+    assert (name, kind_of_state) in {(meta.name, meta.kind) for meta in changes.states}
+    record = changelog.write_record(0, "op", 0, "a", changes)
+    changelog.commit(0, {"op": [record]}, max_parallelism=M)
+    target = make(kind, tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
+        fired(target)
+    message = str(raised.value)
+    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
+    assert path is not None and path in message and "\n" not in message
+    assert repr(name) in message and "restore from an earlier checkpoint" in message
