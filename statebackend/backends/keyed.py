@@ -602,7 +602,7 @@ class KeyedStateBackend(ABC):
             if convert is not None:
                 items = ((group, (k, uk, convert(value))) for group, (k, uk, value) in items)
             if is_timer_state(name):
-                items = checked_timer_entries(name, items, source)
+                items = checked_timer_entries(name, items, source, self.max_parallelism)
             self._restored_store(name).write_entries(items)
         self._end_restore(timers)
 
@@ -851,7 +851,15 @@ class KeyedStateBackend(ABC):
                     change = change._replace(value=convert(change.value))
                 if name in timer_stores and change.op in (ChangeOp.PUT, ChangeOp.MAP_PUT):
                     is_map = change.op is ChangeOp.MAP_PUT
-                    check_timer_change(name, key_group, change.key, change.user_key, is_map, source)
+                    check_timer_change(
+                        name,
+                        key_group,
+                        change.key,
+                        change.user_key,
+                        is_map,
+                        source,
+                        self.max_parallelism,
+                    )
                 apply_change(target, key_group, change)
 
     def dispose(self) -> None:

@@ -53,6 +53,8 @@ from struct import Struct
 from struct import error as struct_error
 from typing import Any, NamedTuple
 
+import mmh3
+
 from statebackend.backends.stores import (
     KEY_GROUP_PREFIX,
     KEY_LENGTH,
@@ -62,7 +64,7 @@ from statebackend.backends.stores import (
     split_composite_key,
 )
 from statebackend.errors import CheckpointCorruptedError, StateAccessError
-from statebackend.keygroups import KeyGroupRange
+from statebackend.keygroups import KeyGroupRange, assign_to_key_group
 from statebackend.state.descriptors import StateKind
 from statebackend.state.timers import (
     MAX_TIMESTAMP,
@@ -167,35 +169,62 @@ def _bad_length(length: int, what: str = "an entry") -> str:
     return f"{what} with a timestamp of {length} bytes (not 8)"
 
 
+_hash = mmh3.hash
+"""``keygroups.assign_to_key_group`` is ``_hash(key, 0, False) % max_parallelism``: the
+restore checks compute it inline: a Python call per timer would double what they add to a
+restore."""
+
+
+def _other_key_group(timer_key: bytes, max_parallelism: int, what: str = "a timer") -> str:
+    return f"{what} of a key of key group {assign_to_key_group(timer_key, max_parallelism)}"
+
+
 def checked_timer_entries(
-    name: str, items: Iterator[tuple[int, Entry]], source: str | None = None
+    name: str,
+    items: Iterator[tuple[int, Entry]],
+    source: str | None = None,
+    max_parallelism: int | None = None,
 ) -> Iterator[tuple[int, Entry]]:
     """``items`` (key group, entry) of state ``name`` being restored, as they are; of a
     timer store, CheckpointCorruptedError (naming ``source``, the file, if given) at the
-    first entry whose timestamp is not the 8 bytes the timer service writes."""
+    first entry whose timestamp is not the 8 bytes the timer service writes, or, given
+    ``max_parallelism``, at a ``by_time`` entry in another key group than its timer
+    key's."""
     in_key = _TIMESTAMP_IN_KEY.get(name)
     if in_key is None:
         return items
-    return _checked(name, in_key, items, source)
+    return _checked(name, in_key, items, source, max_parallelism if in_key else None)
 
 
 def _checked(
-    name: str, in_key: bool, items: Iterator[tuple[int, Entry]], source: str | None
+    name: str,
+    in_key: bool,
+    items: Iterator[tuple[int, Entry]],
+    source: str | None,
+    max_parallelism: int | None,
 ) -> Iterator[tuple[int, Entry]]:
     for item in items:
-        length = len(item[1][0 if in_key else 1])
+        key_group, entry = item
+        length = len(entry[0 if in_key else 1])
         if length != _TIMESTAMP.size:
-            raise _malformed_timer(name, item[0], _bad_length(length), source)
+            raise _malformed_timer(name, key_group, _bad_length(length), source)
+        if max_parallelism and _hash(entry[1], 0, False) % max_parallelism != key_group:
+            raise _malformed_timer(
+                name, key_group, _other_key_group(entry[1], max_parallelism), source
+            )
         yield item
 
 
-def check_timer_composites(name: str, composites: Iterable[bytes], source: str | None) -> None:
+def check_timer_composites(
+    name: str, composites: Iterable[bytes], source: str | None, max_parallelism: int | None = None
+) -> None:
     """``checked_timer_entries`` of composite keys (``stores.CurrentKey`` + user key)
     of state ``name``: CheckpointCorruptedError unless each one of a timer store is a
-    timer's."""
+    timer's (in its timer key's key group only if ``max_parallelism`` is given)."""
     in_key = _TIMESTAMP_IN_KEY.get(name)
     if in_key is None:
         return
+    groups = max_parallelism if in_key else None
     for composite in composites:
         try:
             key_group, key, user_key = split_composite_key(composite)
@@ -205,14 +234,22 @@ def check_timer_composites(name: str, composites: Iterable[bytes], source: str |
         length = len(key if in_key else user_key)
         if length != _TIMESTAMP.size:
             raise _malformed_timer(name, key_group, _bad_length(length), source)
+        if groups and _hash(user_key, 0, False) % groups != key_group:
+            raise _malformed_timer(name, key_group, _other_key_group(user_key, groups), source)
 
 
 def check_timer_change(
-    name: str, key_group: int, key: bytes, user_key: bytes, is_map: bool, source: str | None
+    name: str,
+    key_group: int,
+    key: bytes,
+    user_key: bytes,
+    is_map: bool,
+    source: str | None,
+    max_parallelism: int | None = None,
 ) -> None:
     """CheckpointCorruptedError unless a changelog change that writes an entry of state
     ``name`` (``is_map``: a map entry, else a value) is a timer's, if it is a timer
-    store's."""
+    store's (in its timer key's key group too, given ``max_parallelism``)."""
     in_key = _TIMESTAMP_IN_KEY.get(name)
     if in_key is None:
         return
@@ -221,6 +258,9 @@ def check_timer_change(
     length = len(key if in_key else user_key)
     if length != _TIMESTAMP.size:
         raise _malformed_timer(name, key_group, _bad_length(length, "a change"), source)
+    if in_key and max_parallelism and _hash(user_key, 0, False) % max_parallelism != key_group:
+        problem = _other_key_group(user_key, max_parallelism, "a change")
+        raise _malformed_timer(name, key_group, problem, source)
 
 
 def timer_state_metas() -> list[tuple[str, StateKind, dict[str, Any]]]:

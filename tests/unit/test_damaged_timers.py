@@ -379,3 +379,136 @@ def test_a_changelog_record_with_a_timer_state_the_timer_service_does_not_keep_i
     path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
     assert path is not None and path in message and "\n" not in message
     assert repr(name) in message and "restore from an earlier checkpoint" in message
+
+
+OTHER_GROUP = (KEY_GROUP + 1) % M
+
+
+def _move_timer(backend: RocksDBKeyedStateBackend, key: int = KEY) -> int:
+    """Move the ``by_time`` entry of ``key``'s event-time timer from the key's key group
+    to the next one, as a buggy writer would (its ``by_key`` entry stays); returns that
+    key group."""
+    column: Any = backend._columns["_timers.event.by_time"]
+    key_bytes = struct.pack(">q", key)
+    group = assign_to_key_group(key_bytes, M)
+    entry = (ts8(TIMERS["event"]), key_bytes, b"")
+    assert column.get(composite(group, entry)) == b""
+    del column[composite(group, entry)]
+    column[composite(group + 1, entry)] = b""
+    return group + 1
+
+
+@pytest.mark.parametrize(
+    ("incremental", "kind"),
+    [(False, "heap"), (False, "rocksdb"), (True, "heap")],
+    ids=["full-heap", "full-rocksdb", "incremental-heap"],
+)
+def test_a_checkpoint_with_a_timer_in_another_key_group_than_its_key_is_refused(
+    tmp_path: Path, created: list[KeyedStateBackend], kind: str, incremental: bool
+) -> None:
+    """A ``by_time`` entry lives in its timer key's key group (the module docstring);
+    one in another would fire with its key in that key group, whose state is not the
+    key's (and would move to another subtask on a rescale). Checked where a restore reads
+    the entries anyway, not where a RocksDB backend adopts an incremental handle's files
+    as they are (see the next test)."""
+    storage, directory, metadata = _checkpoint(tmp_path, incremental, None, _move_timer)
+    (handle,) = metadata.operators["op"].keyed_handles()
+    target = make(kind, tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        restore_keyed_state(target, storage.fs, directory, metadata, "op")
+        fired(target)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "'_timers.event.by_time'" in message and f"in key group {OTHER_GROUP}" in message
+    assert f"a key of key group {KEY_GROUP}" in message
+    assert "restore from an earlier checkpoint" in message
+    if incremental:
+        assert directory in message
+    else:
+        assert f"{directory}/{handle.path}" in message
+    storage.close()
+
+
+def test_a_rescale_that_copies_an_incremental_handle_refuses_a_timer_in_another_key_group(
+    tmp_path: Path, created: list[KeyedStateBackend]
+) -> None:
+    """Two subtasks' incremental handles restored into one RocksDB backend: it adopts
+    one handle's files and copies the other's entries, which are checked. Each handle
+    holds a timer moved to the next key group, so whichever is copied is refused."""
+    storage = CheckpointStorage(
+        (tmp_path / "ck").as_uri(), "job", incremental=True, compression="none"
+    )
+    coordinator = CheckpointCoordinator(storage, max_parallelism=M)
+    n = coordinator.trigger({"op": 2})
+    moved = []
+    for subtask, key_groups in enumerate([KeyGroupRange(0, 3), KeyGroupRange(4, 7)]):
+        key = next(  # a key whose key group and the next are the subtask's
+            k
+            for k in range(1000)
+            if assign_to_key_group(struct.pack(">q", k), M)
+            in range(key_groups.start, key_groups.end)
+        )
+        source = RocksDBKeyedStateBackend(
+            tmp_path / f"source-{subtask}",
+            max_parallelism=M,
+            key_group_range=key_groups,
+            key_serializer=IntSerializer(),
+        )
+        created.append(source)
+        source.set_current_key(key)
+        source.timer_service.register_event_time_timer(TIMERS["event"])
+        source.timer_service.advance_watermark(1, lambda key, t: None)  # settles
+        moved.append(_move_timer(source, key))
+        handle = source.snapshot(n, storage.snapshot_target(n, "op", subtask)).result()
+        coordinator.acknowledge(n, SubtaskAck("op", subtask, 2, handle, None, coordinator.run_id))
+    directory, metadata = storage.resolve(n), storage.load(n)
+    target = make("rocksdb", tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        restore_keyed_state(target, storage.fs, directory, metadata, "op")
+        fired(target)
+    message = str(raised.value)
+    assert "\n" not in message and directory in message
+    assert "'_timers.event.by_time'" in message
+    assert any(f"in key group {group}" in message for group in moved)
+    storage.close()
+
+
+@pytest.mark.parametrize("kind", ["heap", "rocksdb"])
+def test_a_changelog_record_with_a_timer_in_another_key_group_than_its_key_is_refused(
+    tmp_path: Path, created: list[KeyedStateBackend], kind: str
+) -> None:
+    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
+    source = make(kind, tmp_path, "source")
+    created.append(source)
+    source.enable_changelog()
+    with_timers(source)
+    changes = source.drain_changelog()
+    store = "_timers.event.by_time"
+    real = CurrentKey.of(KEY_GROUP, ts8(TIMERS["event"])).prefix
+    assert set(changes.changes[store].maps) == {real}
+    moved = CurrentKey.of(OTHER_GROUP, ts8(TIMERS["event"])).prefix
+    damaged = dict(changes.changes)
+    damaged[store] = StateChanges({}, {moved: changes.changes[store].maps[real]})
+    changes = ChangeSet(
+        changes.key_serializer,
+        changes.max_parallelism,
+        changes.key_group_range,
+        changes.states,
+        damaged,
+        changes.timers,
+    )
+    record = changelog.write_record(0, "op", 0, "a", changes)
+    changelog.commit(0, {"op": [record]}, max_parallelism=M)
+    target = make(kind, tmp_path)
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
+        fired(target)
+    message = str(raised.value)
+    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
+    assert path is not None and path in message and "\n" not in message
+    assert repr(store) in message and f"in key group {OTHER_GROUP}" in message
+    assert f"a key of key group {KEY_GROUP}" in message
+    assert "restore from an earlier checkpoint" in message
