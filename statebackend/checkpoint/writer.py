@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from statebackend.backends.heap import HeapKeyedStateBackend
@@ -323,14 +324,20 @@ class SavepointWriter:
         return load_metadata(self.filesystem(self.source), self.source)
 
     def write_subtask(
-        self, rewrite: OperatorRewrite, subtask: int, rows: Iterable[Row]
+        self,
+        rewrite: OperatorRewrite,
+        subtask: int,
+        rows: Iterable[Row],
+        scratch_dir: Path | None = None,
     ) -> SubtaskAck:
-        """Restore, change and write subtask ``subtask`` of ``rewrite`` (see the module)."""
+        """Restore, change and write subtask ``subtask`` of ``rewrite`` (see the module);
+        the source's incremental snapshots are downloaded into ``scratch_dir`` (default:
+        the system's temp directory)."""
         check_parallelism(rewrite.parallelism, self.max_parallelism)
         key_groups = compute_key_group_range_for_operator_index(
             self.max_parallelism, rewrite.parallelism, subtask
         )
-        keyed, operator_state, raw = self._restored(rewrite, subtask, key_groups)
+        keyed, operator_state, raw = self._restored(rewrite, subtask, key_groups, scratch_dir)
         new = None
         if rewrite.keyed_states:
             backend = HeapKeyedStateBackend(
@@ -364,7 +371,11 @@ class SavepointWriter:
             )
 
     def _restored(
-        self, rewrite: OperatorRewrite, subtask: int, key_groups: KeyGroupRange
+        self,
+        rewrite: OperatorRewrite,
+        subtask: int,
+        key_groups: KeyGroupRange,
+        scratch_dir: Path | None,
     ) -> tuple[KeyedStateCut | None, OperatorStateCut | None, RawKeyedStateCut | None]:
         """The subtask's share of the source, states dropped and renamed (Nones: none)."""
         metadata = self.source_metadata() if rewrite.from_source else None
@@ -376,6 +387,7 @@ class SavepointWriter:
         handles = snapshot.keyed_handles()
         if handles:
             backend = HeapKeyedStateBackend(
+                scratch_dir=scratch_dir,
                 max_parallelism=self.max_parallelism,
                 key_group_range=key_groups,
                 key_serializer=serializer_from_config(handles[0].key_serializer),

@@ -468,7 +468,10 @@ def cmd_savepoint_create(args: argparse.Namespace) -> int:
             parallelism_of(source, op) if args.parallelism is None else args.parallelism
             for op in operator_ids(source)
         )
-        with progress("writing", subtasks, unit="subtasks") as advance:
+        with (
+            read_scratch(Path(args.local_dir or default_local_dir())) as local,
+            progress("writing", subtasks, unit="subtasks") as advance,
+        ):
             folded = fold_manifest(
                 source,
                 args.target,
@@ -476,6 +479,7 @@ def cmd_savepoint_create(args: argparse.Namespace) -> int:
                 parallelism=args.parallelism,
                 allow_pickle=args.allow_pickle,
                 written=lambda _operator, _subtask: advance(1),
+                scratch_dir=local,
             )
         out(folded)
         print(
@@ -534,6 +538,7 @@ def cmd_savepoint_transform(args: argparse.Namespace) -> int:
             compression=args.compression,
             written=lambda _operator, _subtask: advance(1),
             allow_pickle=args.allow_pickle,
+            local_dir=Path(args.local_dir or default_local_dir()),
         )
     out(target)
     return 0

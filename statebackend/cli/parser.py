@@ -63,6 +63,17 @@ def _local_directory(text: str) -> str:
     return str(path.resolve())
 
 
+def _add_local_dir(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--local-dir",
+        metavar="DIR",
+        type=_local_directory,
+        help=f"an existing directory on this host to download into: {what} (default: "
+        f"spark.statebackend.local.dir's, {default_local_dir()}); what a killed command "
+        "leaves there, statebackend local-gc DIR --apply removes",
+    )
+
+
 def _job_side_location(text: str) -> str:
     """A location the running job's driver uses: a relative local path made absolute
     here, where the user gave it, not in the driver's working directory."""
@@ -140,14 +151,18 @@ the copy is checked file by file; _metadata is written last. With --signing-key-
 source must be signed with that key and the savepoint is signed with it; without, the
 savepoint is not signed. From a batch manifest the state is folded: each subtask is
 rebuilt from base + changelog and written in the full format (at --parallelism), so the
-savepoint needs neither the base nor the changelog""",
+savepoint needs neither the base nor the changelog; an incremental base is downloaded into
+<--local-dir>/@reads/scratch/subtask-<i>, removed when the command ends (after a killed
+one, by local-gc or the next command)""",
     "savepoint transform": f"""examples:
   {PROG} savepoint transform --from /data/savepoints/v1 --to /data/savepoints/v2 \\
       --drop-state user-totals/recent --rename-state user-totals/count=events
   {PROG} savepoint transform --from s3://bucket/ckpt/my-job/chk-42 --to s3://bucket/sp/v2 \\
       --drop-operator old-enricher --parallelism 8 {_S3}
 the source is only read; each subtask is restored (at --parallelism, default the
-operator's), changed and written, _metadata last. Other changes (mapping values, a new
+operator's), changed and written, _metadata last. Incremental snapshots are downloaded
+into <--local-dir>/@reads/scratch/subtask-<i>, removed when the command ends (after a
+killed one, by local-gc or the next command). Other changes (mapping values, a new
 serializer, added state): statebackend.spark.state_writer.StateWriter""",
     "savepoint bootstrap": f"""examples:
   {PROG} savepoint bootstrap --to /data/savepoints/initial --operator user-totals \\
@@ -355,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         p, "for a batch manifest whose rebuild migrates pickled values to a changed serializer"
     )
     _add_signing_key(p)
+    _add_local_dir(p, "a batch manifest's incremental base, to fold it")
     p = command(
         "savepoint transform",
         "write a new savepoint with operators or states dropped or states renamed",
@@ -383,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_allow_pickle(
         p, "for subtasks that store a pickled state with different serializers (migrated)"
     )
+    _add_local_dir(p, "the source's incremental snapshots")
     p = command(
         "savepoint bootstrap",
         "write a new savepoint of one operator's keyed state from JSON Lines files",

@@ -15,7 +15,9 @@ The Spark side of ``checkpoint/writer.py`` (Flink's State Processor API), beside
 
 Each operator is written by one Spark task per subtask of the new savepoint: rows are
 routed to the subtask owning their key group, the task restores its share of the source
-and writes its snapshot files; the driver writes ``_metadata`` last. A DataFrame's
+(downloading into the session's ``spark.statebackend.local.dir``:
+``local_copies.read_scratch``) and writes its snapshot files; the driver writes
+``_metadata`` last. A DataFrame's
 ``value`` column holds what ``read_state`` shows: the value, the reduced value, the
 aggregate's accumulator, a list, or a map; JSON strings (as ``read_state`` gives for
 lists, maps and untyped serializers) are decoded.
@@ -25,7 +27,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
@@ -51,6 +55,7 @@ from statebackend.spark.job_groups import job_group
 from statebackend.spark.runner import task_error
 from statebackend.spark.state_reader import column_type
 from statebackend.state.descriptors import StateDescriptor, StateKind
+from statebackend.tools.local_copies import read_scratch
 from statebackend.tools.location import checkpoint_directory
 
 _TYPED_KINDS = (StateKind.VALUE, StateKind.REDUCING)
@@ -291,10 +296,11 @@ class StateWriter:
         )
         metadata = self.metadata
         job_id = job_id or (metadata.job_id if metadata else "bootstrap")
+        local_dir = StateBackendConf.from_session(self.spark).local_dir
         with writer.writing():
             acks: list[SubtaskAck] = []
             for rewrite in rewrites:
-                acks += self._write_operator(writer, rewrite, job_id)
+                acks += self._write_operator(writer, rewrite, job_id, local_dir)
             return writer.complete(
                 acks,
                 job_id=job_id,
@@ -303,9 +309,10 @@ class StateWriter:
             )
 
     def _write_operator(
-        self, writer: SavepointWriter, rewrite: OperatorRewrite, job_id: str
+        self, writer: SavepointWriter, rewrite: OperatorRewrite, job_id: str, local_dir: str
     ) -> list[SubtaskAck]:
-        """One Spark task per subtask, fed the rows of its key groups."""
+        """One Spark task per subtask, fed the rows of its key groups, restoring the
+        source into a read copy under ``local_dir`` on its executor."""
         context = self.spark.sparkContext
         parts: list[Any] = [context.parallelize([(i, None) for i in range(rewrite.parallelism)])]
         max_parallelism = writer.max_parallelism
@@ -323,7 +330,12 @@ class StateWriter:
 
         def write(subtask: int, items: Iterable[tuple[int, Row | None]]) -> Iterator[str]:
             rows = (row for _, row in items if row is not None)
-            yield json.dumps(writer.write_subtask(rewrite, subtask, rows).to_json())
+            scratch: AbstractContextManager[Path | None] = (
+                nullcontext() if writer.source is None else read_scratch(Path(local_dir))
+            )
+            with scratch as local:
+                ack = writer.write_subtask(rewrite, subtask, rows, local)
+            yield json.dumps(ack.to_json())
 
         routed = context.union(parts).partitionBy(rewrite.parallelism, lambda subtask: subtask)
         try:

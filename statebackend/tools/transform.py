@@ -9,6 +9,7 @@ executors), optionally at another parallelism; the source is only read.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from statebackend.checkpoint.filesystem import FAIL_FAST_RETRY
@@ -21,6 +22,7 @@ from statebackend.checkpoint.writer import (
 from statebackend.errors import ConfigurationError
 from statebackend.serializers.opaque import holds_pickle
 from statebackend.snapshot.frames import DEFAULT_CODEC
+from statebackend.tools.local_copies import default_local_dir, read_scratch
 from statebackend.tools.location import CheckpointRef, checkpoint_directory
 
 
@@ -113,10 +115,13 @@ def transform_savepoint(
     compression: str = DEFAULT_CODEC,
     written: Written | None = None,
     allow_pickle: bool = False,
+    local_dir: Path | None = None,
 ) -> str:
     """Write the savepoint of ``rewrites`` (``plan_transform``) of ``ref`` to ``target``,
-    ``_metadata`` last; returns the target directory. ConfigurationError if that would
-    unpickle, unless ``allow_pickle`` (``check_transform_without_pickle``)."""
+    ``_metadata`` last; returns the target directory. Incremental snapshots are
+    downloaded into a read copy under ``local_dir`` (default: ``default_local_dir()``;
+    ``local_copies.read_scratch``). ConfigurationError if that would unpickle, unless
+    ``allow_pickle`` (``check_transform_without_pickle``)."""
     if not allow_pickle:
         check_transform_without_pickle(ref, rewrites)
     writer = SavepointWriter(
@@ -127,11 +132,11 @@ def transform_savepoint(
         compression=compression,
         retry=FAIL_FAST_RETRY,
     )
-    with writer.writing():
+    with read_scratch(local_dir or Path(default_local_dir())) as scratch, writer.writing():
         acks = []
         for rewrite in rewrites:
             for subtask in range(rewrite.parallelism):
-                acks.append(writer.write_subtask(rewrite, subtask, ()))
+                acks.append(writer.write_subtask(rewrite, subtask, (), scratch))
                 if written is not None:
                     written(rewrite.operator_id, subtask)
         return writer.complete(

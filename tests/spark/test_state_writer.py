@@ -52,6 +52,7 @@ from statebackend.spark.state_writer import StateWriter
 from statebackend.state.descriptors import ValueStateDescriptor
 from tests.conftest import Storage
 from tests.scripts import REPO
+from tests.unit.test_bulk_restore import checkpoint as incremental_checkpoint
 
 USERS = 40
 PARTITIONS = 4
@@ -325,3 +326,29 @@ def test_bad_writer_arguments_are_refused_before_writing(
     with pytest.raises(ConfigurationError, match=re.escape(message)):
         writer.write(str(work / "sp"), parallelism=2)
     assert list(tmp_path.rglob("*")) == [work]
+
+
+def test_a_transform_downloads_into_the_sessions_local_dir(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """The tasks of ``write`` restore an incremental source into
+    spark.statebackend.local.dir, not the system's temp directory: where it is a file,
+    writing fails naming it (and leaves no target); as a directory, the savepoint reads
+    back as the model and nothing stays in it."""
+    storage, source, model = incremental_checkpoint(tmp_path / "incremental", True)
+    storage.close()
+    local = tmp_path / "local"
+    target = f"{tmp_path.as_uri()}/transformed"
+    try:
+        local.write_text("not a directory")
+        spark_local.conf.set("spark.statebackend.local.dir", str(local))
+        with pytest.raises(Exception, match=f"the local directory {local} is unusable"):
+            StateWriter.from_savepoint(spark_local, source).write(target, parallelism=3)
+        assert not (tmp_path / "transformed").exists()
+        local.unlink()
+        StateWriter.from_savepoint(spark_local, source).write(target, parallelism=3)
+        rows = read_state(spark_local, target, "op", "count").collect()
+    finally:
+        spark_local.conf.unset("spark.statebackend.local.dir")
+    assert dict(rows) == {key: count for key, (count, _) in model.items()}
+    assert [path for path in local.rglob("*") if path.is_file()] == []

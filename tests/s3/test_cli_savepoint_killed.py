@@ -1,0 +1,135 @@
+"""``statebackend savepoint transform`` and ``savepoint create`` (from a batch manifest, a
+fold) killed (SIGKILL) midway leave nothing behind that nobody removes: their downloads
+are in a read copy of ``--local-dir`` (``local_copies.read_scratch``), which ``local-gc``
+removes, not in the system's temp directory.
+
+The commands reach S3 through ``tests/faultproxy.py``, slowed so that they are killed
+while they download; the sources and the plain-Python model of their state are those of
+``tests/s3/test_cli_read_local_dir.py``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import signal
+from pathlib import Path
+
+import pytest
+
+from statebackend.checkpoint.filesystem import open_filesystem
+from statebackend.checkpoint.layout import metadata_path
+from statebackend.checkpoint.storage import load_metadata
+from statebackend.cli import main
+from statebackend.tools.local_copies import READS, LocalCopy
+from tests.conftest import S3Endpoint, Storage, raw_fs
+from tests.faultproxy import Fault, FaultProxy
+from tests.s3 import test_cli_read_local_dir as reads
+from tests.s3.test_cli_read_local_dir import (
+    OPERATOR,
+    SLOW,
+    STATE,
+    WAIT,
+    Source,
+    _files_in,
+    _options,
+    _reader,
+    _records,
+    _wait_for,
+)
+
+pytestmark = pytest.mark.s3
+
+source = reads.source
+"""An incremental checkpoint of about 1 MB on S3, or a batch manifest on one."""
+
+
+def _command(source: Source, target: str) -> list[str]:
+    """The savepoint command that restores ``source`` on this host: a transform of a
+    checkpoint, the fold of a manifest."""
+    verb = "create" if "/manifests/" in source.path else "transform"
+    return ["savepoint", verb, "--from", source.path, "--to", target]
+
+
+def _target(source: Source) -> str:
+    """A directory beside the source's job directory, not yet there."""
+    return posixpath.join(source.path.split("/job/")[0], "written")
+
+
+def _downloads(directory: Path) -> list[Path]:
+    """The files below ``directory`` but the locks of read copies."""
+    return [path for path in _files_in(directory) if not path.name.endswith(".lock")]
+
+
+def _stored(s3_endpoint: S3Endpoint, directory: str) -> set[str]:
+    """The files below ``directory`` on S3, relative to it."""
+    fs = raw_fs(Storage(directory, s3_endpoint.storage_options))
+    fs.invalidate_cache()
+    root = directory.removeprefix("s3://")
+    return {posixpath.relpath(path, root) for path in fs.find(root)}
+
+
+def _read_back(
+    s3_endpoint: S3Endpoint, target: str, local: Path, temp: Path, tmp_path: Path
+) -> dict[str, object]:
+    """The state of the savepoint in ``target``, as ``statebackend read`` prints it."""
+    argv = ["read", target, "--operator", OPERATOR, "--state", STATE.name]
+    argv += _options(s3_endpoint.endpoint_url, s3_endpoint)
+    argv += ["--local-dir", str(local)]
+    output = tmp_path / "read-back.jsonl"
+    return _records(_reader(argv, temp, output), output)
+
+
+def _assert_a_complete_savepoint(s3_endpoint: S3Endpoint, target: str) -> None:
+    """``target`` holds exactly its ``_metadata`` and the files it references."""
+    fs = raw_fs(Storage(target, s3_endpoint.storage_options))
+    assert fs.exists(metadata_path(target).removeprefix("s3://"))
+    metadata = load_metadata(open_filesystem(target, s3_endpoint.storage_options), target)
+    referenced = {relative for relative, _, _ in metadata.files()}
+    assert _stored(s3_endpoint, target) == referenced | {"_metadata"}
+
+
+def test_a_killed_savepoint_command_leaves_its_downloads_for_local_gc(
+    source: Source, s3_endpoint: S3Endpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command, without ``--local-dir``, is killed while it downloads: what it
+    downloaded is in a read copy under the default local directory (in the system's temp
+    directory), nowhere else there; ``local-gc --apply`` deletes it. Run again with
+    ``--local-dir``, it writes the savepoint, which reads back as the model, and leaves
+    no file in either directory."""
+    local, temp = tmp_path / "local", tmp_path / "tmp"
+    local.mkdir()
+    temp.mkdir()
+    default = temp / "statebackend-local"
+    killed_copy = LocalCopy(default / READS, 0)
+    target = _target(source)
+    with FaultProxy(s3_endpoint.endpoint_url, bytes_per_second=SLOW) as proxy:
+        proxy.inject(Fault.SLOW)
+        argv = [*_command(source, target), *_options(proxy.url, s3_endpoint)]
+        killed = _reader(argv, temp, tmp_path / "killed.out")
+        try:
+            _wait_for(lambda: bool(_downloads(temp)), killed, "downloaded")
+            killed.send_signal(signal.SIGKILL)
+            assert killed.wait(timeout=WAIT) == -signal.SIGKILL
+        finally:
+            if killed.poll() is None:
+                killed.kill()
+                killed.wait()
+    left = _downloads(temp)
+    assert left  # the downloads of the killed command
+    assert all(killed_copy.directory in path.parents for path in left), left
+    assert set(_files_in(temp)) == {*left, killed_copy.lock}
+
+    capsys.readouterr()
+    assert main(["local-gc", str(default), "--apply"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [Path(line.split()[1]) for line in lines[:-1]] == [killed_copy.directory]
+    assert _files_in(temp) == []
+
+    argv = [*_command(source, target), *_options(s3_endpoint.endpoint_url, s3_endpoint)]
+    again = _reader([*argv, "--local-dir", str(local)], temp, tmp_path / "again.out")
+    assert again.wait(timeout=WAIT) == 0, (tmp_path / "again.err").read_text()
+    assert (tmp_path / "again.out").read_text().strip() == target
+    _assert_a_complete_savepoint(s3_endpoint, target)
+    assert _files_in(temp) == [] and list(local.iterdir()) == []
+    assert _read_back(s3_endpoint, target, local, temp, tmp_path) == source.expected
+    assert _files_in(temp) == [] and list(local.iterdir()) == []
