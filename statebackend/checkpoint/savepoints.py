@@ -91,7 +91,7 @@ def copy_checkpoint(
     # on one storage (also opened twice, as the command does) a copy is server-side: the
     # bytes pass through this process only between storages
     same_storage = source_fs.same_storage(target_fs)
-    _remove_killed_copy(target_fs, target_dir)
+    remove_killed_copy(target_fs, target_dir)
     was_empty = not target_fs.list_dir(target_dir)
     written: list[str] = []
     try:
@@ -117,7 +117,7 @@ def copy_checkpoint(
     return target_dir
 
 
-def _remove_killed_copy(fs: CheckpointFileSystem, target_dir: str) -> None:
+def remove_killed_copy(fs: CheckpointFileSystem, target_dir: str) -> None:
     """Delete what a copy into ``target_dir`` that was killed midway (its process ended
     before it completed or cleaned up: ``COPYING_FILE`` and no ``_metadata``) wrote there,
     file by file, its marker last: ``target_dir`` itself if it was empty before."""
@@ -129,7 +129,7 @@ def _remove_killed_copy(fs: CheckpointFileSystem, target_dir: str) -> None:
         files, was_empty = [str(f) for f in plan["files"]], bool(plan["was_empty"])
     except MALFORMED_DOCUMENT as exc:
         raise CheckpointCorruptedError(
-            f"{marker} (left by a savepoint copy that did not complete) is unreadable: "
+            f"{marker} (left by a savepoint copy or write that did not complete) is unreadable: "
             f"{exc}; delete what that copy wrote into {target_dir}, then the marker"
         ) from exc
     for name in files:

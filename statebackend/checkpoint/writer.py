@@ -20,6 +20,7 @@ an interrupted write is never mistaken for a savepoint. The source is only read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +40,14 @@ from statebackend.checkpoint.filesystem import (
     RetryPolicy,
     open_filesystem,
 )
-from statebackend.checkpoint.layout import metadata_path, validate_id
+from statebackend.checkpoint.layout import join, metadata_path, validate_id
 from statebackend.checkpoint.metadata import CheckpointMetadata, OperatorSnapshot, SubtaskAck
 from statebackend.checkpoint.restore import (
     restore_keyed_state,
     restore_operator_state,
     restore_raw_keyed_state,
 )
+from statebackend.checkpoint.savepoints import COPYING_FILE, remove_killed_copy
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.errors import (
     CheckpointCorruptedError,
@@ -306,8 +308,15 @@ class SavepointWriter:
         """Check the target (``check_target``), then run the block that writes the
         savepoint; if it raises (an error, Ctrl-C), delete what it wrote into the target,
         which was empty (unless another writer completed a savepoint there meanwhile),
-        and raise."""
+        and raise. What a write whose process was killed left in a target without
+        ``_metadata`` (the ``COPYING_FILE`` a savepoint copy leaves too, written before
+        the first file and removed after ``_metadata``) is deleted before the check."""
+        fs = self.filesystem(self.target)
+        self._check_no_savepoint(fs)
+        remove_killed_copy(fs, self.target)
         self.check_target()
+        marker = {"was_empty": True, "files": []}  # the target is deleted, as it was empty
+        fs.write_atomic(join(self.target, COPYING_FILE), json.dumps(marker).encode())
         try:
             yield
         except BaseException:
@@ -456,6 +465,8 @@ class SavepointWriter:
                 f"write into {self.target} failed?): write it again into an empty directory"
             )
         fs.write_atomic(metadata_path(self.target), metadata.to_bytes())
+        with suppress(Exception):  # the savepoint is complete: a marker left is only a file
+            fs.delete(join(self.target, COPYING_FILE))
         return self.target
 
 

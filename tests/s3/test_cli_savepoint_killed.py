@@ -1,7 +1,9 @@
 """``statebackend savepoint transform`` and ``savepoint create`` (from a batch manifest, a
 fold) killed (SIGKILL) midway leave nothing behind that nobody removes: their downloads
 are in a read copy of ``--local-dir`` (``local_copies.read_scratch``), which ``local-gc``
-removes, not in the system's temp directory.
+removes, not in the system's temp directory; the files they wrote into their target are
+removed by the same command run again (the ``_copying`` marker of
+``checkpoint/savepoints.py``), and that run writes the savepoint.
 
 The commands reach S3 through ``tests/faultproxy.py``, slowed so that they are killed
 while they download; the sources and the plain-Python model of their state are those of
@@ -17,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from statebackend.checkpoint.filesystem import open_filesystem
-from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.storage import load_metadata
 from statebackend.cli import main
 from statebackend.tools.local_copies import READS, LocalCopy
@@ -81,8 +82,6 @@ def _read_back(
 
 def _assert_a_complete_savepoint(s3_endpoint: S3Endpoint, target: str) -> None:
     """``target`` holds exactly its ``_metadata`` and the files it references."""
-    fs = raw_fs(Storage(target, s3_endpoint.storage_options))
-    assert fs.exists(metadata_path(target).removeprefix("s3://"))
     metadata = load_metadata(open_filesystem(target, s3_endpoint.storage_options), target)
     referenced = {relative for relative, _, _ in metadata.files()}
     assert _stored(s3_endpoint, target) == referenced | {"_metadata"}
@@ -133,3 +132,50 @@ def test_a_killed_savepoint_command_leaves_its_downloads_for_local_gc(
     assert _files_in(temp) == [] and list(local.iterdir()) == []
     assert _read_back(s3_endpoint, target, local, temp, tmp_path) == source.expected
     assert _files_in(temp) == [] and list(local.iterdir()) == []
+
+
+def test_a_savepoint_command_killed_after_writing_files_runs_again_into_its_target(
+    source: Source, s3_endpoint: S3Endpoint, tmp_path: Path
+) -> None:
+    """The command writes its target at parallelism 2 and is killed once the first
+    subtask's files are there (the second one downloading): no ``_metadata``, so no
+    savepoint. The same command run again deletes what the killed one wrote and writes
+    the savepoint: the target holds exactly the files its ``_metadata`` references, and it
+    reads back as the model. Run once more, it is refused and the savepoint untouched."""
+    local, temp = tmp_path / "local", tmp_path / "tmp"
+    local.mkdir()
+    temp.mkdir()
+    target = _target(source)
+    command = [*_command(source, target), "--parallelism", "2", "--local-dir", str(local)]
+    with FaultProxy(s3_endpoint.endpoint_url, bytes_per_second=4 * SLOW) as proxy:
+        proxy.inject(Fault.SLOW)
+        killed = _reader(
+            [*command, *_options(proxy.url, s3_endpoint)], temp, tmp_path / "killed.out"
+        )
+        try:
+            _wait_for(
+                lambda: bool(_stored(s3_endpoint, target) - {"_copying"}), killed, "wrote a file"
+            )
+            killed.send_signal(signal.SIGKILL)
+            assert killed.wait(timeout=WAIT) == -signal.SIGKILL
+        finally:
+            if killed.poll() is None:
+                killed.kill()
+                killed.wait()
+    partial = _stored(s3_endpoint, target)
+    assert partial and "_metadata" not in partial
+
+    options = _options(s3_endpoint.endpoint_url, s3_endpoint)
+    again = _reader([*command, *options], temp, tmp_path / "again.out")
+    assert again.wait(timeout=WAIT) == 0, (tmp_path / "again.err").read_text()
+    _assert_a_complete_savepoint(s3_endpoint, target)
+    assert not partial - {"_copying"} & _stored(s3_endpoint, target)
+    assert _read_back(s3_endpoint, target, local, temp, tmp_path) == source.expected
+    assert _files_in(temp) == [] and _files_in(local) == []
+
+    # a complete savepoint is never touched
+    before = _stored(s3_endpoint, target)
+    refused = _reader([*command, *options], temp, tmp_path / "refused.out")
+    assert refused.wait(timeout=WAIT) == 1
+    assert "already holds a checkpoint or savepoint" in (tmp_path / "refused.err").read_text()
+    assert _stored(s3_endpoint, target) == before
