@@ -233,7 +233,18 @@ def restore_version(
             with verified_reads(storage.fs, restore_dir, files, key) as reads:
                 return from_checkpoint(reads, restore_dir, metadata)
     except CheckpointError as exc:
-        raise CheckpointUnreadableError(f"{what} cannot restore from {source}: {exc}") from exc
+        advice = ""
+        if manifest_batch is not None:  # a query's state: no older checkpoint to fall back to
+            advice = (
+                f"; the state of batch {manifest_batch} is built from it: put the file back if "
+                f"you have a copy, else start a new query from a readable savepoint or "
+                f"completed checkpoint of the job (`statebackend list "
+                f"{storage.layout.job_dir}`) with restore_from=, a new job_id and a new "
+                f"checkpointLocation"
+            )
+        raise CheckpointUnreadableError(
+            f"{what} cannot restore from {source}: {exc}{advice}"
+        ) from exc
     return None
 
 

@@ -286,3 +286,29 @@ def test_a_damaged_materialization_no_manifest_builds_on_yet_is_not_adopted(
     assert base is None or base.checkpoint_id != damaged, base
     assert f"chk-{damaged}" in caplog.text
     assert state_totals(spark, tmp_path / "ours" / "totals") == expected_totals(batches)
+
+
+def test_a_damaged_base_stops_the_query_saying_what_to_do(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A file of the base the newest manifest builds on is damaged and no local copy
+    holds the state: the next batch fails naming the file and saying how to go on, and
+    publishes nothing."""
+    batches = make_batches(4, seed=47)
+    input_dir, out, checkpoint = tmp_path / "in", tmp_path / "out", tmp_path / "ckpt"
+    write_batch_files(input_dir, batches[:3])
+    run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    _, changelog = job_storage(tmp_path, "totals")
+    newest = changelog.load_manifest(changelog.manifest_ids()[-1])
+    assert newest.base is not None and newest.batch_id == 2
+    base_dir = tmp_path / "ours" / "totals" / f"chk-{newest.base.checkpoint_id}"
+    damaged = next(p for p in sorted(base_dir.iterdir()) if p.name != "_metadata")
+    damaged.write_bytes(damaged.read_bytes()[:-3] + b"xyz")
+    shutil.rmtree(tmp_path / "local")  # no local copy: the subtasks rebuild from storage
+    write_batch_files(input_dir, batches[3:], first=3)
+    with pytest.raises(StreamingQueryException) as failure:
+        run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
+    message = str(failure.value)
+    assert damaged.name in message and "put the file back" in message
+    assert "restore_from=" in message and "statebackend list" in message
+    assert read_output(spark, out) == expected_output(batches[:3])
