@@ -37,13 +37,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as dataclass_fields
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from statebackend.checkpoint.filesystem import CheckpointFileSystem
 from statebackend.checkpoint.layout import METRICS_DIR, join, validate_id
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.errors import MALFORMED_DOCUMENT, CheckpointError, ConfigurationError
 from statebackend.snapshot.incremental import IncrementalKeyedStateHandle
+
+if TYPE_CHECKING:
+    from statebackend.backends.changelog import ChangeSet
+    from statebackend.backends.keyed import KeyedStateBackend
 
 SEGMENT_SUFFIX = ".jsonl"
 DEFAULT_SEGMENT_BYTES = 64 << 10
@@ -73,7 +77,7 @@ class BatchMetrics:
     encoding and write of its changelog record) plus ``manifest_seconds`` (the driver's
     commit of the batch manifest).
 
-    What the state did, where the subtasks counted it (``transform_with_state``; what
+    What the state did, as every keyed subtask counts it (``state_counts``; what
     Spark's ``StateOperatorProgress`` reports): state entries at the end of the batch
     (``state_rows``, timers not counted; None where not counted:
     ``KeyedStateBackend.counted_entries``) and the memory they took
@@ -266,6 +270,33 @@ def subtask_states(
             key = (operator_id, ack.subtask)
             states.append(SubtaskState(operator_id, ack.subtask, size, counts.get(key)))
     return tuple(states)
+
+
+def state_counts(
+    changes: ChangeSet,
+    backend: KeyedStateBackend,
+    *,
+    timers_fired: int = 0,
+    late_rows: int = 0,
+    timer_seconds: float = 0.0,
+) -> dict[str, Any]:
+    """A keyed subtask's ``BatchMetrics`` fields of what its state did in a batch: the
+    batch's drained ``changes`` counted (``ChangeSet.counts``), the entries and memory
+    ``backend`` holds now, and what the subtask counted itself while running the batch
+    (timers fired, late rows dropped, seconds firing timers; none where its function
+    fires no timers and drops no rows)."""
+    changed = changes.counts()
+    return {
+        "state_rows": backend.counted_entries(),
+        "state_memory_bytes": backend.estimated_memory_bytes(),
+        "state_rows_written": changed.rows_written,
+        "state_rows_removed": changed.rows_removed,
+        "timers_registered": changed.timers_written,
+        "timers_removed": changed.timers_removed,
+        "timers_fired": timers_fired,
+        "late_rows": late_rows,
+        "timer_seconds": timer_seconds,
+    }
 
 
 def combine_batches(

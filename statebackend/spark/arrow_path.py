@@ -66,9 +66,8 @@ from pyspark.sql.types import (
 from pyspark.sql.udf import UserDefinedFunction
 from pyspark.util import PythonEvalType
 
-from statebackend.backends.changelog import ChangeSet
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
-from statebackend.checkpoint.metrics import BatchMetrics, record_to_json
+from statebackend.checkpoint.metrics import BatchMetrics, record_to_json, state_counts
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.checksums import checksum
 from statebackend.errors import ProcessorFailedError, StateBackendError
@@ -466,8 +465,13 @@ def _keyed_task(
                 plan.batch_id, OPERATOR_ID, subtask, attempt, changes, operator_state
             )
             changelog_seconds = time.perf_counter() - started - keyed_seconds
-            state_rows = backend.counted_entries()
-            state_memory = backend.estimated_memory_bytes()
+            state = state_counts(
+                changes,
+                backend,
+                timers_fired=counts.timers_fired,
+                late_rows=counts.late_rows,
+                timer_seconds=counts.timer_seconds,
+            )
             path = storage.layout.output_path(plan.batch_id, OPERATOR_ID, subtask, attempt)
             staged = _parquet_bytes(output, output_arrow_schema(plan.spec.output_schema))
             storage.fs.write_atomic(path, staged)
@@ -497,7 +501,7 @@ def _keyed_task(
             sync_cut_seconds=sync_seconds,
             changelog_bytes=handle.size,
             changelog_seconds=changelog_seconds,
-            **_state_counts(changes, counts, state_rows, state_memory),
+            **state,
         )
         yield _metadata_batch(
             subtask,
@@ -511,27 +515,6 @@ def _keyed_task(
         )
 
     return run
-
-
-def _state_counts(
-    changes: ChangeSet,
-    counts: SubtaskCounts,
-    state_rows: int | None,
-    state_memory: int | None,
-) -> dict[str, Any]:
-    """A subtask's ``BatchMetrics`` fields of what its state did in the batch."""
-    changed = changes.counts()
-    return {
-        "state_rows": state_rows,
-        "state_memory_bytes": state_memory,
-        "state_rows_written": changed.rows_written,
-        "state_rows_removed": changed.rows_removed,
-        "timers_registered": changed.timers_written,
-        "timers_removed": changed.timers_removed,
-        "timers_fired": counts.timers_fired,
-        "late_rows": counts.late_rows,
-        "timer_seconds": counts.timer_seconds,
-    }
 
 
 def _typed_nulls(schema: StructType, names: list[str], prefix: str = "") -> list[Any]:

@@ -31,7 +31,7 @@ from statebackend.backends.operator import OperatorStateCut
 from statebackend.backends.rocksdb import set_memory_limit
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.metadata import SubtaskAck
-from statebackend.checkpoint.metrics import BatchMetrics
+from statebackend.checkpoint.metrics import BatchMetrics, state_counts
 from statebackend.checkpoint.signing import SigningKey
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCancelledError, StateBackendError
@@ -188,6 +188,9 @@ class KeyedResult:
     """Seconds draining, encoding and writing the batch's changelog record."""
     entries: int | None = None
     """At a checkpoint: the entries the subtask's state held at the cut (an estimate)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """The ``BatchMetrics`` fields of what the subtask's state did in the batch
+    (``state_counts``)."""
 
     def metrics(self, batch_id: int) -> BatchMetrics:
         """This subtask's part of batch ``batch_id``'s metrics."""
@@ -200,6 +203,7 @@ class KeyedResult:
             sync_cut_seconds=self.sync_seconds,
             changelog_bytes=int(self.changelog.get("size", 0)),
             changelog_seconds=self.changelog_seconds,
+            **self.state,
         )
 
 
@@ -500,15 +504,12 @@ def keyed_subtask(plan: KeyedPlan, subtask: int, keyed: KeyedInput) -> Iterator[
         operator_state = run.snapshot(plan.batch_id)
         attempt = record_attempt(plan.run_id)
         started = time.perf_counter()
+        changes = backend.drain_changelog()
         handle = ChangelogStorage(storage).write_record(
-            plan.batch_id,
-            plan.operator_id,
-            subtask,
-            attempt,
-            backend.drain_changelog(),
-            operator_state,
+            plan.batch_id, plan.operator_id, subtask, attempt, changes, operator_state
         )
         result.changelog_seconds = time.perf_counter() - started
+        result.state = state_counts(changes, backend)  # its functions fire no timers
         result.changelog = handle.to_json()
         if plan.checkpoint_id is not None:
             result.sync_seconds = snapshot_subtask(
