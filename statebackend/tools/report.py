@@ -8,8 +8,8 @@ last failover cost. The data come from two places in the job's directory:
   bytes per key group (full snapshots index their key groups; an incremental snapshot does
   not, so its bytes are spread evenly over its key-group range and marked ``estimated``);
 - the metrics history (``statebackend/metrics.py``), when the job kept one: every batch
-  and checkpoint (also those retention has deleted), the sync/async split, restores and
-  failures.
+  and checkpoint (also those retention has deleted), the sync/async split, what each
+  batch's state did (entries written and removed, timers), restores and failures.
 
 ``build_report`` gathers both into one JSON-able dict (what ``--json`` prints);
 ``render_html`` draws that dict as inline SVG (``svg.py``), with no script and nothing
@@ -185,6 +185,13 @@ def _operator_json(
     return document
 
 
+def _state_counted(batch: BatchMetrics) -> bool:
+    """Whether the batch's record counts what its state did: its subtasks counted the
+    entries held (heap) or their memory (RocksDB). A record written before they counted
+    reads both as None, and its counts as 0."""
+    return batch.state_rows is not None or batch.state_memory_bytes is not None
+
+
 def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
     """Everything the report shows of the job in ``job_dir``, as a JSON-able dict.
 
@@ -271,6 +278,16 @@ def build_report(fs: CheckpointFileSystem, job_dir: str) -> dict[str, Any]:
                 "keys_touched": b.keys_touched,
                 "changelog_bytes": b.changelog_bytes,
                 "uploaded_bytes": uploads.get(b.batch_id),
+                "state_counted": _state_counted(b),
+                "state_rows": b.state_rows,
+                "state_memory_bytes": b.state_memory_bytes,
+                "state_rows_written": b.state_rows_written,
+                "state_rows_removed": b.state_rows_removed,
+                "timers_registered": b.timers_registered,
+                "timers_removed": b.timers_removed,
+                "timers_fired": b.timers_fired,
+                "late_rows": b.late_rows,
+                "timer_seconds": b.timer_seconds,
                 "seconds": {
                     "source": b.source_seconds,
                     "shuffle": b.shuffle_seconds,
@@ -433,6 +450,36 @@ def _batch_plot(report: dict[str, Any]) -> str:
         chart,
         "No batches in the metrics history: the job ran without one, or it was deleted.",
     )
+
+
+def _batch_state_plot(report: dict[str, Any]) -> str:
+    """State entries written and removed per batch, and timers registered and fired if
+    any batch has them, of the batches whose records count them."""
+    batches = report["batches"]
+    counted = [b for b in batches if b["state_counted"]]
+    plotted = [("written", "state_rows_written"), ("removed", "state_rows_removed")]
+    caption = "State rows written and removed per batch"
+    if any(b["timers_registered"] or b["timers_fired"] for b in counted):
+        plotted += [("timers registered", "timers_registered"), ("timers fired", "timers_fired")]
+        caption += ", and timers registered and fired"
+    chart = None
+    if counted:
+        chart = svg.line_chart(
+            [
+                Series(name, [(b["batch_id"], b[field]) for b in counted], PALETTE[n])
+                for n, (name, field) in enumerate(plotted)
+            ],
+            x_label="batch",
+            y_label="entries",
+        )
+    if not batches:
+        no_data = "No batches in the metrics history: the job ran without one, or it was deleted."
+    else:
+        no_data = (
+            "No batch in the metrics history counted what its state did: its records were "
+            "written by a release of statebackend that did not count it."
+        )
+    return _figure("batch-state", caption, chart, no_data)
 
 
 def _subtask_plot(operator_id: str, op: dict[str, Any]) -> str:
@@ -663,6 +710,7 @@ def render_html(report: dict[str, Any]) -> str:
         *_checkpoint_plots(report),
         "<h2>Batches</h2>",
         _batch_plot(report),
+        _batch_state_plot(report),
     ]
     if latest is None:
         body += [

@@ -25,6 +25,7 @@ from statebackend.checkpoint.metrics import (
     FailureMetrics,
     MetricsHistory,
     RestoreMetrics,
+    record_to_json,
 )
 from statebackend.cli import main
 from tests.conftest import Storage
@@ -137,6 +138,85 @@ def test_report_html_is_self_contained_with_every_plot(
         assert 'data-empty="true"' not in shown[plot]
     assert "<script" not in page and not re.search(r"\b(src|href)=", page)
     assert "subtask 0 is hot" in page
+
+
+def test_report_shows_what_the_state_did_per_batch(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    """Each batch in ``--json`` holds the state entries written and removed, held after
+    it, and the timers registered, removed and fired, equal to the plain-Python model;
+    the page plots them."""
+    status, out, err = cli(capsys, job.storage, "report", job.job_dir, "--json")
+    assert status == 0, err
+    batches = json.loads(out)["batches"]
+    fields = list(job.state[0])
+    assert [{name: b[name] for name in fields} for b in batches] == job.state
+    assert all(b["state_memory_bytes"] is None for b in batches)  # the heap's: not counted
+    assert all(b["late_rows"] == 0 and b["timer_seconds"] >= 0 for b in batches)
+    assert any(b["state_rows_removed"] for b in batches)
+    assert any(b["timers_fired"] for b in batches)
+
+    output = tmp_path / "report.html"
+    status, _, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(output))
+    assert status == 0, err
+    figure = figures(output.read_text())["batch-state"]
+    assert "State rows written and removed per batch" in figure
+    # written, removed, timers registered, timers fired: a dot per batch each
+    assert marks(figure) == 4 * BATCHES
+    for name in ("written", "removed", "timers registered", "timers fired"):
+        assert f">{name}<" in figure, name
+
+
+STATE_FIELDS = (
+    "state_rows",
+    "state_memory_bytes",
+    "state_rows_written",
+    "state_rows_removed",
+    "timers_registered",
+    "timers_removed",
+    "timers_fired",
+    "late_rows",
+    "timer_seconds",
+)
+"""The batch record's fields an older release did not write."""
+
+
+def test_report_of_an_older_history_reads_as_before_with_the_state_plot_empty(
+    capsys: pytest.CaptureFixture[str], job: ReportJob, tmp_path: Path
+) -> None:
+    """The job's batch records as a release before the state counts wrote them (without
+    their fields): ``--json`` reads them as before (the counts as their defaults, marked
+    not counted), and the page's state plot is empty with a sentence saying why."""
+    old_dir = join(job.storage.url, "older-job")
+    lines = [
+        json.dumps({k: v for k, v in record_to_json(r).items() if k not in STATE_FIELDS})
+        for r in job.records
+        if isinstance(r, BatchMetrics)
+    ]
+    segment = join(old_dir, METRICS_DIR, "0000000000001-older", "00000000.jsonl")
+    job.checkpoints.fs.write_atomic(segment, "\n".join(lines).encode() + b"\n")
+
+    status, out, err = cli(capsys, job.storage, "report", old_dir, "--json")
+    assert status == 0, err
+    batches = json.loads(out)["batches"]
+    recorded = [r for r in job.records if isinstance(r, BatchMetrics)]
+    assert [(b["batch_id"], b["records_in"], b["keys_touched"]) for b in batches] == [
+        (r.batch_id, r.records_in, r.keys_touched) for r in recorded
+    ]
+    default = BatchMetrics(batch_id=0, records_in=0, records_out=0, keys_touched=0)
+    for b in batches:
+        assert b["state_counted"] is False
+        assert {name: b[name] for name in STATE_FIELDS} == {
+            name: getattr(default, name) for name in STATE_FIELDS
+        }
+
+    output = tmp_path / "report.html"
+    status, _, err = cli(capsys, job.storage, "report", old_dir, "-o", str(output))
+    assert status == 0, err
+    shown = figures(output.read_text())
+    assert marks(shown["batch-bytes"]) > 0
+    assert 'data-empty="true"' in shown["batch-state"]
+    assert "did not count it" in shown["batch-state"]
 
 
 def test_report_of_a_directory_without_a_job_fails_in_one_line(
@@ -265,7 +345,7 @@ def test_report_says_what_is_missing_without_a_history(
     status, _, err = cli(capsys, job.storage, "report", job.job_dir, "-o", str(output))
     assert status == 0, err
     shown = figures(output.read_text())
-    for plot in ("batch-bytes", "restore-history"):
+    for plot in ("batch-bytes", "batch-state", "restore-history"):
         assert 'data-empty="true"' in shown[plot] and "No " in shown[plot]
     for plot in ("checkpoint-duration", "checkpoint-size", f"key-groups-{OPERATOR}"):
         assert marks(shown[plot]) > 0, plot  # from the retained checkpoints' _metadata

@@ -5,6 +5,7 @@ plain-Python totals of all the input."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from pyspark.sql import SparkSession
 from statebackend.spark import example
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.runner import RunSummary
+from statebackend.spark.source import partition_path
 
 SIGNING_KEY = "spark.statebackend.checkpoint.signing-key"
 
@@ -118,3 +120,28 @@ def assert_matches_python(
     expected = example.expected_totals(example.read_events(tmp_path / "input"))
     actual = example.checkpointed_totals(spark, checkpoint, storage_options)
     assert example.compare_totals(expected, actual) == []
+
+
+def state_per_batch(input_dir: Path, partitions: int, batch_size: int) -> list[tuple[int, int]]:
+    """Per batch with input, the example job's state entries written and held after it,
+    in plain Python: each batch reads the next ``batch_size`` lines of every partition;
+    each user of a batch writes its count, total and recent list and one map entry per
+    category of its events in the batch, and holds those three and one map entry per
+    category it ever had."""
+    lines = [
+        partition_path(input_dir, p).read_text(encoding="utf-8").splitlines()
+        for p in range(partitions)
+    ]
+    seen: dict[str, set[str]] = {}
+    per_batch = []
+    for start in range(0, max(map(len, lines)), batch_size):
+        batch: dict[str, set[str]] = {}
+        for partition in lines:
+            for line in partition[start : start + batch_size]:
+                event = json.loads(line)
+                batch.setdefault(event["user"], set()).add(event["category"])
+                seen.setdefault(event["user"], set()).add(event["category"])
+        written = sum(3 + len(categories) for categories in batch.values())
+        held = sum(3 + len(categories) for categories in seen.values())
+        per_batch.append((written, held))
+    return per_batch

@@ -53,6 +53,7 @@ from tests.conftest import S3Endpoint, Storage
 from tests.report_job import figures, marks
 from tests.scripts import REPO, load_script
 from tests.spark.conftest import LOCAL_MASTER
+from tests.spark.jobs import state_per_batch
 
 JOB_ID = "user-totals"
 EVENTS = 1200
@@ -653,12 +654,20 @@ def test_report_of_the_example_job(
         [max_parallelism // 2, max_parallelism - 1],
     ]
     assert sum(split["subtask_bytes"]) == sum(groups["bytes"]) > 0
+    # Each batch's state entries written, as the plain-Python count of its input says;
+    # with RocksDB, entries held are not counted and its memory is.
+    batches = [b for b in report["batches"] if b["records_in"]]
+    expected = state_per_batch(example.input_dir, PARTITIONS, BATCH_SIZE)
+    assert [b["state_rows_written"] for b in batches] == [written for written, _ in expected]
+    assert all(b["state_counted"] and b["state_rows_removed"] == 0 for b in batches)
+    assert all(b["state_rows"] is None and b["state_memory_bytes"] > 0 for b in batches)
     page = tmp_path / "report.html"
     status, _, err = cli(capsys, example.storage, "report", example.job_dir, "-o", str(page))
     assert status == 0, err
     shown = figures(page.read_text())
     for plot in ("checkpoint-duration", "checkpoint-size", f"key-groups-{OPERATOR_ID}"):
         assert marks(shown[plot]) > 0, plot
+    assert marks(shown["batch-state"]) == 2 * len(report["batches"])  # no timers
 
 
 def test_savepoint_and_rescale_script_refuses_a_savepoint_off_the_jobs_storage(

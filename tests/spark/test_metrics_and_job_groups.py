@@ -4,7 +4,6 @@ checked against the input the tests wrote."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,8 @@ from statebackend.spark.arrow_path import OPERATOR_ID as STREAM_OPERATOR_ID
 from statebackend.spark.conf import StateBackendConf
 from statebackend.spark.example import OPERATOR_ID, generate_events
 from statebackend.spark.job_groups import job_group_id
-from statebackend.spark.source import partition_path
 from statebackend.spark.streaming import transform_with_state
-from tests.spark.jobs import run_user_totals, settings, streaming_session
+from tests.spark.jobs import run_user_totals, settings, state_per_batch, streaming_session
 from tests.spark.streaming_parity import write_batches
 from tests.spark.test_streaming_api import OUTPUT, Totals
 
@@ -80,31 +78,6 @@ def test_a_job_run_records_every_batch_and_checkpoint_and_labels_its_spark_jobs(
     assert spark_local.sparkContext.getLocalProperty("spark.jobGroup.id") is None
 
 
-def _state_per_batch(input_dir: Path, partitions: int, batch_size: int) -> list[tuple[int, int]]:
-    """Per batch with input, the example job's state entries written and held after it,
-    in plain Python: each batch reads the next ``batch_size`` lines of every partition;
-    each user of a batch writes its count, total and recent list and one map entry per
-    category of its events in the batch, and holds those three and one map entry per
-    category it ever had."""
-    lines = [
-        partition_path(input_dir, p).read_text(encoding="utf-8").splitlines()
-        for p in range(partitions)
-    ]
-    seen: dict[str, set[str]] = {}
-    per_batch = []
-    for start in range(0, max(map(len, lines)), batch_size):
-        batch: dict[str, set[str]] = {}
-        for partition in lines:
-            for line in partition[start : start + batch_size]:
-                event = json.loads(line)
-                batch.setdefault(event["user"], set()).add(event["category"])
-                seen.setdefault(event["user"], set()).add(event["category"])
-        written = sum(3 + len(categories) for categories in batch.values())
-        held = sum(3 + len(categories) for categories in seen.values())
-        per_batch.append((written, held))
-    return per_batch
-
-
 @pytest.mark.parametrize("backend", ["heap", "rocksdb"])
 def test_a_job_runs_batches_record_what_their_state_did(
     spark_local: SparkSession, tmp_path: Path, backend: str
@@ -125,7 +98,7 @@ def test_a_job_runs_batches_record_what_their_state_did(
 
     history = _history(conf.checkpoint_dir, "counted")
     batches = [b for b in records_of(history, BatchMetrics) if b.records_in]
-    expected = _state_per_batch(tmp_path / "input", 3, 25)
+    expected = state_per_batch(tmp_path / "input", 3, 25)
     assert [b.state_rows_written for b in batches] == [written for written, _ in expected]
     assert all(b.state_rows_removed == 0 for b in batches)  # the example removes nothing
     assert all(b.timers_registered == b.timers_removed == b.timers_fired == 0 for b in batches)
