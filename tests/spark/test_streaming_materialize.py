@@ -304,7 +304,9 @@ def test_a_damaged_base_stops_the_query_saying_what_to_do(
     base_dir = tmp_path / "ours" / "totals" / f"chk-{newest.base.checkpoint_id}"
     damaged = next(p for p in sorted(base_dir.iterdir()) if p.name != "_metadata")
     damaged.write_bytes(damaged.read_bytes()[:-3] + b"xyz")
-    shutil.rmtree(tmp_path / "local")  # no local copy: the subtasks rebuild from storage
+    # No local copy (a fresh local.dir; deleting the old one races with the workers
+    # closing their databases after the tasks): the subtasks rebuild from storage.
+    spark.conf.set("spark.statebackend.local.dir", str(tmp_path / "local-elsewhere"))
     write_batch_files(input_dir, batches[3:], first=3)
     with pytest.raises(StreamingQueryException) as failure:
         run_to_parquet(spark, input_dir, out, checkpoint, parallelism=2)
