@@ -180,6 +180,7 @@ def build_report_job(storage: Storage) -> ReportJob:
             state_counts(
                 backend.drain_changelog(),
                 backend,
+                timers_registered=len(per_subtask[i]),
                 timers_fired=fired[i],
                 timer_seconds=timer_seconds[i],
             )

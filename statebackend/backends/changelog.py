@@ -26,7 +26,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, NamedTuple
 
 from statebackend.backends.stores import CurrentKey, Entry, StateStore
-from statebackend.backends.timers import TIME_DOMAINS, TimerSnapshotInfo, by_time_name
+from statebackend.backends.timers import TimerSnapshotInfo
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import SerializerConfig
 from statebackend.state.timers import is_timer_state
@@ -202,27 +202,20 @@ class ChangeSet:
 
     def counts(self) -> ChangeCounts:
         """What the batch's changes amount to, for metrics (``ChangeCounts``)."""
-        rows_written = rows_removed = timers_written = timers_removed = 0
-        timer_stores = {by_time_name(domain) for domain in TIME_DOMAINS}
+        written = removed = 0
         for name, changes in self.changes.items():
-            written, removed = changes.written_and_removed()
-            if name in timer_stores:
-                timers_written += written
-                timers_removed += removed
-            elif not is_timer_state(name):
-                rows_written += written
-                rows_removed += removed
-        return ChangeCounts(rows_written, rows_removed, timers_written, timers_removed)
+            if not is_timer_state(name):
+                state_written, state_removed = changes.written_and_removed()
+                written += state_written
+                removed += state_removed
+        return ChangeCounts(written, removed)
 
 
 class ChangeCounts(NamedTuple):
     """A batch's changes counted as Spark's state operator progress counts them: entries
-    of the states written and removed (``StateChanges.written_and_removed``), and timers
-    registered and removed (fired or deleted). Each entry counts once, by its last
-    change in the batch (a value updated twice is written once; a timer registered and
-    deleted in one batch is removed), where Spark counts every call."""
+    of the states (timers not included) written and removed
+    (``StateChanges.written_and_removed``). Each entry counts once, by its last change in
+    the batch (a value updated twice is written once), where Spark counts every call."""
 
     rows_written: int
     rows_removed: int
-    timers_written: int
-    timers_removed: int

@@ -82,10 +82,10 @@ class BatchMetrics:
     (``state_rows``, timers not counted; None where not counted:
     ``KeyedStateBackend.counted_entries``) and the memory they took
     (``state_memory_bytes``, as the storage estimates it; None if it does not),
-    entries written and removed, timers registered,
-    removed (fired or deleted) and fired (entries by their last change in the batch:
-    ``backends.changelog.ChangeCounts``), late input rows dropped, and the slowest
-    subtask's seconds firing timers."""
+    entries written and removed (by their last change in the batch:
+    ``backends.changelog.ChangeCounts``), timers registered, removed (deleted or fired)
+    and fired (every call to register or delete one, as Spark counts them), late input
+    rows dropped, and the slowest subtask's seconds firing timers."""
 
     batch_id: int
     records_in: int
@@ -276,23 +276,26 @@ def state_counts(
     changes: ChangeSet,
     backend: KeyedStateBackend,
     *,
+    timers_registered: int = 0,
+    timers_deleted: int = 0,
     timers_fired: int = 0,
     late_rows: int = 0,
     timer_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """A keyed subtask's ``BatchMetrics`` fields of what its state did in a batch: the
     batch's drained ``changes`` counted (``ChangeSet.counts``), the entries and memory
-    ``backend`` holds now, and what the subtask counted itself while running the batch
-    (timers fired, late rows dropped, seconds firing timers; none where its function
-    fires no timers and drops no rows)."""
+    ``backend`` holds now, and what the subtask counted itself while running the batch:
+    calls registering and deleting timers, timers fired (deleted too, as Spark counts
+    them), late rows dropped, seconds firing timers (none where its function has no
+    timers and drops no rows)."""
     changed = changes.counts()
     return {
         "state_rows": backend.counted_entries(),
         "state_memory_bytes": backend.estimated_memory_bytes(),
         "state_rows_written": changed.rows_written,
         "state_rows_removed": changed.rows_removed,
-        "timers_registered": changed.timers_written,
-        "timers_removed": changed.timers_removed,
+        "timers_registered": timers_registered,
+        "timers_removed": timers_deleted + timers_fired,
         "timers_fired": timers_fired,
         "late_rows": late_rows,
         "timer_seconds": timer_seconds,

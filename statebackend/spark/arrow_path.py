@@ -468,6 +468,8 @@ def _keyed_task(
             state = state_counts(
                 changes,
                 backend,
+                timers_registered=counts.timers_registered,
+                timers_deleted=counts.timers_deleted,
                 timers_fired=counts.timers_fired,
                 late_rows=counts.late_rows,
                 timer_seconds=counts.timer_seconds,

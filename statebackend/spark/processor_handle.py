@@ -508,6 +508,10 @@ class ProcessorHandle(StatefulProcessorHandle):
         """The state variables ``init`` declared, by state name (what ``deleteIfExists``
         makes unusable)."""
         self.phase = Phase.PRE_INIT if backend is None else Phase.CREATED
+        self.timers_registered = self.timers_deleted = 0
+        """How often ``registerTimer`` and ``deleteTimer`` were called: every call, whether
+        or not the timer was there, as Spark's handle counts its ``numRegisteredTimers`` and
+        ``numDeletedTimers``."""
 
     @property
     def phase(self) -> Phase:
@@ -687,6 +691,7 @@ class ProcessorHandle(StatefulProcessorHandle):
             timers.register_processing_time_timer(expiry)
         else:
             timers.register_event_time_timer(expiry)
+        self.timers_registered += 1
 
     def deleteTimer(self, expiryTimestampMs: int) -> None:
         """Delete the current key's timer at ``expiryTimestampMs`` (if any; an int, taken
@@ -697,6 +702,7 @@ class ProcessorHandle(StatefulProcessorHandle):
             timers.delete_processing_time_timer(expiry)
         else:
             timers.delete_event_time_timer(expiry)
+        self.timers_deleted += 1
 
     def listTimers(self) -> Iterator[int]:
         """The current key's timer timestamps, in Spark's order (``spark_timer_order``)."""

@@ -849,6 +849,10 @@ class SubtaskCounts:
     """The processor method running, or the last one run: the one a failure names."""
     late_rows: int = 0
     """Input rows dropped as late (EventTime mode: at or below the watermark)."""
+    timers_registered: int = 0
+    """``registerTimer`` calls."""
+    timers_deleted: int = 0
+    """``deleteTimer`` calls (fired timers not included)."""
     timers_fired: int = 0
     """Timers fired (``handleExpiredTimer`` called)."""
     timer_seconds: float = 0.0
@@ -964,6 +968,8 @@ def run_keyed_subtask(
             output.finish_frames()
             yield from output.take_ready()
         handle.phase = Phase.TIMER_PROCESSED
+        counts.timers_registered += handle.timers_registered
+        counts.timers_deleted += handle.timers_deleted
         counts.method = "close"
         processor.close()
         handle.phase = Phase.CLOSED

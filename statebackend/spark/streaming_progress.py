@@ -33,10 +33,10 @@ DEFAULT_KEPT = 100
 
 def state_operator(batch: BatchMetrics, parallelism: int) -> dict[str, Any]:
     """Batch ``batch``'s state as Spark's ``StateOperatorProgress`` JSON: rows total,
-    written (``numRowsUpdated``) and removed, commit time (the changelog and manifest),
-    memory, late rows dropped, and timers registered, deleted and fired (entries by
-    their last change in the batch, as ``BatchMetrics`` counts them; a fired timer is
-    deleted too, as Spark counts it). Rows total and memory are
+    written (``numRowsUpdated``) and removed (entries by their last change in the batch,
+    as ``BatchMetrics`` counts them), commit time (the changelog and manifest), memory,
+    late rows dropped, and timers registered, deleted and fired (calls, as Spark counts
+    them; a fired timer is deleted too). Rows total and memory are
     ``NOT_COUNTED`` where the backend does not count them (``BatchMetrics``). Times are
     the slowest subtask's, where Spark sums its partitions'."""
     return {

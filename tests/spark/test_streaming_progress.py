@@ -221,3 +221,87 @@ def test_progress_has_the_state_operator_spark_reports(
     assert last is not None and last.batchId == len(BATCHES) - 1
     assert last.stateOperators[0].numShufflePartitions == 2
     assert (last.stateOperators[0].memoryUsedBytes > 0) == (backend == "rocksdb")
+
+
+FAR_MS = 4_000_000_000_000
+"""A timer time no watermark of the test reaches."""
+NEVER_MS = 1
+"""A timer time no key ever registers."""
+
+
+class TimerCalls(StatefulProcessor):
+    """Per key and batch: registers its timer at ``FAR_MS`` again (there from the key's
+    first batch on), registers a timer and deletes it, and deletes a timer it never
+    registered; no timer fires. Spark counts each call."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+
+    def handleInputRows(
+        self, key: Any, rows: Iterator[Row], timerValues: TimerValues
+    ) -> Iterator[Row]:
+        newest = max(int(row.ts.timestamp() * 1000) for row in rows)
+        self.handle.registerTimer(FAR_MS)
+        self.handle.registerTimer(newest + TIMER_AFTER_MS)
+        self.handle.deleteTimer(newest + TIMER_AFTER_MS)
+        self.handle.deleteTimer(NEVER_MS)
+        yield Row(user=key[0], what="timers", count=0)
+
+
+def test_timer_counts_are_calls_as_spark_counts_them(
+    spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """``numRegisteredTimers`` and ``numDeletedTimers`` count every ``registerTimer`` and
+    ``deleteTimer`` call, as Spark's do: a timer registered again, one registered and
+    deleted in the same batch, one deleted that was never there."""
+    input_dir = tmp_path / "input"
+    write_batches(input_dir, _rows())
+    watermarks, newest = [0], 0  # as in expected_counts: at or below batch N-1's is late
+    for batch in BATCHES:
+        newest = max([newest, *(second * 1000 for _, second in batch)])
+        watermarks.append(max(watermarks[-1], newest - DELAY_S * 1000))
+    want = []
+    for number, batch in enumerate(BATCHES):
+        late_below = watermarks[number - 1] if number else 0
+        users = {user for user, second in batch if second * 1000 > late_below}
+        want.append({"registered": 2 * len(users), "deleted": 2 * len(users)})
+    with parity_settings(spark_local, tmp_path):
+        queries = []
+        for name, output in [
+            (
+                "spark",
+                _source(spark_local, input_dir)
+                .groupBy("user")
+                .transformWithState(TimerCalls(), OUTPUT, "Update", "EventTime"),
+            ),
+            (
+                "ours",
+                transform_with_state(
+                    _source(spark_local, input_dir),
+                    key_by="user",
+                    processor=TimerCalls(),
+                    output_schema=OUTPUT,
+                    job_id="timer-calls",
+                    time_mode="EventTime",
+                    parallelism=2,
+                ),
+            ),
+        ]:
+            query = (
+                output.writeStream.foreachBatch(_consume)
+                .option("checkpointLocation", str(tmp_path / f"{name}-checkpoint"))
+                .trigger(availableNow=True)
+                .start()
+            )
+            query.awaitTermination()
+            queries.append(query)
+
+    def timers(query: StreamingQuery) -> list[dict[str, int]]:
+        return [
+            {"registered": batch["registered"], "deleted": batch["deleted"]}
+            for batch in _figures(query)
+        ]
+
+    theirs, ours = queries
+    assert timers(theirs) == want
+    assert timers(ours) == want
