@@ -125,6 +125,22 @@ def unavailable(name: str, streaming: bool) -> UnavailableMethodError:
     return UnavailableMethodError(message)
 
 
+def no_column_objects(item: Any) -> UnavailableMethodError:
+    """The error of ``result.<column>`` or ``result[item]`` (a DataFrame's Column): the
+    result has no Columns of its own; what to write instead."""
+    if isinstance(item, str):
+        return UnavailableMethodError(
+            f"{item} is a column of transform_with_state's result, which has no Column "
+            f"objects of its own: name it, F.col({item!r}) (from pyspark.sql import "
+            f"functions as F), in select, filter, withColumn..."
+        )
+    return UnavailableMethodError(
+        f"transform_with_state's result cannot be indexed with {item!r}: use select(...) "
+        f"for columns, filter(...) for a condition, F.col(name) (from pyspark.sql import "
+        f"functions as F) for a column"
+    )
+
+
 class OutputTransforms(ABC):
     """``DataFrame``'s row-wise methods on a stateful stream's output, each returning a
     ``TransformedStream`` whose batches go through it (module docstring); any other
@@ -132,8 +148,10 @@ class OutputTransforms(ABC):
 
     def __getattr__(self, name: str) -> Any:
         """UnavailableMethodError for a DataFrame's method the result lacks; Python's
-        AttributeError for any other name."""
+        AttributeError for any other name, but a column's (``no_column_objects``)."""
         if name not in DATAFRAME_NAMES:
+            if not name.startswith("_") and name in self._column_names():
+                raise no_column_objects(name)
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
             )
@@ -142,6 +160,18 @@ class OutputTransforms(ABC):
             # from a transform function: raise that again, not "no such method".
             return object.__getattribute__(self, name)
         raise unavailable(name, bool(self.isStreaming))
+
+    def __getitem__(self, item: Any) -> NoReturn:
+        """Not a Column: UnavailableMethodError saying what to write (``no_column_objects``)."""
+        raise no_column_objects(item)
+
+    def _column_names(self) -> list[str]:
+        """The output's columns, or none if a function applied to it fails (that error
+        is raised where the output's schema is asked for)."""
+        try:
+            return self.columns
+        except Exception:
+            return []
 
     @abstractmethod
     def transform(

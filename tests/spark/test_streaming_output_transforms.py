@@ -390,3 +390,27 @@ def test_dataframe_methods_the_result_lacks_say_what_to_do(
     with pytest.raises(AttributeError, match="selectt") as raised:
         stateful.transform(misspelt).writeStream  # noqa: B018
     assert not isinstance(raised.value, UnavailableMethodError)
+
+
+def test_a_column_of_the_result_by_attribute_or_index_says_to_name_it(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``stateful.total`` and ``stateful["total"]``, a DataFrame's Columns, are one
+    UnavailableMethodError saying to name the column with ``F.col``; the chain written so
+    gives Spark's rows for the same DataFrame."""
+    stateful = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "cols")
+    like = spark.createDataFrame([("a", 5), ("b", 1)], OUTPUT)
+    for stream in (stateful, stateful.withColumn("double", F.col("total") * 2)):
+        for name in stream.columns:
+            with pytest.raises(UnavailableMethodError, match=rf"^{name} .* F\.col\('{name}'\)"):
+                getattr(stream, name)
+            with pytest.raises(UnavailableMethodError, match=rf"F\.col\('{name}'\)") as caught:
+                stream[name]  # noqa: B018
+            assert "\n" not in str(caught.value)
+            assert not hasattr(stream, name)
+        with pytest.raises(AttributeError, match="no attribute 'user_total'"):
+            stream.user_total  # noqa: B018
+    batch = spark.createDataFrame([("a", 5), ("b", 1)], "user string, amount long")
+    named = transform_with_state(batch, "user", Totals(), OUTPUT, "cols-batch")
+    got = named.filter(F.col("total") > 3).select(F.col("user")).toDF().collect()
+    assert got == like.filter(like.total > 3).select(like["user"]).collect()
