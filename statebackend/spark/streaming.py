@@ -486,7 +486,7 @@ class StatefulStream(OutputTransforms):
 
     @property
     def write(self) -> NoReturn:
-        """Not a writer: ConfigurationError saying how to write the output."""
+        """Not a writer: UnavailableMethodError saying how to write the output."""
         raise no_writer_error(self.df)
 
     def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming

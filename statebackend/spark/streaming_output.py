@@ -315,15 +315,15 @@ class OutputNaFunctions:
         return self._stream.replace(*args, **kwargs)
 
 
-def no_writer_error(df: DataFrame) -> ConfigurationError:
+def no_writer_error(df: DataFrame) -> UnavailableMethodError:
     """What ``.write`` of a stateful stream of ``df`` raises: it says how to write the
     output (``toDF()`` runs a batch DataFrame's batch, which ``.write`` must not do
-    unasked)."""
+    unasked); an AttributeError too, as for any DataFrame method the result lacks."""
     if df.isStreaming:
-        return ConfigurationError(
+        return UnavailableMethodError(
             "transform_with_state of a streaming DataFrame has no .write: use writeStream"
         )
-    return ConfigurationError(
+    return UnavailableMethodError(
         "transform_with_state of a batch DataFrame has no .write: run the batch with "
         "toDF() and write its result (stateful.toDF().write...)"
     )
@@ -391,7 +391,7 @@ class TransformedStream(OutputTransforms):
 
     @property
     def write(self) -> NoReturn:
-        """Not a writer: ConfigurationError saying how to write the output."""
+        """Not a writer: UnavailableMethodError saying how to write the output."""
         raise no_writer_error(self.stream.df)
 
     def toDF(self) -> DataFrame:  # noqa: N802 - mirrors Spark's naming

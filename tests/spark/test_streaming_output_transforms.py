@@ -414,3 +414,23 @@ def test_a_column_of_the_result_by_attribute_or_index_says_to_name_it(
     named = transform_with_state(batch, "user", Totals(), OUTPUT, "cols-batch")
     got = named.filter(F.col("total") > 3).select(F.col("user")).toDF().collect()
     assert got == like.filter(like.total > 3).select(like["user"]).collect()
+
+
+def test_write_is_an_unavailable_method_so_hasattr_is_false(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``.write`` of the result (a DataFrame's writer, which Spark's streaming DataFrame
+    refuses when it saves) is an UnavailableMethodError saying how to write the output,
+    as any DataFrame method the result lacks: ``hasattr`` is False."""
+    batch = spark.createDataFrame([("a", 1)], "user string, amount long")
+    streaming = transform_with_state(source(spark, tmp_path), "user", Totals(), OUTPUT, "w")
+    batched = transform_with_state(batch, "user", Totals(), OUTPUT, "w-batch")
+    for result, says in [
+        (streaming, r"^transform_with_state of a streaming DataFrame has no \.write: use "),
+        (batched, r"^transform_with_state of a batch DataFrame has no \.write: run the batch"),
+    ]:
+        for stream in (result, result.select("user")):
+            with pytest.raises(UnavailableMethodError, match=says):
+                stream.write  # noqa: B018
+            assert not hasattr(stream, "write")
+            assert getattr(stream, "write", None) is None
