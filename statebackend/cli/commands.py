@@ -641,26 +641,31 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_local_gc(args: argparse.Namespace) -> int:
     """``statebackend local-gc``."""
     idle = idle_copies(Path(args.local_dir), args.older_than, time.time())
-    removed = removed_bytes = 0
+    removed = removed_bytes = reads = 0
     for copy in idle:
         copy_bytes = copy.size()
         days = (time.time() - copy.last_used()) / 86400  # before a removal leaves no times
         if args.apply and not remove_if_idle(copy):
             out(f"{copy_bytes:>12}  {copy.directory}  (kept: a task holds it now)")
             continue
+        read = copy.root == Path(args.local_dir, READS)
         reason = (
             f"downloads of a read, {days:.1f} days old"
-            if copy.root == Path(args.local_dir, READS)
+            if read
             else f"no task used it for {days:.1f} days"
         )
         out(f"{copy_bytes:>12}  {copy.directory}  ({reason})")
         removed += 1
+        reads += read
         removed_bytes += copy_bytes
     if args.apply:
         out(f"deleted {removed} local copies, {size(removed_bytes)}, from {args.local_dir}")
     else:
+        killed = {0: "", 1: " and 1 download of a killed read"}.get(
+            reads, f" and {reads} downloads of killed reads"
+        )
         out(
-            f"{removed} local copies no task used for {args.older_than:g} s, "
+            f"{removed - reads} local copies no task used for {args.older_than:g} s{killed}, "
             f"{size(removed_bytes)}, in {args.local_dir}"
             + ("; run with --apply to delete them" if removed else "")
         )

@@ -19,7 +19,7 @@ from statebackend.cli import main
 from statebackend.keygroups import KeyGroupRange
 from statebackend.serializers import IntSerializer
 from statebackend.state.descriptors import ValueStateDescriptor
-from statebackend.tools.local_copies import LocalCopy, acquire_lock, release_lock
+from statebackend.tools.local_copies import READS, LocalCopy, acquire_lock, release_lock
 
 DAY = 86400.0
 
@@ -148,3 +148,26 @@ def test_local_gc_says_how_long_each_copy_it_deletes_was_idle(
         said = {Path(line.split()[1]): line.split("for ")[1] for line in lines}
         assert said == {copy.directory: f"{days:.1f} days)" for copy, days in ages.items()}
     assert not local.exists() or list(local.iterdir()) == []
+
+
+def test_local_gc_lists_a_killed_reads_downloads_apart_from_idle_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dry run's summary counts the idle copies as unused for --older-than and the
+    downloads a killed read left (however recent) as such, not as unused for a week."""
+    local = tmp_path / "local"
+    _make_copy(local, "retired-job", 0, 9 * DAY)
+    _make_copy(local, "running-job", 0, 1 * DAY)
+    killed = LocalCopy(local / READS, 0)  # as a read killed a second ago leaves it
+    (killed.directory / "state").mkdir(parents=True)
+    (killed.directory / "state" / "000001.sst").write_bytes(bytes(1000))
+    release_lock(acquire_lock(killed))
+
+    assert main(["local-gc", str(local)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert any(line.endswith("(downloads of a read, 0.0 days old)") for line in lines)
+    assert lines[-1].startswith(
+        "1 local copies no task used for 604800 s and 1 download of a killed read, "
+    )
+    assert lines[-1].endswith("; run with --apply to delete them")
