@@ -69,17 +69,25 @@ def sweep_cuts(local_dir: Path) -> None:
     are kept."""
     with _directory_locked(local_dir):
         for path in local_dir.glob(f"{_PREFIX}*"):
-            if path.is_dir() and not _held(path):
+            if path.is_dir() and not lock_held(path / _LOCK_FILE):
                 shutil.rmtree(path, ignore_errors=True)
                 _log.info("removed %s, left by a process that died during its upload", path)
 
 
-def _held(path: Path) -> bool:
-    """Whether a live process holds the lock of the cut ``path``."""
+def lock_held(lock: Path) -> bool:
+    """Whether a live process holds the ``flock`` of the file ``lock`` now (False if it
+    does not exist: its maker died before locking it)."""
     try:
-        fd = os.open(path / _LOCK_FILE, os.O_RDWR)
-    except FileNotFoundError:  # its maker died before locking it (it held the directory)
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
         return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # released at once: nobody is kept from taking it
+    return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -31,6 +31,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from statebackend.backends.local_cuts import lock_held
 from statebackend.errors import LocalStateError
 
 SUBTASK_PREFIX = "subtask-"
@@ -114,23 +115,9 @@ def idle_copies(local_dir: Path, idle_seconds: float, now: float) -> list[LocalC
     return [
         copy
         for copy in local_copies(local_dir)
-        if now - copy.last_used() > idle_seconds or (copy.root == reads and not _held(copy))
+        if now - copy.last_used() > idle_seconds
+        or (copy.root == reads and not lock_held(copy.lock))
     ]
-
-
-def _held(copy: LocalCopy) -> bool:
-    """Whether a process holds ``copy``'s lock now."""
-    try:
-        fd = os.open(copy.lock, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def acquire_lock(copy: LocalCopy, wait: bool = True) -> int | None:
