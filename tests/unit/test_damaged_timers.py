@@ -269,28 +269,15 @@ def _damaged_changes(changes: ChangeSet, store: str) -> ChangeSet:
 def test_a_changelog_record_with_a_malformed_timer_change_is_refused_naming_it(
     tmp_path: Path, created: list[KeyedStateBackend], kind: str, store: str | None
 ) -> None:
-    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
-    source = make(kind, tmp_path, "source")
-    created.append(source)
-    source.enable_changelog()
-    with_timers(source)
+    changelog, source = _logging_source(kind, tmp_path, created)
     changes = source.drain_changelog()
     if store is not None:
         changes = _damaged_changes(changes, store)
-    record = changelog.write_record(0, "op", 0, "a", changes)
-    changelog.commit(0, {"op": [record]}, max_parallelism=M)
-    target = make(kind, tmp_path)
-    created.append(target)
     if store is None:
-        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
+        target = _replayed(changelog, changes, make(kind, tmp_path), created)
         assert fired(target) == EXPECTED
         return
-    with pytest.raises(CheckpointCorruptedError) as raised:
-        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
-        fired(target)
-    message = str(raised.value)
-    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
-    assert path is not None and path in message and "\n" not in message
+    message = _refused_replay(changelog, changes, make(kind, tmp_path), created)
     assert repr(store) in message and f"key group {KEY_GROUP}" in message
     assert "restore from an earlier checkpoint" in message
 
@@ -360,24 +347,11 @@ def test_a_changelog_record_with_a_timer_state_the_timer_service_does_not_keep_i
 ) -> None:
     """(A record's map change of a store recorded as a value state is refused by its
     decoder already.)"""
-    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
-    source = make(kind, tmp_path, "source")
-    created.append(source)
-    source.enable_changelog()
-    with_timers(source)
+    changelog, source = _logging_source(kind, tmp_path, created)
     _add_foreign_state(source, name, kind_of_state)
     changes = source.drain_changelog()
     assert (name, kind_of_state) in {(meta.name, meta.kind) for meta in changes.states}
-    record = changelog.write_record(0, "op", 0, "a", changes)
-    changelog.commit(0, {"op": [record]}, max_parallelism=M)
-    target = make(kind, tmp_path)
-    created.append(target)
-    with pytest.raises(CheckpointCorruptedError) as raised:
-        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
-        fired(target)
-    message = str(raised.value)
-    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
-    assert path is not None and path in message and "\n" not in message
+    message = _refused_replay(changelog, changes, make(kind, tmp_path), created)
     assert repr(name) in message and "restore from an earlier checkpoint" in message
 
 
@@ -479,11 +453,7 @@ def test_a_rescale_that_copies_an_incremental_handle_refuses_a_timer_in_another_
 def test_a_changelog_record_with_a_timer_in_another_key_group_than_its_key_is_refused(
     tmp_path: Path, created: list[KeyedStateBackend], kind: str
 ) -> None:
-    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
-    source = make(kind, tmp_path, "source")
-    created.append(source)
-    source.enable_changelog()
-    with_timers(source)
+    changelog, source = _logging_source(kind, tmp_path, created)
     changes = source.drain_changelog()
     store = "_timers.event.by_time"
     real = CurrentKey.of(KEY_GROUP, ts8(TIMERS["event"])).prefix
@@ -499,16 +469,49 @@ def test_a_changelog_record_with_a_timer_in_another_key_group_than_its_key_is_re
         damaged,
         changes.timers,
     )
-    record = changelog.write_record(0, "op", 0, "a", changes)
-    changelog.commit(0, {"op": [record]}, max_parallelism=M)
-    target = make(kind, tmp_path)
-    created.append(target)
-    with pytest.raises(CheckpointCorruptedError) as raised:
-        rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
-        fired(target)
-    message = str(raised.value)
-    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
-    assert path is not None and path in message and "\n" not in message
+    message = _refused_replay(changelog, changes, make(kind, tmp_path), created)
     assert repr(store) in message and f"in key group {OTHER_GROUP}" in message
     assert f"a key of key group {KEY_GROUP}" in message
     assert "restore from an earlier checkpoint" in message
+
+
+def _logging_source(
+    kind: str, tmp_path: Path, created: list[KeyedStateBackend]
+) -> tuple[ChangelogStorage, KeyedStateBackend]:
+    """A job's changelog storage, and a backend with timers recording its changes."""
+    changelog = ChangelogStorage(CheckpointStorage((tmp_path / "ck").as_uri(), "job"))
+    source = make(kind, tmp_path, "source")
+    created.append(source)
+    source.enable_changelog()
+    with_timers(source)
+    return changelog, source
+
+
+def _replayed(
+    changelog: ChangelogStorage,
+    changes: ChangeSet,
+    target: KeyedStateBackend,
+    created: list[KeyedStateBackend],
+) -> KeyedStateBackend:
+    """``target`` rebuilt from one record of ``changes`` committed as manifest 0."""
+    created.append(target)
+    record = changelog.write_record(0, "op", 0, "a", changes)
+    changelog.commit(0, {"op": [record]}, max_parallelism=M)
+    rebuild_keyed_state(target, changelog, changelog.load_manifest(0), "op")
+    return target
+
+
+def _refused_replay(
+    changelog: ChangelogStorage,
+    changes: ChangeSet,
+    target: KeyedStateBackend,
+    created: list[KeyedStateBackend],
+) -> str:
+    """The one-line CheckpointCorruptedError, naming the record's file, of ``_replayed``
+    (or of firing the timers after it)."""
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        fired(_replayed(changelog, changes, target, created))
+    message = str(raised.value)
+    path = changelog.record_path(changelog.load_manifest(0).operators["op"][0].subtasks[0])
+    assert path is not None and path in message and "\n" not in message
+    return message
