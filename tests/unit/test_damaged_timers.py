@@ -26,7 +26,7 @@ from statebackend.backends.stores import CurrentKey, Entry
 from statebackend.checkpoint.changelog_restore import rebuild_keyed_state
 from statebackend.checkpoint.changelog_storage import ChangelogStorage
 from statebackend.checkpoint.coordinator import CheckpointCoordinator
-from statebackend.checkpoint.metadata import SubtaskAck
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskAck
 from statebackend.checkpoint.restore import restore_keyed_state
 from statebackend.checkpoint.storage import CheckpointStorage
 from statebackend.errors import CheckpointCorruptedError
@@ -225,13 +225,7 @@ def test_a_checkpoint_file_with_a_malformed_timer_entry_is_refused_naming_it(
     (a fresh RocksDB backend adopts them as its database, a heap backend reads them)."""
     storage, directory, metadata = _checkpoint(tmp_path, incremental, store)
     (handle,) = metadata.operators["op"].keyed_handles()
-    target = make(kind, tmp_path)
-    created.append(target)
-    with pytest.raises(CheckpointCorruptedError) as raised:
-        restore_keyed_state(target, storage.fs, directory, metadata, "op")
-        fired(target)
-    message = str(raised.value)
-    assert "\n" not in message
+    message = _refused_restore(storage, directory, metadata, make(kind, tmp_path), created)
     assert repr(store) in message and f"key group {KEY_GROUP}" in message
     assert "restore from an earlier checkpoint" in message
     if incremental:
@@ -321,13 +315,7 @@ def test_a_checkpoint_with_a_timer_state_the_timer_service_does_not_keep_is_refu
     storage, directory, metadata = _checkpoint(tmp_path, incremental, None, craft)
     (handle,) = metadata.operators["op"].keyed_handles()
     assert (name, kind_of_state) in {(meta.name, meta.kind) for meta in handle.states}
-    target = make(kind, tmp_path)
-    created.append(target)
-    with pytest.raises(CheckpointCorruptedError) as raised:
-        restore_keyed_state(target, storage.fs, directory, metadata, "op")
-        fired(target)
-    message = str(raised.value)
-    assert "\n" not in message
+    message = _refused_restore(storage, directory, metadata, make(kind, tmp_path), created)
     assert repr(name) in message and "restore from an earlier checkpoint" in message
     if incremental:
         assert directory in message
@@ -387,13 +375,7 @@ def test_a_checkpoint_with_a_timer_in_another_key_group_than_its_key_is_refused(
     as they are (see the next test)."""
     storage, directory, metadata = _checkpoint(tmp_path, incremental, None, _move_timer)
     (handle,) = metadata.operators["op"].keyed_handles()
-    target = make(kind, tmp_path)
-    created.append(target)
-    with pytest.raises(CheckpointCorruptedError) as raised:
-        restore_keyed_state(target, storage.fs, directory, metadata, "op")
-        fired(target)
-    message = str(raised.value)
-    assert "\n" not in message
+    message = _refused_restore(storage, directory, metadata, make(kind, tmp_path), created)
     assert "'_timers.event.by_time'" in message and f"in key group {OTHER_GROUP}" in message
     assert f"a key of key group {KEY_GROUP}" in message
     assert "restore from an earlier checkpoint" in message
@@ -473,6 +455,24 @@ def test_a_changelog_record_with_a_timer_in_another_key_group_than_its_key_is_re
     assert repr(store) in message and f"in key group {OTHER_GROUP}" in message
     assert f"a key of key group {KEY_GROUP}" in message
     assert "restore from an earlier checkpoint" in message
+
+
+def _refused_restore(
+    storage: CheckpointStorage,
+    directory: str,
+    metadata: CheckpointMetadata,
+    target: KeyedStateBackend,
+    created: list[KeyedStateBackend],
+) -> str:
+    """The one-line CheckpointCorruptedError of restoring checkpoint ``directory`` into
+    ``target`` (or of firing its timers after)."""
+    created.append(target)
+    with pytest.raises(CheckpointCorruptedError) as raised:
+        restore_keyed_state(target, storage.fs, directory, metadata, "op")
+        fired(target)
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
 
 
 def _logging_source(
