@@ -329,15 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("jsonl", "csv", "table"), default="jsonl")
     _add_allow_pickle(p, "unpickle pickled keys and values (default: shown as base64)")
     _add_signing_key(p)
-    p.add_argument(
-        "--local-dir",
-        metavar="DIR",
-        type=_local_directory,
-        help="an existing directory on this host to download into: incremental snapshots, "
-        "and a manifest's rebuilt state (default: spark.statebackend.local.dir's, "
-        f"{default_local_dir()}); what a killed read leaves there, statebackend local-gc "
-        "DIR --apply removes",
-    )
+    _add_local_dir(p, "incremental snapshots, and a manifest's rebuilt state")
 
     savepoint = commands.add_parser(
         "savepoint",
