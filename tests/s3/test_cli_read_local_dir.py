@@ -12,11 +12,9 @@ import base64
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from statebackend.state.interfaces import ValueState
 from statebackend.tools.local_copies import READS, LocalCopy
 from tests.conftest import S3Endpoint
 from tests.faultproxy import Fault, FaultProxy
+from tests.processes import WAIT, kill_when, wait_for
 from tests.scripts import REPO
 
 pytestmark = pytest.mark.s3
@@ -43,7 +42,6 @@ pytestmark = pytest.mark.s3
 M = 128
 OPERATOR = "op"
 STATE = ValueStateDescriptor("blob", StrSerializer())
-WAIT = 120.0
 SLOW = 16 * 1024
 """Bytes per second of a slowed response: the state's files (about 1 MB) take a minute."""
 
@@ -159,14 +157,6 @@ def _files_in(directory: Path) -> list[Path]:
     return [path for path in directory.rglob("*") if path.is_file()]
 
 
-def _wait_for(condition: Callable[[], bool], reader: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert reader.poll() is None, f"the read ended before {what}"
-        assert time.monotonic() < deadline, f"the read never {what}"
-        time.sleep(0.05)
-
-
 def test_a_killed_read_leaves_its_downloads_in_local_dir_for_local_gc(
     source: Source, s3_endpoint: S3Endpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -185,11 +175,9 @@ def test_a_killed_read_leaves_its_downloads_in_local_dir_for_local_gc(
         live = _reader(argv, temp, tmp_path / "live.jsonl")
         killed = None
         try:
-            _wait_for(lambda: bool(_files_in(live_copy.directory)), live, "downloaded")
+            wait_for(lambda: bool(_files_in(live_copy.directory)), live, "downloaded")
             killed = _reader(argv, temp, tmp_path / "killed.jsonl")
-            _wait_for(lambda: bool(_files_in(killed_copy.directory)), killed, "downloaded")
-            killed.send_signal(signal.SIGKILL)
-            assert killed.wait(timeout=WAIT) == -signal.SIGKILL
+            kill_when(lambda: bool(_files_in(killed_copy.directory)), killed, "downloaded")
             assert _files_in(killed_copy.directory)  # left behind
             assert list(temp.iterdir()) == []
 

@@ -13,7 +13,6 @@ while they download; the sources and the plain-Python model of their state are t
 from __future__ import annotations
 
 import posixpath
-import signal
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from statebackend.cli import main
 from statebackend.tools.local_copies import READS, LocalCopy
 from tests.conftest import S3Endpoint, Storage, raw_fs
 from tests.faultproxy import Fault, FaultProxy
+from tests.processes import kill_when
 from tests.s3 import test_cli_read_local_dir as reads
 from tests.s3.test_cli_read_local_dir import (
     OPERATOR,
@@ -35,7 +35,6 @@ from tests.s3.test_cli_read_local_dir import (
     _options,
     _reader,
     _records,
-    _wait_for,
 )
 
 pytestmark = pytest.mark.s3
@@ -105,14 +104,7 @@ def test_a_killed_savepoint_command_leaves_its_downloads_for_local_gc(
         proxy.inject(Fault.SLOW)
         argv = [*_command(source, target), *_options(proxy.url, s3_endpoint)]
         killed = _reader(argv, temp, tmp_path / "killed.out")
-        try:
-            _wait_for(lambda: bool(_downloads(temp)), killed, "downloaded")
-            killed.send_signal(signal.SIGKILL)
-            assert killed.wait(timeout=WAIT) == -signal.SIGKILL
-        finally:
-            if killed.poll() is None:
-                killed.kill()
-                killed.wait()
+        kill_when(lambda: bool(_downloads(temp)), killed, "downloaded")
     left = _downloads(temp)
     assert left  # the downloads of the killed command
     assert all(killed_copy.directory in path.parents for path in left), left
@@ -152,16 +144,7 @@ def test_a_savepoint_command_killed_after_writing_files_runs_again_into_its_targ
         killed = _reader(
             [*command, *_options(proxy.url, s3_endpoint)], temp, tmp_path / "killed.out"
         )
-        try:
-            _wait_for(
-                lambda: bool(_stored(s3_endpoint, target) - {"_copying"}), killed, "wrote a file"
-            )
-            killed.send_signal(signal.SIGKILL)
-            assert killed.wait(timeout=WAIT) == -signal.SIGKILL
-        finally:
-            if killed.poll() is None:
-                killed.kill()
-                killed.wait()
+        kill_when(lambda: bool(_stored(s3_endpoint, target) - {"_copying"}), killed, "wrote a file")
     partial = _stored(s3_endpoint, target)
     assert partial and "_metadata" not in partial
 

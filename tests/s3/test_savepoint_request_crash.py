@@ -8,7 +8,6 @@ with part of the copy written."""
 from __future__ import annotations
 
 import posixpath
-import signal
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from statebackend.state.descriptors import ValueStateDescriptor
 from statebackend.state.interfaces import ValueState
 from tests.conftest import S3Endpoint, Storage, raw_fs
 from tests.faultproxy import Fault, FaultProxy
+from tests.processes import kill_when
 from tests.s3.test_cli import assert_one_error_line
 from tests.s3.test_cli_write_safety import run_cli
 from tests.scripts import REPO
@@ -47,8 +47,6 @@ M = 128
 P = 8
 OPERATOR = "op"
 COUNT = ValueStateDescriptor("count", IntSerializer(), default=0)
-WAIT = 120.0
-
 _DRIVER = f"""
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
@@ -154,15 +152,9 @@ def test_a_driver_killed_while_copying_a_requested_savepoint_leaves_nothing_of_i
             proxy.inject(Fault.SLOW)
             driver.stdin.write("go\n")
             driver.stdin.flush()
-            deadline = time.monotonic() + WAIT
-            while not _files(location, savepoint):
-                assert driver.poll() is None, "the driver ended before it copied a file"
-                assert time.monotonic() < deadline, "the driver never copied a file"
-                time.sleep(0.02)
-            driver.send_signal(signal.SIGKILL)
-            assert driver.wait(timeout=WAIT) == -signal.SIGKILL
+            kill_when(lambda: bool(_files(location, savepoint)), driver, "copied a file")
         finally:
-            if driver.poll() is None:
+            if driver.poll() is None:  # it failed before the kill
                 driver.kill()
                 driver.wait()
     partial = _files(location, savepoint)
@@ -212,18 +204,11 @@ def test_a_savepoint_create_killed_midway_is_cleaned_up_by_the_next_one(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        try:
-            deadline = time.monotonic() + WAIT
-            while not _files(location, target) - {"notes.txt", "_copying"}:
-                assert copier.poll() is None, "the copy ended before it copied a file"
-                assert time.monotonic() < deadline, "the copy never copied a file"
-                time.sleep(0.02)
-            copier.send_signal(signal.SIGKILL)
-            assert copier.wait(timeout=WAIT) == -signal.SIGKILL
-        finally:
-            if copier.poll() is None:
-                copier.kill()
-                copier.wait()
+        kill_when(
+            lambda: bool(_files(location, target) - {"notes.txt", "_copying"}),
+            copier,
+            "copied a file",
+        )
     assert "_metadata" not in _files(location, target)
     request_savepoint(storage.fs, job_dir)  # a newer checkpoint, of other files
     newer = checkpoint_into_request(location.url, location.storage_options, seed=4)
