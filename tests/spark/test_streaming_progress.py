@@ -90,15 +90,21 @@ class CountUntilLimit(StatefulProcessor):
         yield Row(user=key[0], what="expired", count=count)
 
 
-def expected_counts() -> list[dict[str, int]]:
-    """Plain Python, per batch: Spark's watermark for batch N is the newest event time of
-    batches < N minus the delay; rows at or below batch N-1's are dropped, and timers at
-    or below batch N's fire after the input."""
+def _watermarks() -> list[int]:
+    """Spark's watermark for each batch N (ms): the newest event time of batches < N
+    minus the delay; 0 before any."""
     watermarks = [0]
     newest = 0
     for batch in BATCHES:
         newest = max([newest, *(second * 1000 for _, second in batch)])
         watermarks.append(max(watermarks[-1], newest - DELAY_S * 1000))
+    return watermarks
+
+
+def expected_counts() -> list[dict[str, int]]:
+    """Plain Python, per batch (``_watermarks``): rows at or below batch N-1's watermark
+    are dropped, and timers at or below batch N's fire after the input."""
+    watermarks = _watermarks()
     state: dict[str, tuple[int, int]] = {}
     counts = []
     for number, batch in enumerate(BATCHES):
@@ -175,6 +181,39 @@ def _rows() -> list[list[dict[str, Any]]]:
     ]
 
 
+def _run_both(
+    spark: SparkSession, input_dir: Path, processor: type[StatefulProcessor], tmp_path: Path
+) -> tuple[StreamingQuery, StreamingQuery]:
+    """``processor`` over ``input_dir`` in EventTime mode through Spark's
+    ``transformWithState`` and through ours (parallelism 2), each to its end; both queries."""
+    outputs = {
+        "spark": _source(spark, input_dir)
+        .groupBy("user")
+        .transformWithState(processor(), OUTPUT, "Update", "EventTime"),
+        "ours": transform_with_state(
+            _source(spark, input_dir),
+            key_by="user",
+            processor=processor(),
+            output_schema=OUTPUT,
+            job_id="progress",
+            time_mode="EventTime",
+            parallelism=2,
+        ),
+    }
+    queries = []
+    for name, output in outputs.items():
+        query = (
+            output.writeStream.foreachBatch(_consume)
+            .option("checkpointLocation", str(tmp_path / f"{name}-checkpoint"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+        queries.append(query)
+    theirs, ours = queries
+    return theirs, ours
+
+
 @pytest.mark.parametrize("backend", ["rocksdb", "heap"])
 def test_progress_has_the_state_operator_spark_reports(
     spark_local: SparkSession, tmp_path: Path, backend: str
@@ -182,32 +221,7 @@ def test_progress_has_the_state_operator_spark_reports(
     input_dir = tmp_path / "input"
     write_batches(input_dir, _rows())
     with parity_settings(spark_local, tmp_path, backend=backend):
-        theirs = (
-            _source(spark_local, input_dir)
-            .groupBy("user")
-            .transformWithState(CountUntilLimit(), OUTPUT, "Update", "EventTime")
-            .writeStream.foreachBatch(_consume)
-            .option("checkpointLocation", str(tmp_path / "spark-checkpoint"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        theirs.awaitTermination()
-        ours = (
-            transform_with_state(
-                _source(spark_local, input_dir),
-                key_by="user",
-                processor=CountUntilLimit(),
-                output_schema=OUTPUT,
-                job_id="progress",
-                time_mode="EventTime",
-                parallelism=2,
-            )
-            .writeStream.foreachBatch(_consume)
-            .option("checkpointLocation", str(tmp_path / "our-checkpoint"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        ours.awaitTermination()
+        theirs, ours = _run_both(spark_local, input_dir, CountUntilLimit, tmp_path)
 
     expected = expected_counts()
     # Spark's Python operator leaves numExpiredTimers at 0 (its JVM one counts them).
@@ -256,45 +270,14 @@ def test_timer_counts_are_calls_as_spark_counts_them(
     deleted in the same batch, one deleted that was never there."""
     input_dir = tmp_path / "input"
     write_batches(input_dir, _rows())
-    watermarks, newest = [0], 0  # as in expected_counts: at or below batch N-1's is late
-    for batch in BATCHES:
-        newest = max([newest, *(second * 1000 for _, second in batch)])
-        watermarks.append(max(watermarks[-1], newest - DELAY_S * 1000))
+    watermarks = _watermarks()  # rows at or below batch N-1's are late
     want = []
     for number, batch in enumerate(BATCHES):
         late_below = watermarks[number - 1] if number else 0
         users = {user for user, second in batch if second * 1000 > late_below}
         want.append({"registered": 2 * len(users), "deleted": 2 * len(users)})
     with parity_settings(spark_local, tmp_path):
-        queries = []
-        for name, output in [
-            (
-                "spark",
-                _source(spark_local, input_dir)
-                .groupBy("user")
-                .transformWithState(TimerCalls(), OUTPUT, "Update", "EventTime"),
-            ),
-            (
-                "ours",
-                transform_with_state(
-                    _source(spark_local, input_dir),
-                    key_by="user",
-                    processor=TimerCalls(),
-                    output_schema=OUTPUT,
-                    job_id="timer-calls",
-                    time_mode="EventTime",
-                    parallelism=2,
-                ),
-            ),
-        ]:
-            query = (
-                output.writeStream.foreachBatch(_consume)
-                .option("checkpointLocation", str(tmp_path / f"{name}-checkpoint"))
-                .trigger(availableNow=True)
-                .start()
-            )
-            query.awaitTermination()
-            queries.append(query)
+        theirs, ours = _run_both(spark_local, input_dir, TimerCalls, tmp_path)
 
     def timers(query: StreamingQuery) -> list[dict[str, int]]:
         return [
@@ -302,6 +285,5 @@ def test_timer_counts_are_calls_as_spark_counts_them(
             for batch in _figures(query)
         ]
 
-    theirs, ours = queries
     assert timers(theirs) == want
     assert timers(ours) == want
